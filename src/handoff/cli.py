@@ -1,0 +1,55 @@
+"""The `handoff` command line: plan | train | generate | bench | report | init-model.
+
+Each command parses its options and calls one function of the room that does the work;
+user errors (HandoffError) print one line and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable
+
+import typer
+from rich.console import Console
+
+from handoff.errors import HandoffError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Colocated RL post-training: the trainer/rollout memory handoff, measured.")
+console = Console()
+err_console = Console(stderr=True)
+
+
+def friendly_errors(fn: Callable) -> Callable:
+    """Turn a HandoffError into one red line and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except HandoffError as e:
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+@app.command("init-model")
+@friendly_errors
+def init_model_cmd(
+    preset: str = typer.Option(..., "--preset", help="shape preset, e.g. tiny-qwen3, qwen3-4b"),
+    out: str = typer.Option(..., "--out", help="directory to write the checkpoint to"),
+    seed: int = typer.Option(0, help="random-init seed"),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32"),
+    device: str = typer.Option("cpu", help="where to initialise (cuda is faster for big shapes)"),
+) -> None:
+    """Write a random-init HF checkpoint (config.json, model.safetensors, tokenizer)."""
+    from handoff.modelzoo import init_model
+
+    path = init_model(preset, out, seed=seed, dtype=dtype, device=device)
+    console.print(f"wrote {preset} checkpoint to {path}")
+
+
+if __name__ == "__main__":
+    app()

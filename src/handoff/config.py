@@ -1,0 +1,302 @@
+"""One configuration tree for every command: dataclasses, YAML, `key.sub=value` overrides.
+
+    cfg = load_config("examples/cpu-demo.yaml", ["rollout.gpu_memory_utilization=0.8"])
+
+Each field carries its help text and accepted range in `field(metadata=...)`; `validate()`
+is the one place that checks them, and its errors name the field, the bad value and the
+accepted range. This module imports no torch: `handoff plan` uses it on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from handoff.errors import ConfigError
+
+
+def F(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None,
+      gt: float | None = None, le: float | None = None, lt: float | None = None,
+      choices: tuple | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with its help text and accepted range (checked by `validate`)."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str = F("tiny-qwen3", help="HF checkpoint dir, a config.json path, or a preset name")
+    dtype: str = F("bfloat16", help="dtype of params in the engine and the trainer's compute",
+                   choices=("bfloat16", "float16", "float32"))
+
+
+@dataclass
+class HardwareConfig:
+    name: str = F("h100-sxm", help="hardware preset (h100-sxm, h200, a100-80g, cpu)")
+    hbm_gb: float | None = F(None, help="HBM per card in GB (None: the preset's)", gt=0)
+    pinned_pcie_gbps: float | None = F(None, help="pinned host<->device GB/s per direction", gt=0)
+    nvlink_gbps: float | None = F(None, help="NVLink GB/s per card", gt=0)
+    decode_bw_tbps: float | None = F(None, help="effective HBM bandwidth of a decode step, TB/s",
+                                     gt=0)
+    activation_peak_gb: float | None = F(None, help="engine activation peak (profiled), GB", ge=0)
+    graph_pool_gb: float | None = F(None, help="resident CUDA graph pool, GB", ge=0)
+    host_ram_gb: float | None = F(None, help="host RAM per node, GB", gt=0)
+    gpus_per_node: int = F(8, help="cards per node (for pinned host RAM per node)", ge=1)
+
+
+@dataclass
+class ParallelConfig:
+    gpus: int = F(1, help="total cards", ge=1)
+    shard_size: int | None = F(None, help="FSDP sharding group size (None: all cards)", ge=1)
+    tp: int = F(1, help="tensor parallel size of the rollout engine", ge=1)
+
+
+@dataclass
+class MemoryConfig:
+    param_offload: bool = F(True, help="move the actor's bf16 params to pinned host RAM for rollout")
+    optimizer_offload: bool = F(True, help="move fp32 master + Adam state to pinned host RAM")
+    ref_offload: bool = F(True, help="keep the reference model in host RAM except its forward")
+    offload_mode: str = F("arena", help="arena: our pinned staging arena; fsdp: FSDP2 CPUOffloadPolicy",
+                          choices=("arena", "fsdp"))
+    wake_margin_mb: int = F(256, help="free memory a wake must leave beyond the region bytes", ge=0)
+
+
+@dataclass
+class RolloutConfig:
+    gpu_memory_utilization: float = F(0.5, help="share of HBM the engine may use", gt=0, le=1)
+    num_blocks: int | None = F(None, help="KV blocks (None: size from gpu_memory_utilization)", ge=1)
+    block_size: int = F(16, help="tokens per KV block", ge=1, le=1024)
+    max_num_seqs: int = F(256, help="most sequences decoded at once", ge=1)
+    max_model_len: int = F(4096, help="longest prompt + response in tokens", ge=2)
+    kv_dtype: str = F("auto", help="KV cache dtype (auto: the model dtype)", choices=("auto", "fp8"))
+    cuda_graphs: bool = F(True, help="capture decode as CUDA graphs (CUDA only)")
+    temperature: float = F(1.0, help="sampling temperature (0: greedy)", ge=0)
+    top_p: float = F(1.0, help="nucleus sampling mass", gt=0, le=1)
+    top_k: int = F(0, help="keep the k most likely tokens (0: all)", ge=0)
+    n: int = F(4, help="samples per prompt (the GRPO group size)", ge=1)
+    max_tokens: int = F(64, help="most new tokens per sample", ge=1)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = F(1e-5, help="AdamW learning rate", gt=0, le=1)
+    weight_decay: float = F(0.0, help="AdamW weight decay", ge=0)
+    clip_low: float = F(0.2, help="PPO ratio clip below 1", ge=0, lt=1)
+    clip_high: float = F(0.2, help="PPO ratio clip above 1 (clip-higher when > clip_low)", ge=0)
+    kl_coef: float = F(0.0, help="KL-to-reference coefficient (0: no reference model)", ge=0)
+    entropy_coef: float = F(0.0, help="entropy bonus coefficient", ge=0)
+    micro_batch_size: int = F(8, help="sequences per forward/backward", ge=1)
+    grad_clip: float = F(1.0, help="max global grad norm (0: no clipping)", ge=0)
+    gradient_checkpointing: bool = F(False, help="recompute activations in backward")
+    updates_per_step: int = F(1, help="optimizer steps per rollout batch", ge=1)
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: int = F(512, help="weight-sync bucket size in MB", ge=1)
+    verify: bool = F(False, help="checksum every bucket on both sides")
+
+
+@dataclass
+class DataConfig:
+    task: str = F("arithmetic", help="arithmetic | gsm8k | file", choices=("arithmetic", "gsm8k", "file"))
+    path: str | None = F(None, help="JSONL or Parquet file for task=file (or gsm8k)")
+    prompt_field: str = F("prompt", help="field that holds the prompt")
+    answer_field: str = F("answer", help="field that holds the reference answer")
+    difficulty: int = F(1, help="arithmetic: digits per operand", ge=1, le=9)
+    prompts_per_step: int = F(8, help="prompts per step (each sampled rollout.n times)", ge=1)
+    chat_template: bool = F(True, help="apply the tokenizer's chat template when it has one")
+
+
+@dataclass
+class WorkloadConfig:
+    prompt_len: int = F(1024, help="mean prompt length P in tokens", ge=1)
+    response_len: int = F(7168, help="mean response length L in tokens", ge=1)
+    tokens_per_step: float | None = F(None, help="generated tokens per step across all cards", gt=0)
+    step_seconds: float | None = F(None, help="measured step time, if known", gt=0)
+
+
+@dataclass
+class RunConfig:
+    steps: int = F(10, help="training steps", ge=1)
+    out_dir: str = F("runs/default", help="output directory (metrics, timeline, checkpoints)")
+    seed: int = F(0, help="global seed", ge=0)
+    device: str = F("auto", help="auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
+    save_every: int = F(0, help="checkpoint every N steps (0: only at the end)", ge=0)
+    resume: bool = F(False, help="resume from the last complete checkpoint in out_dir")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Turn a YAML/CLI value into the field's declared type, or raise naming the field."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        tp = args[0]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4")
+        try:
+            as_float = float(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4") from None
+        if as_float != int(as_float):
+            raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4")
+        return int(as_float)
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not a number: use a value such as 0.5") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}={value!r} is not a string")
+        return str(value)
+    return value
+
+
+def _apply(obj: Any, data: dict, prefix: str) -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping of keys, got {data!r}")
+    hints = _field_types(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {full!r}: known keys here are {sorted(names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, f"{full}.")
+        else:
+            setattr(obj, key, _coerce(value, hints[key], full))
+
+
+def set_key(cfg: Config, dotted: str, raw: str) -> None:
+    """Apply one `section.key=value` override; the value is parsed as YAML (1e-5, true, null)."""
+    parts = dotted.split(".")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    nested: Any = value
+    for part in reversed(parts):
+        nested = {part: nested}
+    _apply(cfg, nested, "")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (optional), apply `key.sub=value` overrides, validate, return the tree."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found: pass the path of a YAML file "
+                              "such as examples/cpu-demo.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML ({e}): fix the syntax") from None
+        _apply(cfg, data, "")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value: write e.g. rollout.n=8")
+        key, raw = item.split("=", 1)
+        set_key(cfg, key.strip(), raw.strip())
+    validate(cfg)
+    return cfg
+
+
+def _check_field(key: str, value: Any, meta: dict) -> None:
+    if value is None:
+        return
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key}={value!r} is not accepted: choose one of {', '.join(map(str, choices))}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        lo = ("[", meta["ge"]) if meta.get("ge") is not None else ("(", meta.get("gt"))
+        hi = ("]", meta["le"]) if meta.get("le") is not None else (")", meta.get("lt"))
+        bad = ((meta.get("ge") is not None and value < meta["ge"])
+               or (meta.get("gt") is not None and value <= meta["gt"])
+               or (meta.get("le") is not None and value > meta["le"])
+               or (meta.get("lt") is not None and value >= meta["lt"]))
+        if bad:
+            lo_s = f"{lo[0]}{lo[1] if lo[1] is not None else '-inf'}"
+            hi_s = f"{hi[1] if hi[1] is not None else 'inf'}{hi[0]}"
+            raise ConfigError(f"{key}={value} is out of range {lo_s}, {hi_s}: pass a value inside it "
+                              f"({meta['help']})")
+
+
+def validate(cfg: Any, prefix: str = "") -> None:
+    """Check every field against its declared range; raise ConfigError naming the first bad one."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            validate(value, f"{key}.")
+        else:
+            _check_field(key, value, dict(f.metadata))
+    if prefix == "" and isinstance(cfg, Config):
+        _check_cross_fields(cfg)
+
+
+def _check_cross_fields(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.shard_size is not None and p.gpus % p.shard_size != 0:
+        raise ConfigError(f"parallel.shard_size={p.shard_size} does not divide parallel.gpus={p.gpus}: "
+                          "pick a divisor of the card count")
+    if p.gpus % p.tp != 0:
+        raise ConfigError(f"parallel.tp={p.tp} does not divide parallel.gpus={p.gpus}: "
+                          "pick a divisor of the card count")
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def describe(cfg_cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) for every field: used by `handoff train --help-config`."""
+    rows = []
+    inst = cfg_cls()
+    for f in dataclasses.fields(cfg_cls):
+        value = getattr(inst, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += describe(type(value), f"{prefix}{f.name}.")
+        else:
+            rows.append((f"{prefix}{f.name}", repr(value), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,79 @@
+"""Random-init HF checkpoints of a preset shape: `handoff init-model --preset NAME --out DIR`.
+
+Every test and bench reads the real checkpoint format (config.json + model.safetensors +
+tokenizer files), so the loading code under test is the code a user runs. The tokenizer
+is byte-level (256 byte tokens + a few specials, no merges): it needs no download and
+round-trips any text exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from handoff.errors import HandoffError
+from handoff.plan.shapes import PRESETS
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<|pad|>"]
+BOS_ID, EOS_ID, IM_START_ID, PAD_ID = 256, 257, 258, 259
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte, which byte-level BPE vocabularies use."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = keep[:]
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+def build_byte_tokenizer():
+    """A PreTrainedTokenizerFast over raw bytes, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        vocab[tok] = 256 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", pad_token="<|pad|>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str = "bfloat16",
+               device: str = "cpu") -> Path:
+    """Write a random-init checkpoint of `preset` to `out`; returns the directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if preset not in PRESETS:
+        raise HandoffError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_dict = {**PRESETS[preset], "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+                "pad_token_id": PAD_ID, "initializer_range": 0.02}
+    model_type = cfg_dict.pop("model_type")
+    cfg_dict.pop("architectures", None)
+    config = AutoConfig.for_model(model_type, **cfg_dict)
+    config.dtype = dtype
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    build_byte_tokenizer().save_pretrained(out)
+    (out / "handoff_preset.json").write_text(json.dumps({"preset": preset, "seed": seed}))
+    return out

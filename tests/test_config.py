@@ -1,0 +1,47 @@
+import pytest
+
+from handoff.config import Config, load_config
+from handoff.errors import ConfigError
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.rollout.gpu_memory_utilization == 0.5
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  n: 8\n  temperature: 0.7\nactor:\n  lr: 2.0e-5\n")
+    cfg = load_config(p, ["rollout.n=16", "memory.param_offload=false", "parallel.shard_size=null"])
+    assert cfg.rollout.n == 16
+    assert cfg.rollout.temperature == 0.7
+    assert cfg.actor.lr == 2e-5
+    assert cfg.memory.param_offload is False
+    assert cfg.parallel.shard_size is None
+
+
+@pytest.mark.parametrize("override, words", [
+    (["rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization=1.5", "(0", "1]"]),
+    (["rollout.gpu_memory_utilization=-0.1"], ["out of range"]),
+    (["rollout.n=0"], ["rollout.n=0", "[1"]),
+    (["rollout.n=2.5"], ["not an integer"]),
+    (["rollout.kv_dtype=int4"], ["choose one of", "fp8"]),
+    (["rollout.nope=1"], ["unknown config key", "rollout.nope"]),
+    (["rollout.n"], ["not key=value"]),
+    (["parallel.gpus=8", "parallel.tp=3"], ["does not divide"]),
+])
+def test_bad_values_name_field_and_range(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, override)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
