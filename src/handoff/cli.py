@@ -1,7 +1,8 @@
 """The `handoff` command line: plan | train | generate | bench | report | init-model.
 
 Each command parses its options and calls one function of the room that does the work;
-user errors (HandoffError) print one line and exit 2, never a traceback.
+user errors (HandoffError) print one line and exit 2, never a traceback. Keep this module's
+top-level imports free of torch: `handoff plan` must answer in well under a second.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from handoff.errors import HandoffError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Colocated RL post-training: the trainer/rollout memory handoff, measured.")
+bench_app = typer.Typer(no_args_is_help=True,
+                        help="Benchmarks on the machine at hand (results go in docs/PERF.md).")
+app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True)
 
