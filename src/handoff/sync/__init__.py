@@ -1,0 +1,1 @@
+"""Weight sync from the trainer to the engine (sees only (HF name, full tensor) pairs)."""

@@ -1,0 +1,151 @@
+"""Weight sync: the trainer's full tensors -> fixed-size buckets -> the engine's load_weights.
+
+    stats = sync_weights(actor.full_params(dtype), engine.load_weights,
+                         bucket_bytes=512 << 20, device=device, readback=engine.export_weight)
+
+The trainer yields (HF name, full tensor) one at a time; tensors are packed into a flat
+bucket of `bucket_bytes` and handed over as views when the bucket is full. Two bucket
+buffers are allocated once and alternate, so the peak extra memory is two buckets plus one
+full parameter whatever the model size (a tensor larger than a bucket goes alone, as
+itself). The transport here is in-process (trainer and engine share the process and the
+device); the engine copies out of the views into its own layout before the bucket is reused.
+
+With `readback` (HF name -> the engine's copy of that tensor), a checksum of every bucket
+is computed on both sides and compared: proof that the engine holds exactly the trainer's
+weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from handoff.errors import HandoffError
+
+WeightIter = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class SyncStats:
+    num_tensors: int = 0
+    num_buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    bound_extra_bytes: int = 0      # two bucket buffers + the largest full tensor seen
+    measured_peak_extra_bytes: int | None = None   # CUDA: allocator peak over the start
+    max_tensor_bytes: int = 0
+    verified_buckets: int = 0
+    checksums: list[int] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def checksum(t: torch.Tensor) -> int:
+    """Order-sensitive exact checksum of a tensor's bytes (int64 arithmetic, any device)."""
+    flat = t.detach().contiguous().view(-1).view(torch.uint8).to(torch.int64)
+    if flat.numel() == 0:
+        return 0
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
+    return int((flat * weights).sum().item()) + 31 * flat.numel()
+
+
+class _Bucket:
+    """A flat byte buffer filled with tensors back to back (16-byte aligned)."""
+
+    def __init__(self, num_bytes: int, device: torch.device):
+        self.buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        self.offset = 0
+        self.entries: list[tuple[str, torch.Tensor]] = []
+
+    def fits(self, nbytes: int) -> bool:
+        return self.offset + nbytes <= self.buffer.numel()
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        dst = self.buffer[self.offset:self.offset + nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        self.entries.append((name, dst))
+        self.offset += (nbytes + 15) // 16 * 16
+
+    def reset(self) -> None:
+        self.offset = 0
+        self.entries = []
+
+
+def _bucket_checksum(entries: list[tuple[str, torch.Tensor]]) -> int:
+    total = 0
+    for i, (_, t) in enumerate(entries):
+        total = (total * 1_000_003 + checksum(t) + i) % (1 << 61)
+    return total
+
+
+def sync_weights(params: WeightIter, load_weights: Callable[[WeightIter], None], *,
+                 bucket_bytes: int, device: torch.device | str,
+                 readback: Callable[[str], torch.Tensor] | None = None) -> SyncStats:
+    """Stream `params` into `load_weights` bucket by bucket; returns what moved and how fast."""
+    if bucket_bytes <= 0:
+        raise HandoffError(f"sync bucket size {bucket_bytes} bytes must be positive: "
+                           "set sync.bucket_mb to e.g. 512")
+    device = torch.device(device)
+    stats = SyncStats()
+    current = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base_allocated = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    buckets = [_Bucket(bucket_bytes, device), _Bucket(bucket_bytes, device)]
+    start = time.perf_counter()
+
+    def flush(entries: list[tuple[str, torch.Tensor]]) -> None:
+        if not entries:
+            return
+        sent = _bucket_checksum(entries) if readback is not None else None
+        load_weights(entries)
+        stats.num_buckets += 1
+        if readback is not None:
+            got = _bucket_checksum([(n, readback(n)) for n, _ in entries])
+            if got != sent:
+                names = ", ".join(n for n, _ in entries[:4])
+                raise HandoffError(f"weight sync checksum mismatch in bucket {stats.num_buckets} "
+                                   f"({names}...): the engine does not hold the trainer's weights; "
+                                   "check the engine's load_weights name mapping")
+            stats.verified_buckets += 1
+            stats.checksums.append(sent)
+
+    for name, tensor in params:
+        nbytes = tensor.numel() * tensor.element_size()
+        stats.num_tensors += 1
+        stats.bytes += nbytes
+        stats.max_tensor_bytes = max(stats.max_tensor_bytes, nbytes)
+        if tensor.device != device:
+            tensor = tensor.to(device)
+        if nbytes > bucket_bytes:
+            # Too big for a bucket: hand the full tensor over as it is.
+            flush(buckets[current].entries)
+            buckets[current].reset()
+            flush([(name, tensor)])
+            continue
+        if not buckets[current].fits(nbytes):
+            flush(buckets[current].entries)
+            buckets[current].reset()
+            current = 1 - current
+        buckets[current].add(name, tensor)
+    flush(buckets[current].entries)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        stats.measured_peak_extra_bytes = torch.cuda.max_memory_allocated(device) - base_allocated
+    stats.seconds = time.perf_counter() - start
+    stats.bound_extra_bytes = 2 * bucket_bytes + stats.max_tensor_bytes
+    return stats
+
+
+def iter_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a plain state dict, cast to `dtype`: a trainer-free source."""
+    for name, t in state.items():
+        yield name, (t.to(dtype) if dtype is not None else t)
