@@ -1,0 +1,330 @@
+"""Tagged memory regions that sleep (release their memory) and wake up again.
+
+    pool = RegionPool("cuda", meter=meter)
+    with pool.region("weights"):
+        model = build_model()                  # allocations land in the `weights` region
+    pool.track("weights", model)               # what level 1 keeps and what CPU releases
+    pool.sleep(["weights"], level=1)           # contents -> pinned host arena, memory released
+    pool.wake_up(["weights"])                  # memory mapped again, contents copied back
+
+Levels: 1 backs up the tracked tensors of the tags to this pool's PinnedArena, then
+releases; 2 only releases (contents undefined after wake). Sleeping a sleeping tag or waking
+an awake one is a no-op. A wake first checks that the driver has room for the region plus
+`wake_margin_bytes` of margin and refuses before mapping anything; if it fails later, the
+tags it already mapped go back to sleep, so nothing is left half-awake.
+
+Backends:
+* CUDA: torch_memory_saver 0.0.10 in `torch` hook mode. Release is cuMemUnmap of the
+  physical pages; virtual addresses are kept, so data_ptr() values and CUDA graphs captured
+  over region tensors stay valid across sleep/wake. Level 2 releases everything allocated
+  inside the region, tracked or not.
+* CPU: allocations cannot be intercepted, so a region is exactly its tracked tensors; sleep
+  shrinks their storages to zero bytes (shapes and tensor identity kept) and wake re-creates
+  them. Address stability is a CUDA-only promise: on CPU data_ptr() changes across a wake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+import torch
+
+from handoff.errors import HandoffError
+from handoff.memory.staging import PinnedArena
+
+GiB = 1 << 30
+_EXPANDABLE = {"enabled": "expandable_segments:true" in
+               os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()}
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def aggressive_empty_cache() -> None:
+    """Collect garbage, wait for the device, and hand PyTorch's unused cached blocks back.
+
+    Run it before waking a region: segments cached by the caching allocator are free to
+    PyTorch but not to the driver, and a wake is checked against the driver's free memory.
+    """
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _set_allocator_settings(setting: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch < 2.9
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(setting)
+
+
+def set_expandable_segments(enabled: bool) -> bool:
+    """Switch PyTorch's expandable_segments at run time; returns the previous setting.
+
+    Only new segments follow the setting. Without CUDA this records the value and does
+    nothing else.
+    """
+    previous = _EXPANDABLE["enabled"]
+    if torch.cuda.is_available():
+        _set_allocator_settings(f"expandable_segments:{'True' if enabled else 'False'}")
+    _EXPANDABLE["enabled"] = enabled
+    return previous
+
+
+def expandable_segments_enabled() -> bool:
+    """PyTorch's expandable_segments setting as last set here (or by the environment)."""
+    return _EXPANDABLE["enabled"]
+
+
+@contextlib.contextmanager
+def expandable_segments(enabled: bool):
+    """Run a block with expandable_segments switched to `enabled`, then switch it back."""
+    previous = set_expandable_segments(enabled)
+    try:
+        yield
+    finally:
+        set_expandable_segments(previous)
+
+
+def _storages(obj) -> list:
+    """Unique untyped storages of a module (params + buffers) or an iterable of tensors."""
+    if isinstance(obj, torch.nn.Module):
+        tensors = [*obj.parameters(), *obj.buffers()]
+    elif isinstance(obj, torch.Tensor):
+        tensors = [obj]
+    else:
+        tensors = list(obj)
+    out, seen = [], set()
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise HandoffError(f"track() got a {type(t).__name__}: pass an nn.Module or tensors")
+        storage = t.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            out.append((t, storage))
+    return out
+
+
+class RegionPool:
+    """Named regions of device memory that sleep and wake as units (see module docstring).
+
+    device: where the regions live ("cuda", "cuda:0", "cpu").
+    meter: optional MemoryMeter; its last probe is quoted when a wake does not fit.
+    wake_margin_bytes: free memory a wake must leave beyond the region's bytes.
+    """
+
+    def __init__(self, device: torch.device | str, *, meter=None,
+                 wake_margin_bytes: int = 256 << 20) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.meter = meter
+        self.wake_margin_bytes = wake_margin_bytes
+        self.arena = PinnedArena()
+        self._tags: list[str] = []
+        self._tracked: dict[str, list] = {}        # tag -> [(tensor, storage)]
+        self._tracked_bytes: dict[str, list[int]] = {}
+        self._asleep: dict[str, int] = {}          # tag -> level it sleeps at
+        self._hooks: dict[str, list] = {}
+        self._backend = _make_backend(self.device)
+
+    # ---- building regions ----------------------------------------------------------------
+
+    def _add_tag(self, tag: str) -> None:
+        if not isinstance(tag, str) or not tag:
+            raise HandoffError(f"region tag {tag!r} must be a non-empty string, e.g. 'weights'")
+        if tag not in self._tags:
+            self._tags.append(tag)
+            self._tracked[tag] = []
+            self._tracked_bytes[tag] = []
+            self._hooks[tag] = []
+
+    @contextlib.contextmanager
+    def region(self, tag: str):
+        """Allocations made inside land in region `tag` (CUDA); on CPU only declares it."""
+        self._add_tag(tag)
+        if tag in self._asleep:
+            raise HandoffError(f"region {tag!r} is asleep: wake_up([{tag!r}]) before "
+                               "allocating into it")
+        with self._backend.region(tag):
+            yield
+
+    def track(self, tag: str, obj) -> None:
+        """Register a module's params + buffers (or tensors) as the contents of region `tag`.
+
+        Level 1 keeps exactly the tracked tensors; on CPU they are also what sleep releases.
+        On CUDA a tracked tensor must have been allocated inside `region(tag)`.
+        """
+        self._add_tag(tag)
+        if tag in self._asleep:
+            raise HandoffError(f"region {tag!r} is asleep: wake it before tracking tensors")
+        known = {st._cdata for _, st in self._tracked[tag]}
+        for t, storage in _storages(obj):
+            if t.device != self.device:
+                raise HandoffError(f"track({tag!r}) got a tensor on {t.device}, pool is on "
+                                   f"{self.device}: move it or use a pool on that device")
+            if storage._cdata in known:
+                continue
+            self._backend.check_tracked(tag, t)
+            known.add(storage._cdata)
+            self._tracked[tag].append((t, storage))
+            self._tracked_bytes[tag].append(storage.nbytes())
+
+    def add_restore_hook(self, tag: str, fn) -> None:
+        """Run fn() after every wake of `tag`, after all woken tags are mapped, in order."""
+        self._check(tag)
+        self._hooks[tag].append(fn)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def tags(self) -> list[str]:
+        """Known tags in creation order (the default wake order)."""
+        return list(self._tags)
+
+    def is_awake(self, tag: str) -> bool:
+        self._check(tag)
+        return tag not in self._asleep
+
+    def region_bytes(self, tag: str) -> int:
+        """Device bytes the region holds when awake (what a wake must map)."""
+        self._check(tag)
+        return self._backend.region_bytes(tag, sum(self._tracked_bytes[tag]))
+
+    def tracked_bytes(self, tag: str) -> int:
+        """Bytes of the tracked tensors' storages (what level 1 copies)."""
+        self._check(tag)
+        return sum(self._tracked_bytes[tag])
+
+    def _check(self, tag: str) -> None:
+        if tag not in self._tags:
+            raise HandoffError(f"unknown region tag {tag!r} (known: {self._tags}): create it "
+                               "with pool.region(tag) or pool.track(tag, ...)")
+
+    def _resolve(self, tags) -> list[str]:
+        if tags is None:
+            return list(self._tags)
+        if isinstance(tags, str):
+            tags = [tags]
+        for tag in tags:
+            self._check(tag)
+        return list(dict.fromkeys(tags))
+
+    # ---- sleep / wake --------------------------------------------------------------------
+
+    def sleep(self, tags=None, *, level: int = 2) -> None:
+        """Release the regions' memory; level 1 first copies tracked tensors to the arena."""
+        if level not in (1, 2):
+            raise HandoffError(f"sleep level={level} is not supported: use 1 (back up "
+                               "tracked tensors, then discard) or 2 (discard)")
+        todo = [t for t in self._resolve(tags) if t not in self._asleep]
+        if level == 1:
+            for tag in todo:
+                if not self._tracked[tag] and self.region_bytes(tag) > 0:
+                    raise HandoffError(f"level-1 sleep of region {tag!r} would keep nothing: "
+                                       f"pool.track({tag!r}, module) its tensors or use level 2")
+        self._backend.before_release()
+        for tag in todo:
+            if level == 1 and self._tracked[tag]:
+                name = f"region:{tag}"
+                self.arena.stage(name, [t for t, _ in self._tracked[tag]])
+                self.arena.offload(name, free_device=False).wait()
+            self._backend.release(tag, self._tracked[tag])
+            self._asleep[tag] = level
+
+    def wake_up(self, tags=None) -> None:
+        """Map the regions again (level 1: restore contents), then run their restore hooks.
+
+        Raises HandoffError before mapping anything if the driver's free memory is below
+        the bytes to map plus wake_margin_bytes.
+        """
+        todo = [t for t in self._resolve(tags) if t in self._asleep]
+        if not todo:
+            return
+        need = sum(self.region_bytes(t) for t in todo)
+        free = self._backend.free_bytes()
+        if free < need + self.wake_margin_bytes:
+            raise HandoffError(self._oom_message(todo, need, free))
+        woken: list[str] = []
+        try:
+            for tag in todo:
+                self._backend.remap(tag, self._tracked[tag], self._tracked_bytes[tag])
+                woken.append(tag)
+                if self._asleep[tag] == 1 and self._tracked[tag]:
+                    self.arena.onload(f"region:{tag}").wait()
+            for tag in todo:
+                for fn in self._hooks[tag]:
+                    fn()
+        except BaseException:
+            # Nothing stays half-awake: put back to sleep what this call mapped (a level-1
+            # backup is still intact in the arena).
+            self._backend.before_release()
+            for tag in woken:
+                self._backend.release(tag, self._tracked[tag])
+            raise
+        for tag in todo:
+            del self._asleep[tag]
+
+    def _oom_message(self, tags: list[str], need: int, free: int) -> str:
+        holders = "no meter probe yet (pass meter= to RegionPool to see who holds it)"
+        last = self.meter.last if self.meter is not None else None
+        if last:
+            awake = {k: _fmt(v) for k, v in last.get("regions", {}).items()
+                     if last.get("awake", {}).get(k)}
+            holders = (f"at probe {last['name']!r}: torch allocated "
+                       f"{_fmt(last['allocated'])}, reserved {_fmt(last['reserved'])}, "
+                       f"awake regions {awake}")
+        return (f"cannot wake {tags}: needs {_fmt(need)} + margin "
+                f"{_fmt(self.wake_margin_bytes)} but the driver has {_fmt(free)} free; "
+                f"{holders}; free memory first (aggressive_empty_cache(), offload trainer "
+                "state) or lower rollout.gpu_memory_utilization")
+
+
+def _make_backend(device: torch.device):
+    if device.type == "cuda":
+        from handoff.memory.tms_backend import TmsBackend
+
+        return TmsBackend(device)
+    if device.type == "cpu":
+        return _CpuBackend()
+    raise HandoffError(f"RegionPool does not support device {device}: use 'cuda' or 'cpu'")
+
+
+class _CpuBackend:
+    """CPU: a region is its tracked tensors; release = storages shrink to zero bytes."""
+
+    @contextlib.contextmanager
+    def region(self, tag: str):
+        yield
+
+    def check_tracked(self, tag: str, t: torch.Tensor) -> None:
+        pass
+
+    def region_bytes(self, tag: str, tracked_bytes: int) -> int:
+        return tracked_bytes
+
+    def free_bytes(self) -> int:
+        """MemAvailable from /proc/meminfo (what the kernel could still hand out)."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 1 << 62  # no /proc: never refuse
+
+    def before_release(self) -> None:
+        pass
+
+    def release(self, tag: str, tracked: list) -> None:
+        for _, storage in tracked:
+            storage.resize_(0)
+
+    def remap(self, tag: str, tracked: list, nbytes: list[int]) -> None:
+        for (_, storage), n in zip(tracked, nbytes):
+            storage.resize_(n)

@@ -1,0 +1,121 @@
+"""The CUDA backend of RegionPool: torch_memory_saver 0.0.10 in `torch` hook mode.
+
+Each tag is a torch.cuda.MemPool whose segments torch_memory_saver creates with
+cuMemCreate + cuMemMap; pause unmaps and releases the physical pages of every segment of
+the tag, resume maps fresh pages at the same virtual addresses. Things it does that shape
+this file:
+* it aborts the process when asked to pause a paused tag or resume an awake one, and when
+  a resume runs out of memory half way: RegionPool keeps the state and checks the driver's
+  free memory before every wake, so neither reaches it;
+* it refuses to start when PYTORCH_CUDA_ALLOC_CONF sets expandable_segments: we hide that
+  setting from its start-up check and switch expandable segments off while a region
+  allocates (its pools use their own allocator; the rest of the process keeps the setting);
+* pause does not wait for running kernels, so we synchronize first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from handoff.errors import HandoffError
+from handoff.memory.regions import expandable_segments, expandable_segments_enabled
+
+
+def _saver():
+    """The process-wide torch_memory_saver, started in torch hook mode."""
+    try:
+        import torch_memory_saver
+    except ImportError as e:
+        raise HandoffError("torch_memory_saver is not installed: pip install "
+                           "torch_memory_saver==0.0.10 (DEVELOPERS.md says how to carry the "
+                           "wheel to a machine without network)") from e
+    saver = torch_memory_saver.torch_memory_saver
+    if saver._impl is None:
+        saver.hook_mode = "torch"
+        conf_key = "PYTORCH_CUDA_ALLOC_CONF"
+        conf = os.environ.get(conf_key)
+        if conf is not None:
+            # Its start-up check reads only this variable; PyTorch read it long ago.
+            kept = [p for p in conf.split(",") if not p.strip().lower().startswith(
+                "expandable_segments")]
+            os.environ[conf_key] = ",".join(kept)
+        try:
+            saver._ensure_initialized()
+        finally:
+            if conf is not None:
+                os.environ[conf_key] = conf
+    elif getattr(saver._impl, "_hook_mode", "torch") != "torch":
+        raise HandoffError("torch_memory_saver was started in preload mode by another part of "
+                           "this process: start it in torch mode (let RegionPool start it)")
+    return saver
+
+
+def _pool_segments(pool, device_index: int) -> list[dict]:
+    try:
+        snap = pool.snapshot(include_traces=False)
+    except TypeError:  # older torch: no include_traces
+        snap = pool.snapshot()
+    segments = snap["segments"] if isinstance(snap, dict) else snap
+    return [s for s in segments if s.get("device", device_index) == device_index]
+
+
+class TmsBackend:
+    """RegionPool's CUDA backend (see module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.saver = _saver()
+        self._reserved_delta: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def region(self, tag: str):
+        before = torch.cuda.memory_reserved(self.device)
+        cm = expandable_segments(False) if expandable_segments_enabled() else \
+            contextlib.nullcontext()
+        with torch.cuda.device(self.device), cm, self.saver.region(tag=tag):
+            try:
+                yield
+            finally:
+                grown = torch.cuda.memory_reserved(self.device) - before
+                self._reserved_delta[tag] = self._reserved_delta.get(tag, 0) + max(grown, 0)
+
+    def _segments(self, tag: str) -> list[dict] | None:
+        pools = getattr(self.saver._impl, "_mem_pools", None)
+        if pools is None:
+            return None
+        out = []
+        for key, pool in list(pools.items()):
+            if key[0] == tag:
+                out += _pool_segments(pool, self.device.index)
+        return out
+
+    def region_bytes(self, tag: str, tracked_bytes: int) -> int:
+        segments = self._segments(tag)
+        if segments is None:
+            return max(self._reserved_delta.get(tag, 0), tracked_bytes)
+        return sum(s["total_size"] for s in segments)
+
+    def check_tracked(self, tag: str, t: torch.Tensor) -> None:
+        segments = self._segments(tag)
+        if segments is None or t.untyped_storage().nbytes() == 0:
+            return
+        ptr = t.untyped_storage().data_ptr()
+        if not any(s["address"] <= ptr < s["address"] + s["total_size"] for s in segments):
+            raise HandoffError(f"a tensor of shape {tuple(t.shape)} tracked under {tag!r} was "
+                               f"not allocated inside pool.region({tag!r}): create it there so "
+                               "sleep can release it")
+
+    def free_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def before_release(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def release(self, tag: str, tracked: list) -> None:
+        self.saver.pause(tag)
+
+    def remap(self, tag: str, tracked: list, nbytes: list[int]) -> None:
+        self.saver.resume(tag)
