@@ -3,9 +3,10 @@
     from handoff.memory import RegionPool, PinnedArena, MemoryMeter
 """
 
+from handoff.memory.meter import MemoryMeter
 from handoff.memory.regions import (RegionPool, aggressive_empty_cache, expandable_segments,
                                     set_expandable_segments)
 from handoff.memory.staging import PinnedArena, Transfer
 
-__all__ = ["RegionPool", "PinnedArena", "Transfer", "aggressive_empty_cache",
+__all__ = ["MemoryMeter", "RegionPool", "PinnedArena", "Transfer", "aggressive_empty_cache",
            "expandable_segments", "set_expandable_segments"]
