@@ -22,6 +22,7 @@ promised, on any backend.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,28 @@ import torch
 from handoff.errors import HandoffError
 
 _ALIGN_BYTES = 512  # host offsets aligned for any dtype and for fast DMA
+
+
+def _unregister_all(buffers: list[torch.Tensor]) -> None:
+    """Unpin host buffers before their memory goes back to the C allocator."""
+    for buf in buffers:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    buffers.clear()
+
+
+def _pinned_empty(nbytes: int, registered: list[torch.Tensor]) -> torch.Tensor:
+    """Exactly nbytes of page-locked host memory.
+
+    torch.empty(pin_memory=True) rounds every request up to a power of two (a 17 GiB set
+    would pin 32 GiB), so we page-lock plain memory with cudaHostRegister instead.
+    """
+    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    if int(err) != 0:
+        raise HandoffError(f"pinning {nbytes / (1 << 30):.2f} GiB of host memory failed "
+                           f"(cudaError {int(err)}): raise `ulimit -l` or free host RAM")
+    registered.append(buf)
+    return buf
 
 
 class Transfer:
@@ -101,6 +124,9 @@ class PinnedArena:
         self.chunk_bytes = chunk_bytes
         self._sets: dict[str, _Set] = {}
         self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+        self._registered: list[torch.Tensor] = []
+        if self.pin:
+            weakref.finalize(self, _unregister_all, self._registered)
 
     # ---- binding -------------------------------------------------------------------------
 
@@ -139,9 +165,25 @@ class PinnedArena:
         if old is not None and old.host_u8 is not None and old.host_u8.numel() >= total:
             new.host_u8 = old.host_u8
         else:
-            new.host_u8 = torch.empty(total, dtype=torch.uint8, pin_memory=self.pin)
+            if old is not None and old.host_u8 is not None:
+                self._drop_host(old.host_u8)
+            new.host_u8 = (_pinned_empty(total, self._registered) if self.pin
+                           else torch.empty(total, dtype=torch.uint8))
         new.views = [new.host_u8[o:o + n] for o, n in zip(offsets, new.nbytes)]
         self._sets[name] = new
+
+    def _drop_host(self, buf: torch.Tensor) -> None:
+        if any(buf is b for b in self._registered):
+            torch.cuda.synchronize()  # no copy may still be reading or writing it
+            self._registered[:] = [b for b in self._registered if b is not buf]
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+    def close(self) -> None:
+        """Unpin and drop every host buffer (the arena is empty afterwards)."""
+        if self._registered:
+            torch.cuda.synchronize()
+            _unregister_all(self._registered)
+        self._sets.clear()
 
     def names(self) -> list[str]:
         """Names of the staged sets, in staging order."""

@@ -10,18 +10,24 @@ this file:
 * it refuses to start when PYTORCH_CUDA_ALLOC_CONF sets expandable_segments: we hide that
   setting from its start-up check and switch expandable segments off while a region
   allocates (its pools use their own allocator; the rest of the process keeps the setting);
-* pause does not wait for running kernels, so we synchronize first.
+* pause does not wait for running kernels, so we synchronize first;
+* its tags are process-wide and its pools live until the process ends: each RegionPool
+  prefixes its tags (`handoff3:weights`) so two pools never pause each other's memory or
+  hand out each other's (possibly unmapped) cached blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 
 import torch
 
 from handoff.errors import HandoffError
 from handoff.memory.regions import expandable_segments, expandable_segments_enabled
+
+_POOL_IDS = itertools.count()
 
 
 def _saver():
@@ -59,7 +65,9 @@ def _pool_segments(pool, device_index: int) -> list[dict]:
     except TypeError:  # older torch: no include_traces
         snap = pool.snapshot()
     segments = snap["segments"] if isinstance(snap, dict) else snap
-    return [s for s in segments if s.get("device", device_index) == device_index]
+    pool_id = tuple(pool.id)
+    return [s for s in segments if s.get("device", device_index) == device_index
+            and tuple(s.get("segment_pool_id", pool_id)) == pool_id]
 
 
 class TmsBackend:
@@ -68,6 +76,7 @@ class TmsBackend:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.saver = _saver()
+        self._prefix = f"handoff{next(_POOL_IDS)}:"
         self._reserved_delta: dict[str, int] = {}
 
     @contextlib.contextmanager
@@ -75,7 +84,7 @@ class TmsBackend:
         before = torch.cuda.memory_reserved(self.device)
         cm = expandable_segments(False) if expandable_segments_enabled() else \
             contextlib.nullcontext()
-        with torch.cuda.device(self.device), cm, self.saver.region(tag=tag):
+        with torch.cuda.device(self.device), cm, self.saver.region(tag=self._prefix + tag):
             try:
                 yield
             finally:
@@ -88,7 +97,7 @@ class TmsBackend:
             return None
         out = []
         for key, pool in list(pools.items()):
-            if key[0] == tag:
+            if key[0] == self._prefix + tag:
                 out += _pool_segments(pool, self.device.index)
         return out
 
@@ -115,7 +124,7 @@ class TmsBackend:
         torch.cuda.synchronize(self.device)
 
     def release(self, tag: str, tracked: list) -> None:
-        self.saver.pause(tag)
+        self.saver.pause(self._prefix + tag)
 
     def remap(self, tag: str, tracked: list, nbytes: list[int]) -> None:
-        self.saver.resume(tag)
+        self.saver.resume(self._prefix + tag)
