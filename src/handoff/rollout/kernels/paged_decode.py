@@ -36,12 +36,12 @@ MAX_SPLITS = 64
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale_log2, max_blocks,
+    qk_scale_log2, max_blocks, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_ob, stride_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SCALES: tl.constexpr,
+    TILE: tl.constexpr, SPLIT: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -51,7 +51,7 @@ def _paged_decode_kernel(
     ctx = tl.load(ctx_ptr + b)
     ctx = tl.minimum(tl.maximum(ctx, 0), max_blocks * BLOCK_SIZE)
     num_tiles = tl.cdiv(ctx, TILE)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -64,8 +64,10 @@ def _paged_decode_kernel(
                      mask=g_ok_GP[:, None] & d_ok_DP[None, :], other=0.0)
 
     qk_scale = qk_scale_log2
+    v_scale = 1.0
     if HAS_SCALES:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
 
     m_GP = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_GP = tl.zeros([GROUP_PAD], tl.float32)
@@ -88,6 +90,10 @@ def _paged_decode_kernel(
         alpha_GP = tl.exp2(m_GP - m_new_GP)
         p_GPT = tl.exp2(s_GPT - m_new_GP[:, None])
         l_GP = l_GP * alpha_GP + tl.sum(p_GPT, 1)
+        if HAS_SCALES:
+            # Dequantize V in registers: left to the dot, sm_90 SASS read fp8 V from shared
+            # memory one byte at a time (LDS.U8) instead of with transposing ldmatrix.
+            v_TDP = (v_TDP.to(tl.float32) * v_scale).to(q_GPDP.dtype)
         acc_GPDP = acc_GPDP * alpha_GP[:, None] + tl.dot(p_GPT.to(q_GPDP.dtype),
                                                          v_TDP.to(q_GPDP.dtype))
         m_GP = m_new_GP
@@ -95,14 +101,12 @@ def _paged_decode_kernel(
     # An empty range (context_len 0, or a split past the end) leaves l = 0: write zeros.
     has_GP = l_GP > 0.0
     o_GPDP = acc_GPDP / tl.where(has_GP, l_GP, 1.0)[:, None]
-    if HAS_SCALES:
-        o_GPDP = o_GPDP * tl.load(v_scale_ptr)
     o_mask = g_ok_GP[:, None] & d_ok_DP[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + b * stride_ob + head_GP[:, None] * stride_oh + d_DP[None, :],
                  o_GPDP.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        row_GP = (b * NUM_Q_HEADS + head_GP) * NUM_SPLITS + split
+        row_GP = (b * NUM_Q_HEADS + head_GP) * num_splits + split
         tl.store(part_o_ptr + row_GP[:, None] * HEAD_DIM_PAD + d_DP[None, :], o_GPDP, mask=o_mask)
         lse_GP = tl.where(has_GP, m_GP + tl.log2(tl.where(has_GP, l_GP, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row_GP, lse_GP, mask=g_ok_GP)
@@ -110,16 +114,16 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s_SP = tl.arange(0, SPLITS_PAD)
     d_DP = tl.arange(0, HEAD_DIM_PAD)
-    row_SP = (b * NUM_Q_HEADS + h) * NUM_SPLITS + s_SP
-    s_ok_SP = s_SP < NUM_SPLITS
+    row_SP = (b * NUM_Q_HEADS + h) * num_splits + s_SP
+    s_ok_SP = s_SP < num_splits
     lse_SP = tl.load(part_lse_ptr + row_SP, mask=s_ok_SP, other=float("-inf"))
     lse_max = tl.max(lse_SP, 0)
     # All splits empty (context_len 0): every weight is 0 and the row is written as zeros.
@@ -134,12 +138,10 @@ def _merge_splits_kernel(
              mask=d_ok_DP)
 
 
-def default_config(head_dim: int, kv_itemsize: int) -> dict:
+def default_config(head_dim: int) -> dict:
     """Tile and launch settings chosen without autotuning (see the table in kernels/__init__)."""
     if head_dim > 128:
         return {"tile": 32, "num_warps": 4, "num_stages": 2}
-    if kv_itemsize == 1:
-        return {"tile": 128, "num_warps": 4, "num_stages": 3}
     return {"tile": 64, "num_warps": 4, "num_stages": 3}
 
 
@@ -218,7 +220,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if fp8 and (k_scale is None or v_scale is None):
         raise HandoffError("paged_decode_attention: the cache is float8_e4m3fn but k_scale/"
                            "v_scale are missing: pass the layer's float32 scales")
-    cfg = dict(default_config(D, k_cache.element_size()), **(config or {}))
+    cfg = dict(default_config(D), **(config or {}))
     tile = cfg["tile"]
     if tile < 16 or tile & (tile - 1):
         raise HandoffError(f"paged_decode_attention: tile={tile} must be a power of two >= 16 "
@@ -248,18 +250,18 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_o = part_lse = out
     _paged_decode_kernel[(B, K, num_splits)](
         q_BHD, k_cache, v_cache, block_tables, context_lens, ks, vs, out, part_o, part_lse,
-        scale * LOG2E, max_blocks,
+        scale * LOG2E, max_blocks, num_splits,
         q_BHD.stride(0), q_BHD.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_Q_HEADS=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=D, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE=tile,
-        NUM_SPLITS=num_splits, HAS_SCALES=fp8,
+        SPLIT=num_splits > 1, HAS_SCALES=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(B, H)](
-            part_o, part_lse, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=H, HEAD_DIM=D, HEAD_DIM_PAD=dpad, NUM_SPLITS=num_splits,
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            NUM_Q_HEADS=H, HEAD_DIM=D, HEAD_DIM_PAD=dpad,
             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
