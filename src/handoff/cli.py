@@ -55,5 +55,26 @@ def init_model_cmd(
     console.print(f"wrote {preset} checkpoint to {path}")
 
 
+@bench_app.command("memory")
+@friendly_errors
+def bench_memory_cmd(
+    out: str = typer.Option("bench-memory.json", "--out", help="where to write the JSON result"),
+    size_gib: float = typer.Option(4.0, help="bytes per staged set and per level-1 region"),
+    kv_gib: float = typer.Option(30.0, help="size of the kv_cache region slept and woken"),
+    repeats: int = typer.Option(5, help="repetitions per measurement (best or median)"),
+    device: str = typer.Option("auto", help="auto | cuda | cpu"),
+) -> None:
+    """Pinned copy floor, arena offload/onload, full duplex, region sleep/wake, level 1."""
+    import json
+
+    from handoff.bench.memory import render, run_memory_bench
+
+    result = run_memory_bench(size_gib=size_gib, kv_gib=kv_gib, repeats=repeats, device=device)
+    render(result, console)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    console.print(f"wrote {out}")
+
+
 if __name__ == "__main__":
     app()

@@ -78,6 +78,7 @@ class TmsBackend:
         self.saver = _saver()
         self._prefix = f"handoff{next(_POOL_IDS)}:"
         self._reserved_delta: dict[str, int] = {}
+        self._bytes_cache: dict[str, int] = {}   # segments change only inside region()
 
     @contextlib.contextmanager
     def region(self, tag: str):
@@ -88,6 +89,7 @@ class TmsBackend:
             try:
                 yield
             finally:
+                self._bytes_cache.pop(tag, None)
                 grown = torch.cuda.memory_reserved(self.device) - before
                 self._reserved_delta[tag] = self._reserved_delta.get(tag, 0) + max(grown, 0)
 
@@ -102,10 +104,12 @@ class TmsBackend:
         return out
 
     def region_bytes(self, tag: str, tracked_bytes: int) -> int:
-        segments = self._segments(tag)
-        if segments is None:
-            return max(self._reserved_delta.get(tag, 0), tracked_bytes)
-        return sum(s["total_size"] for s in segments)
+        if tag not in self._bytes_cache:
+            segments = self._segments(tag)
+            if segments is None:
+                return max(self._reserved_delta.get(tag, 0), tracked_bytes)
+            self._bytes_cache[tag] = sum(s["total_size"] for s in segments)
+        return self._bytes_cache[tag]
 
     def check_tracked(self, tag: str, t: torch.Tensor) -> None:
         segments = self._segments(tag)

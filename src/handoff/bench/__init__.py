@@ -1,0 +1,1 @@
+"""Benchmarks on the machine at hand: `handoff bench ...` (results go in docs/PERF.md)."""
