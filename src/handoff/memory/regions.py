@@ -124,7 +124,7 @@ class RegionPool:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.meter = meter
         self.wake_margin_bytes = wake_margin_bytes
-        self.arena = PinnedArena()
+        self.arena = PinnedArena(pin=self.device.type == "cuda")
         self._tags: list[str] = []
         self._tracked: dict[str, list] = {}        # tag -> [(tensor, storage)]
         self._tracked_bytes: dict[str, list[int]] = {}

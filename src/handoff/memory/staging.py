@@ -135,6 +135,7 @@ class PinnedArena:
 
         Tensors sharing one storage are staged once (the whole storage moves). All tensors
         of a set live on one device, and the set must be on the device (not offloaded).
+        A DTensor (FSDP2 parameter) stands for its local shard (`to_local()`).
         """
         old = self._sets.get(name)
         if old is not None and not old.on_device:
@@ -142,6 +143,8 @@ class PinnedArena:
         new = _Set()
         seen: set[int] = set()
         for t in tensors:
+            if callable(getattr(t, "to_local", None)):
+                t = t.to_local()
             if not isinstance(t, torch.Tensor):
                 raise HandoffError(f"set {name!r}: got {type(t).__name__}, expected tensors")
             if new.device is None:
