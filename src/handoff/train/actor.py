@@ -1,0 +1,163 @@
+"""The actor: an FSDP2 policy with fp32-master AdamW and the GRPO update.
+
+    actor = build_actor(cfg, device="cuda", arena=arena)
+    batch.old_logprobs, _ = actor.log_probs(batch)
+    metrics = actor.update(batch)      # loss, pg_loss, clip_frac, kl, entropy, grad_norm, lr
+    actor.to("host", optimizer=True).wait()
+
+Memory parts per rank (bytes, exact; N_r = this rank's share of the N params, which FSDP2
+pads so that dim 0 splits evenly across ranks; at world size 1 N_r = N):
+  params     N_r x dtype bytes          (2 for bf16; 4 for the fp32 CPU tests)
+  grads      N_r x dtype bytes          (exist only between backward and the optimizer step:
+                                         `update` frees them, they are never moved)
+  optimizer  N x 12 with bf16 params (fp32 master + exp_avg + exp_avg_sq), N x 8 with fp32
+             params (no separate master); N counts unpadded local elements.
+So a bf16 model costs the brief's 16 bytes/param while training.
+
+Loss aggregation is a token-level mean over the whole batch on every rank: each micro-batch
+contributes sum(token loss) * world / (global response tokens), and FSDP's gradient average
+over ranks divides the world back out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from handoff.config import ActorConfig, Config
+from handoff.errors import HandoffError
+from handoff.memory.staging import PinnedArena
+from handoff.train import grpo
+from handoff.train.batch import RolloutBatch
+from handoff.train.dist import all_reduce_
+from handoff.train.model import ShardedModel
+from handoff.train.optim import MixedPrecisionAdamW, local_shard
+
+
+class Actor(ShardedModel):
+    trainable = True
+
+    def __init__(self, path: str, *, actor: ActorConfig, device: str | torch.device = "cpu",
+                 dtype: str = "bfloat16", offload_mode: str = "arena",
+                 arena: PinnedArena | None = None, role: str = "actor"):
+        self.cfg = actor
+        super().__init__(path, role=role, device=device, dtype=dtype,
+                         micro_batch_size=actor.micro_batch_size, offload_mode=offload_mode,
+                         arena=arena, gradient_checkpointing=actor.gradient_checkpointing)
+        self.optimizer = MixedPrecisionAdamW(self.module.named_parameters(), lr=actor.lr,
+                                             weight_decay=actor.weight_decay)
+        self._parts["grads"] = self._grad_tensors
+        self._parts["optimizer"] = lambda: list(self.optimizer.tensors().values())
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [local_shard(p.grad) for p in self.optimizer.params if p.grad is not None]
+
+    def memory_parts(self) -> dict[str, int]:
+        # A grad shard has its param's dtype and FSDP's padded shard size.
+        return {"params": self._param_bytes, "grads": self._param_bytes,
+                "optimizer": self.optimizer.nbytes()}
+
+    # ---- the GRPO update ------------------------------------------------------------------
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """GRPO on this rank's rows: advantages from rewards, then `updates_per_step` optimizer
+        steps over consecutive slices; returns metrics averaged over those steps."""
+        cfg = self.cfg
+        if cfg.kl_coef > 0 and batch.ref_logprobs is None:
+            raise HandoffError(f"actor.kl_coef={cfg.kl_coef} but the batch has no ref_logprobs: "
+                               "run ref.log_probs(batch) first, or set actor.kl_coef=0")
+        if len(batch) < cfg.updates_per_step:
+            raise HandoffError(f"{len(batch)} rows cannot feed actor.updates_per_step="
+                               f"{cfg.updates_per_step}: lower it or sample more rows")
+        self._require_on_device("params", "optimizer")
+        batch.advantages = grpo.group_advantages(batch.rewards, batch.group_size)
+        if batch.old_logprobs is None and cfg.updates_per_step > 1:
+            # Later slices see a moved policy, so the ratio needs the sampling policy's log-probs.
+            batch.old_logprobs, _ = self.log_probs(batch, with_entropy=False)
+        b, steps = len(batch), cfg.updates_per_step
+        bounds = [round(i * b / steps) for i in range(steps + 1)]
+        history = [self._one_step(batch.rows(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+        return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+
+    def _one_step(self, mini: RolloutBatch) -> dict[str, float]:
+        values = dict(zip(grpo.LossSums.NAMES, self.accumulate(mini).tolist()))
+        grad_norm = self.step()
+        n = max(values.pop("num_tokens"), 1.0)
+        metrics = {k: v / n for k, v in values.items()}
+        metrics.update(num_tokens=n, grad_norm=grad_norm, lr=self.optimizer.lr,
+                       skipped_step=float(not math.isfinite(grad_norm)))
+        return metrics
+
+    def accumulate(self, batch: RolloutBatch) -> torch.Tensor:
+        """Forward + backward of every micro-batch of `batch` (advantages set), grads summed
+        into the shards; returns the LossSums of all ranks added up (see grpo.LossSums.NAMES)."""
+        cfg = self.cfg
+        assert batch.advantages is not None, "set batch.advantages (grpo.group_advantages) first"
+        self._require_on_device("params")
+        self.module.train()
+        tokens = all_reduce_(batch.response_mask.sum().to(self.device, torch.float32))
+        scale = self.world_size / max(float(tokens.item()), 1.0)
+        sums = torch.zeros(len(grpo.LossSums.NAMES), device=self.device)
+        for start, stop, real in self._micro_ranges(len(batch), self.micro_batch_size):
+            mb = batch.rows(start, stop)
+            logits_BTV, ids_BT = self._logits(mb)
+            width = ids_BT.shape[1]
+
+            def on_device(t: torch.Tensor) -> torch.Tensor:
+                return t[:, :width].to(self.device, non_blocking=True)
+
+            logp_BT = grpo.token_logprobs(logits_BTV, ids_BT)
+            with torch.set_grad_enabled(cfg.entropy_coef > 0):
+                ent_BT = grpo.token_entropy(logits_BTV if cfg.entropy_coef > 0
+                                            else logits_BTV.detach())
+            s = grpo.grpo_loss_sums(
+                logp_BT,
+                on_device(mb.old_logprobs) if mb.old_logprobs is not None else logp_BT.detach(),
+                mb.advantages.to(self.device), on_device(mb.response_mask),
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                ref_logp_BT=on_device(mb.ref_logprobs) if cfg.kl_coef > 0 else None,
+                kl_coef=cfg.kl_coef, entropy_BT=ent_BT, entropy_coef=cfg.entropy_coef)
+            # A dummy micro-batch only keeps FSDP's collectives paired across ranks.
+            (s.loss * (scale if real else 0.0)).backward()
+            if real:
+                sums += s.stacked()
+            del logits_BTV, logp_BT, ent_BT, s
+        return all_reduce_(sums)
+
+    def step(self) -> float:
+        """Clip by the global grad norm, one AdamW step, free the grads; returns the norm
+        before clipping (a non-finite norm skips the step)."""
+        self._require_on_device("params", "optimizer")
+        grad_norm = self._grad_norm()
+        if math.isfinite(grad_norm):
+            clip = self.cfg.grad_clip / (grad_norm + 1e-6) if self.cfg.grad_clip > 0 else 1.0
+            self.optimizer.step(grad_scale=min(1.0, clip))
+        self.optimizer.zero_grad()
+        return grad_norm
+
+    def _grad_norm(self) -> float:
+        """Global L2 norm of all grad shards (fp32), summed over ranks."""
+        grads = self._grad_tensors()
+        where = grads[0].device if grads else self.device
+        sq = torch.zeros((), dtype=torch.float32, device=where)
+        for g in grads:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        return math.sqrt(float(all_reduce_(sq).item()))
+
+
+def build_actor(cfg: Config, *, device: str | torch.device,
+                arena: PinnedArena | None = None) -> Actor:
+    """The actor from a run config: model.path / model.dtype, actor.*, memory.offload_mode."""
+    return Actor(cfg.model.path, actor=cfg.actor, device=device, dtype=cfg.model.dtype,
+                 offload_mode=cfg.memory.offload_mode, arena=arena)
+
+
+def build_reference(cfg: Config, *, device: str | torch.device,
+                    arena: PinnedArena | None = None) -> ShardedModel | None:
+    """The frozen reference model, or None when actor.kl_coef == 0 (no KL term at all)."""
+    if cfg.actor.kl_coef == 0:
+        return None
+    return ShardedModel(cfg.model.path, role="ref", device=device, dtype=cfg.model.dtype,
+                        micro_batch_size=cfg.actor.micro_batch_size,
+                        offload_mode=cfg.memory.offload_mode, arena=arena)

@@ -1,0 +1,267 @@
+"""An HF causal LM sharded with FSDP2: per-token log-probs, full params, offload of its parts.
+
+    ref = ShardedModel("/ckpt", role="ref", device="cuda", dtype="bfloat16", arena=arena)
+    logp_BT, entropy_BT = ref.log_probs(batch)
+    ref.to("host", params=True).wait()      # {"params": {"bytes": ..., "seconds": ...}}
+
+The reference model is a ShardedModel; the actor (actor.py) adds grads and the optimizer.
+Sharding follows torchtitan's recipe: `fully_shard` each decoder layer (one all-gather per
+layer in forward and backward), then the root, which takes the embeddings, final norm and
+head (tied embeddings must share one FSDP group). Params keep the checkpoint's dtype;
+gradients are reduce-scattered in fp32 and stored back in the param dtype.
+
+Memory parts (bytes per rank, exact): `params` is the sum of the sharded param storages,
+i.e. sum over params of ceil(dim0 / world) * row_size * dtype bytes (FSDP2 pads dim 0 to a
+multiple of the world size; at world size 1 this is exactly N * dtype bytes).
+
+Where parts live: `to("host" | "cpu", ...)` offloads through the memory room's PinnedArena
+(device storage freed, tensor objects kept) and `to("device" | "cuda", ...)` brings them
+back; on a CPU run "cpu" means host and "device" means back. With memory.offload_mode=fsdp
+FSDP2's CPUOffloadPolicy keeps params (and grads, optimizer) on the host for good and copies
+each layer in per forward, so `to()` moves nothing.
+
+Shape legend: B sequences, T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from handoff.errors import HandoffError
+from handoff.memory.staging import PinnedArena, Transfer
+from handoff.train import grpo
+from handoff.train.batch import RolloutBatch
+from handoff.train.dist import all_reduce_, init_mesh, resolve_device
+from handoff.train.optim import local_shard
+
+_HOST_NAMES = ("host", "cpu")
+
+
+class Move:
+    """The transfers of one `to()` call by part; `wait()` -> {part: {"bytes", "seconds"}}."""
+
+    def __init__(self, transfers: dict[str, Transfer | None]):
+        self.transfers = transfers
+
+    @property
+    def bytes(self) -> dict[str, int]:
+        return {part: (t.bytes if t is not None else 0) for part, t in self.transfers.items()}
+
+    def wait(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for part, t in self.transfers.items():
+            if t is not None:
+                t.wait()
+            out[part] = {"bytes": t.bytes if t else 0, "seconds": t.seconds if t else 0.0}
+        return out
+
+
+def load_hf_model(path: str, dtype: torch.dtype, gradient_checkpointing: bool) -> torch.nn.Module:
+    """A transformers AutoModelForCausalLM on CPU in `dtype`, ready to shard."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        raise HandoffError(f"{path!r} is not an HF checkpoint directory (no config.json): pass a "
+                           "directory written by save_pretrained or `handoff init-model`")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False
+    if not hasattr(getattr(model, "model", None), "layers"):
+        raise HandoffError(f"{type(model).__name__} has no model.layers: the trainer supports "
+                           "decoder-only Llama / Qwen2 / Qwen3 style checkpoints")
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+class ShardedModel:
+    """Forward-only FSDP2 model (the reference policy; the actor's base)."""
+
+    trainable = False
+
+    def __init__(self, path: str, *, role: str = "ref", device: str | torch.device = "cpu",
+                 dtype: str = "bfloat16", micro_batch_size: int = 8, offload_mode: str = "arena",
+                 arena: PinnedArena | None = None, gradient_checkpointing: bool = False):
+        if offload_mode not in ("arena", "fsdp"):
+            raise HandoffError(f"offload_mode={offload_mode!r}: choose arena or fsdp")
+        self.role = role
+        self.device = resolve_device(device)
+        self.mesh = init_mesh(self.device)
+        self.world_size = self.mesh.size()
+        self.dtype = getattr(torch, dtype)
+        self.micro_batch_size = micro_batch_size
+        self.offload_mode = offload_mode
+        self.arena = arena if arena is not None else PinnedArena(pin=self.device.type == "cuda")
+        model = load_hf_model(path, self.dtype, gradient_checkpointing and self.trainable)
+        if not self.trainable:
+            model.requires_grad_(False)
+        self.module = self._shard(model)
+        self._parts = {"params": self._param_tensors}
+        self._host: set[str] = set()
+        self._pending: list[Transfer] = []
+        self._param_bytes = self._unique_bytes(self._param_tensors())
+
+    # ---- sharding -------------------------------------------------------------------------
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+                   if self.offload_mode == "fsdp" else OffloadPolicy())
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+        return model
+
+    def _param_tensors(self) -> list[torch.Tensor]:
+        return [local_shard(p.detach()) for p in self.module.parameters()]
+
+    @staticmethod
+    def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
+    # ---- memory parts ---------------------------------------------------------------------
+
+    def memory_parts(self) -> dict[str, int]:
+        """Bytes per part on this rank, wherever they live now (see the module docstring)."""
+        return {"params": self._param_bytes}
+
+    def placement(self) -> dict[str, str]:
+        """'device' or 'host' for each part."""
+        if self.offload_mode == "fsdp":
+            return {part: "host" for part in self._parts}
+        return {part: ("host" if part in self._host else "device") for part in self._parts}
+
+    def to(self, where: str | torch.device, **parts: bool) -> Move:
+        """Start moving the named parts (`params=True`, ...) to 'host' or back to 'device'.
+
+        Asynchronous on CUDA: compute that needs a part waits for its copy on the GPU, and
+        `.wait()` on the result blocks the host and reports bytes and seconds per part.
+        Parts already where asked report 0 bytes.
+        """
+        unknown = sorted(set(parts) - set(self._parts))
+        if unknown:
+            raise HandoffError(f"{self.role} has no part {unknown[0]!r}: its parts are "
+                               f"{sorted(self._parts)}")
+        to_host = self._is_host(where)
+        transfers: dict[str, Transfer | None] = {}
+        for part in (p for p in self._parts if parts.get(p)):
+            if self.offload_mode == "fsdp" or (part in self._host) == to_host:
+                transfers[part] = None
+            elif to_host:
+                transfers[part] = self._offload_part(part)
+            else:
+                transfers[part] = self.arena.onload(self._set_name(part))
+                self._host.discard(part)
+                self._pending.append(transfers[part])
+        return Move(transfers)
+
+    def _is_host(self, where: str | torch.device) -> bool:
+        name = str(where)
+        if name in _HOST_NAMES:
+            return True
+        if name == "device" or (name.split(":")[0] == self.device.type):
+            return False
+        raise HandoffError(f"cannot move {self.role} to {name!r}: use 'host' (or 'cpu') to "
+                           f"offload and 'device' (or {self.device.type!r}) to bring it back")
+
+    def _set_name(self, part: str) -> str:
+        return f"{self.role}.{part}"
+
+    def _offload_part(self, part: str) -> Transfer | None:
+        tensors = self._parts[part]()
+        if not tensors:
+            return None
+        self.arena.stage(self._set_name(part), tensors)
+        self._host.add(part)
+        return self.arena.offload(self._set_name(part), free_device=True)
+
+    def _require_on_device(self, *parts: str) -> None:
+        for part in parts:
+            if part in self._host:
+                raise HandoffError(f"{self.role} {part} are offloaded to host memory: call "
+                                   f"{self.role}.to('device', {part}=True) before this step")
+        if self.device.type == "cuda":
+            for t in self._pending:
+                torch.cuda.current_stream(self.device).wait_event(t.event)
+        self._pending = []
+
+    # ---- forward --------------------------------------------------------------------------
+
+    def _logits(self, mb: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of a micro-batch trimmed to its longest row; right padding is never attended
+        to by a real token under the causal mask, so no attention mask is passed."""
+        t = max(int(mb.attention_mask.sum(1).max()), 1)
+        ids_BT = mb.input_ids[:, :t].to(self.device, non_blocking=True)
+        return self.module(input_ids=ids_BT, use_cache=False).logits, ids_BT
+
+    def _micro_ranges(self, rows: int, size: int) -> list[tuple[int, int, bool]]:
+        """(start, stop, real) micro-batches; every rank runs the same count (FSDP collectives
+        must pair up), so a rank with fewer rows repeats its first one as a discarded dummy."""
+        if rows == 0:
+            raise HandoffError(f"{self.role} got an empty batch: every rank needs at least one row")
+        count = math.ceil(rows / size)
+        count_all = int(all_reduce_(torch.tensor([count], device=self.device), "max").item())
+        return [(i * size, min(rows, (i + 1) * size), True) if i < count else
+                (0, min(rows, size), False) for i in range(count_all)]
+
+    @torch.no_grad()
+    def log_probs(self, batch: RolloutBatch, *, with_entropy: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs [B, T] (and entropy [B, T]) in fp32 on the batch's device."""
+        self._require_on_device("params")
+        self.module.eval()
+        b, t = batch.input_ids.shape
+        logp_BT = torch.zeros(b, t, dtype=torch.float32, device=self.device)
+        ent_BT = torch.zeros_like(logp_BT) if with_entropy else None
+        for start, stop, real in self._micro_ranges(b, self.micro_batch_size):
+            logits_BTV, ids_BT = self._logits(batch.rows(start, stop))
+            if not real:
+                continue
+            width = ids_BT.shape[1]
+            logp_BT[start:stop, :width] = grpo.token_logprobs(logits_BTV, ids_BT)
+            if with_entropy:
+                ent_BT[start:stop, :width] = grpo.token_entropy(logits_BTV)
+            del logits_BTV
+        out = batch.input_ids.device
+        return logp_BT.to(out), (ent_BT.to(out) if with_entropy else None)
+
+    # ---- weights out ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_params(self, dtype: torch.dtype | str | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor on the device) one parameter at a time, all-gathered from the
+        shards and cast to `dtype`; the previous one is released before the next is gathered.
+        Tied weights appear once, under their first name (e.g. model.embed_tokens.weight)."""
+        self._require_on_device("params")
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        for name, p in self.module.named_parameters():
+            full = self._gather(p)
+            if dtype is not None and full.dtype != dtype:
+                full = full.to(dtype)
+            yield name, full
+            del full
+
+    def _gather(self, p: torch.Tensor) -> torch.Tensor:
+        shard = local_shard(p.detach())
+        if shard.device != self.device:   # CPUOffloadPolicy keeps shards on the host
+            shard = shard.to(self.device)
+        if self.world_size == 1:
+            return shard.clone()
+        rows = math.ceil(p.shape[0] / self.world_size)
+        padded = F.pad(shard, (0, 0) * (shard.dim() - 1) + (0, rows - shard.shape[0]))
+        out = torch.empty((rows * self.world_size, *p.shape[1:]), dtype=shard.dtype,
+                          device=self.device)
+        torch.distributed.all_gather_into_tensor(out, padded.contiguous())
+        return out[:p.shape[0]]

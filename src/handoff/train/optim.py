@@ -1,0 +1,87 @@
+"""AdamW over FSDP2 shards with fp32 master weights: the 12 bytes/param of the brief's layout.
+
+For each parameter shard this rank owns it keeps, all fp32 and allocated once up front:
+  master      a copy of the shard (4 B/param), only when the params are not fp32 themselves
+  exp_avg     Adam's first moment (4 B/param)
+  exp_avg_sq  Adam's second moment (4 B/param)
+A step reads the (bf16) grad shard, updates the fp32 master, and writes the master back into
+the (bf16) param shard, so rounding happens once per step, never in the moments. With fp32
+params (CPU tests) the param shard is its own master: 8 B/param.
+
+The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments), one
+tensor at a time so the transient extra memory is one fp32 shard, not a copy of the model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard, or a plain tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class MixedPrecisionAdamW:
+    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], *, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.step_count = 0
+        self.names: list[str] = []
+        self.params: list[nn.Parameter] = []
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in named_params:
+            if not p.requires_grad:
+                continue
+            shard = local_shard(p.detach())
+            kinds = {"exp_avg": torch.zeros_like(shard, dtype=torch.float32),
+                     "exp_avg_sq": torch.zeros_like(shard, dtype=torch.float32)}
+            if shard.dtype != torch.float32:
+                kinds["master"] = shard.float()
+            self.names.append(name)
+            self.params.append(p)
+            self.state[name] = kinds
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every state tensor by '<param name>/<kind>': what offload and checkpoints move."""
+        return {f"{n}/{k}": t for n, kinds in self.state.items() for k, t in kinds.items()}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @torch.no_grad()
+    def step(self, grad_scale: float = 1.0) -> None:
+        """One AdamW step on every shard that has a grad; grads are multiplied by `grad_scale`
+        in fp32 first (grad-norm clipping without rounding the bf16 grads twice)."""
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        bias1 = 1 - beta1 ** self.step_count
+        bias2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
+        step_size = self.lr / bias1
+        for name, p in zip(self.names, self.params):
+            if p.grad is None:
+                continue
+            kinds = self.state[name]
+            shard = local_shard(p.detach())
+            master = kinds.get("master", shard)
+            grad = local_shard(p.grad).float()
+            if grad_scale != 1.0:
+                grad = grad * grad_scale
+            if self.weight_decay:
+                master.mul_(1 - self.lr * self.weight_decay)
+            kinds["exp_avg"].lerp_(grad, 1 - beta1)
+            kinds["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = kinds["exp_avg_sq"].sqrt().div_(bias2_sqrt).add_(self.eps)
+            master.addcdiv_(kinds["exp_avg"], denom, value=-step_size)
+            if master is not shard:
+                shard.copy_(master)
+
+    def zero_grad(self) -> None:
+        """Free the grads (set to None): after a step they are dropped, never moved."""
+        for p in self.params:
+            p.grad = None
