@@ -1,0 +1,157 @@
+"""Paged KV block manager with a prefix cache keyed by chained block hashes.
+
+The KV pool is `num_blocks` blocks of `block_size` tokens; block 0 is the null block (padding
+reads and writes land there) and is never handed out. A sequence owns a block table (its
+block ids in order); the manager also keeps every running sequence's table in one int32 array
+`tables[row, :]` (padded with 0) so the decode step slices it instead of rebuilding it.
+
+Prefix cache: a full block's hash is xxh64 of its token ids seeded with the previous block's
+hash, so equal hashes mean equal whole prefixes; a block keeps its tokens so a collision can
+never be served. Freed blocks keep hash and contents and sit in an LRU free list: a later
+sequence with the same prefix revives them. A prompt's last token is never served from the
+cache (its logits are needed), so lookups stop at the last full block before it. Partial
+blocks are never hashed.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from handoff.rollout.sequence import Sequence
+
+
+def block_hash(token_ids: list[int], parent: int) -> int:
+    """Chained hash of one full block: covers every token of the prefix through `parent`."""
+    return xxhash.xxh64_intdigest(array("q", token_ids).tobytes(), seed=parent)
+
+
+class BlockManager:
+    """Owns block ids, reference counts, the hash index and the block-table rows."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, max_num_seqs: int,
+                 max_blocks_per_seq: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_count = [0] * num_blocks
+        self.hashes = [-1] * num_blocks
+        self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # Insertion order is the LRU order: allocate from the front, free to the back.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.tables = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0     # of which served from the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free if self.hashes[b] != -1)
+
+    def _take_fresh(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old = self.hashes[block]
+        if old != -1 and self.hash_to_block.get(old) == block:
+            del self.hash_to_block[old]
+        self.hashes[block] = -1
+        self.tokens[block] = None
+        self.ref_count[block] = 1
+        return block
+
+    def _register(self, block: int, token_ids: list[int], parent: int) -> int:
+        h = block_hash(token_ids, parent)
+        self.hashes[block] = h
+        self.tokens[block] = tuple(token_ids)
+        self.hash_to_block[h] = block
+        return h
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached block ids for the longest prefix of `seq`, never covering its last token."""
+        bs = self.block_size
+        found, parent = [], 0
+        for i in range((seq.num_tokens - 1) // bs):
+            token_ids = seq.token_ids[i * bs:(i + 1) * bs]
+            h = block_hash(token_ids, parent)
+            block = self.hash_to_block.get(h)
+            if block is None or self.tokens[block] != tuple(token_ids):
+                break
+            found.append(block)
+            parent = h
+        return found
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give `seq` blocks for all its tokens, reusing cached ones; False if the pool is short."""
+        assert not seq.block_table and seq.row == -1
+        bs = self.block_size
+        cached = self._cached_prefix(seq)
+        num_needed = -(-seq.num_tokens // bs)
+        revived = sum(1 for b in cached if self.ref_count[b] == 0)
+        if num_needed - len(cached) + revived > len(self.free) or not self.free_rows:
+            return False
+        for block in cached:
+            if self.ref_count[block] == 0:
+                del self.free[block]
+            self.ref_count[block] += 1
+        table = list(cached)
+        parent = self.hashes[cached[-1]] if cached else 0
+        for i in range(len(cached), num_needed):
+            block = self._take_fresh()
+            table.append(block)
+            if (i + 1) * bs <= seq.num_tokens:
+                # Registered before the prefill runs: nothing can read it until that forward
+                # has stored every layer's KV (stores precede attention within each layer).
+                parent = self._register(block, seq.token_ids[i * bs:(i + 1) * bs], parent)
+        seq.block_table = table
+        seq.num_cached_tokens = len(cached) * bs
+        seq.row = self.free_rows.pop()
+        self.tables[seq.row, :len(table)] = table
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_cached_tokens
+        return True
+
+    def reserve_decode_slot(self, seq: Sequence) -> bool:
+        """Make room for the KV of `seq`'s last token (written by the coming decode step).
+
+        Returns False, changing nothing, when a new block is needed and none is free. When the
+        step fills a block, the block is hashed now, so a preempted or later sequence can reuse it.
+        """
+        bs = self.block_size
+        n = seq.num_tokens
+        table = seq.block_table
+        if len(table) * bs < n:
+            if not self.free:
+                return False
+            block = self._take_fresh()
+            self.tables[seq.row, len(table)] = block
+            table.append(block)
+        if n % bs == 0:
+            parent = self.hashes[table[-2]] if len(table) > 1 else 0
+            self._register(table[-1], seq.token_ids[n - bs:n], parent)
+        return True
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop `seq`'s references; blocks keep their hashes (revivable) until reused."""
+        # Deepest blocks go to the free list first so they are evicted before the prefix roots.
+        for block in reversed(seq.block_table):
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free[block] = None
+        self.tables[seq.row, :len(seq.block_table)] = 0
+        self.free_rows.append(seq.row)
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+        seq.row = -1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash (the KV they describe is gone or was computed by old weights)."""
+        assert len(self.free) == self.num_blocks - 1, "reset_prefix_cache with sequences running"
+        self.hash_to_block.clear()
+        self.hashes = [-1] * self.num_blocks
+        self.tokens = [None] * self.num_blocks

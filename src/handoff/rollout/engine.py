@@ -1,0 +1,277 @@
+"""The built-in rollout engine: generate, and hand the device back and forth.
+
+    engine = Engine("ckpt/", cfg.rollout)                    # cfg: handoff.config.Config
+    outs = engine.generate([[1, 2, 3]], SamplingParams(n=4, max_tokens=32))
+    engine.sleep(2)                                          # weights + KV released
+    engine.wake_up(["weights"]); engine.load_weights(trainer_named_tensors)
+    engine.wake_up(["kv_cache"])                             # KV zeroed, prefix cache empty
+
+One step is `scheduler.schedule()` -> `runner.run()` -> `scheduler.postprocess()`. Memory lives
+in `handoff.memory` regions: "weights" (parameters), "kv_cache" (the paged pool and fp8
+scales) and "buffers" (RoPE tables: not weights, so a level-2 sleep keeps a CPU copy and the
+wake copies it back). Sleep levels: 0 pauses generation only; 1 backs the weights up to pinned
+host memory and drops the KV; 2 drops both (the trainer sends new weights anyway): generation
+is refused until `load_weights` has refilled every parameter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from handoff.errors import HandoffError
+from handoff.rollout.attention import FP8_DTYPE
+from handoff.rollout.blocks import BlockManager
+from handoff.rollout.layers import inverse_frequencies, rope_table
+from handoff.rollout.models import (build_model, eos_token_ids, iter_checkpoint, read_hf_config,
+                                    spec_from_hf_config)
+from handoff.rollout.runner import ModelRunner
+from handoff.rollout.sampling import SamplingParams, sample_key
+from handoff.rollout.scheduler import Scheduler
+from handoff.rollout.sequence import RequestOutput, SampleOutput, Sequence
+
+TAGS = ("weights", "kv_cache")
+CPU_DEFAULT_KV_BYTES = 1 << 30  # a CPU pool without num_blocks is capped here
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise HandoffError(f"dtype {dtype!r} is not supported: use {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class Engine:
+    """Paged-KV generation engine for one device (see the module docstring)."""
+
+    def __init__(self, model_path: str, cfg, *, device=None, dtype=None, pool=None,
+                 attention_backend: str | None = None):
+        from handoff.memory.regions import RegionPool
+
+        self.cfg = cfg
+        self.model_path = str(model_path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = _resolve_dtype(dtype, self.device)
+        hf = read_hf_config(model_path)
+        self.spec = spec_from_hf_config(hf)
+        self.eos_token_ids = eos_token_ids(model_path, hf)
+        self.max_model_len = min(cfg.max_model_len, self.spec.max_position_embeddings)
+        self.max_num_batched_tokens = max(self.max_model_len, 8192)
+        self.pool = pool if pool is not None else RegionPool(self.device)
+
+        with self.pool.region("weights"):
+            model = build_model(self.spec, device=self.device, dtype=self.dtype)
+        self.pool.track("weights", model)
+        self.model = model
+        self.weights_version = 0
+        self._missing_weights = model.weight_keys() - model.load_weights(iter_checkpoint(model_path))
+        if self._missing_weights:
+            raise HandoffError(f"checkpoint {self.model_path!r} lacks weights for "
+                               f"{sorted(self._missing_weights)[:3]}: it does not match its "
+                               "config.json (write it with save_pretrained)")
+
+        table = rope_table(inverse_frequencies(hf, self.spec.head_dim), self.max_model_len)
+        with self.pool.region("buffers"):
+            model.rope_cos_sin = table.to(self.device, copy=True)  # the CPU original is the backup
+        self.pool.track("buffers", [model.rope_cos_sin])
+        self.pool.add_restore_hook("buffers", lambda: model.rope_cos_sin.copy_(table))
+
+        kv_dtype = FP8_DTYPE if cfg.kv_dtype == "fp8" else self.dtype
+        self.runner = ModelRunner(model, device=self.device, block_size=cfg.block_size,
+                                  kv_dtype=kv_dtype, attention_backend=attention_backend)
+        num_blocks = self._num_blocks()
+        with self.pool.region("kv_cache"):
+            kv_tensors = self.runner.allocate_kv_cache(num_blocks)
+        self.pool.track("kv_cache", kv_tensors)
+        self.pool.add_restore_hook("kv_cache", self.runner.reset_kv_cache)
+
+        max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                                   max_blocks_per_seq=max_blocks_per_seq)
+        self.runner.tables = self.blocks.tables
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=self.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len)
+        self._paused = False
+        self._seq_ids = itertools.count()
+        self._seed_rng = random.Random()
+        self._counters = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0}
+
+    # ---------------------------------------------------------------- sizing
+
+    def _num_blocks(self) -> int:
+        cfg, runner = self.cfg, self.runner
+        block_bytes = runner.kv_block_bytes()
+        # One sequence of max_model_len must always fit (the scheduler's progress guarantee);
+        # +1 is the null block.
+        needed = -(-self.max_model_len // cfg.block_size) + 1
+        if cfg.num_blocks is not None:
+            num_blocks = cfg.num_blocks
+        elif self.device.type == "cuda":
+            peak = runner.profile_peak_bytes(max_num_batched_tokens=self.max_num_batched_tokens,
+                                             max_model_len=self.max_model_len,
+                                             max_num_seqs=cfg.max_num_seqs)
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(cfg.gpu_memory_utilization * total) - (total - free) - peak
+            num_blocks = max(budget, 0) // block_bytes
+            if num_blocks < needed:
+                raise HandoffError(
+                    f"KV pool would be {budget / 2**30:.2f} GiB at gpu_memory_utilization="
+                    f"{cfg.gpu_memory_utilization}: {(total - free) / 2**30:.2f} GiB is in use "
+                    f"(weights and others) and the profiled activation peak is "
+                    f"{peak / 2**30:.2f} GiB; raise rollout.gpu_memory_utilization or lower "
+                    "rollout.max_model_len / rollout.max_num_seqs")
+        else:
+            wanted = cfg.max_num_seqs * (needed - 1) + 1
+            num_blocks = max(needed, min(wanted, CPU_DEFAULT_KV_BYTES // block_bytes))
+        if num_blocks < needed:
+            raise HandoffError(f"rollout.num_blocks={num_blocks} cannot hold one sequence of "
+                               f"max_model_len={self.max_model_len} tokens ({needed} blocks of "
+                               f"{cfg.block_size} incl. the null block): raise num_blocks or "
+                               "lower rollout.max_model_len")
+        return num_blocks
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 *, progress: bool = False) -> list[RequestOutput]:
+        """Complete every prompt `params.n` times; outputs in prompt order, samples in order."""
+        self._check_ready()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise HandoffError(f"{len(params)} SamplingParams for {len(prompts)} prompts: pass one, "
+                               "or one per prompt")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            self._check_prompt(i, prompt)
+            stop = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+            seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
+            for j in range(p.n):
+                seqs.append(Sequence(next(self._seq_ids), prompt, p, request_index=i,
+                                     sample_index=j, key=sample_key(seed, j), stop_ids=stop))
+        for seq in seqs:
+            self.scheduler.add(seq)
+        bar = _progress_bar(len(seqs)) if progress else None
+        try:
+            while self.scheduler.has_work:
+                finished = self.step()
+                if bar is not None:
+                    bar.update(len(finished))
+        except BaseException:
+            self.scheduler.abort_all()
+            self.blocks.reset_prefix_cache()  # hashes may name blocks that were never written
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        outputs = [RequestOutput(prompt_token_ids=list(p)) for p in prompts]
+        for seq in seqs:
+            outputs[seq.request_index].outputs.append(SampleOutput(
+                token_ids=seq.generated_token_ids, logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason))
+        return outputs
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled step; returns the sequences that finished in it."""
+        seqs, is_prefill = self.scheduler.schedule()
+        token_ids, logprobs = self.runner.run(seqs, is_prefill)
+        self._counters["prefill_steps" if is_prefill else "decode_steps"] += 1
+        self._counters["generated_tokens"] += len(seqs)
+        return self.scheduler.postprocess(seqs, token_ids, logprobs)
+
+    def _check_prompt(self, index: int, prompt: list[int]) -> None:
+        if not prompt:
+            raise HandoffError(f"prompt {index} is empty: give at least one token id")
+        if len(prompt) >= self.max_model_len:
+            raise HandoffError(f"prompt {index} has {len(prompt)} tokens, max_model_len is "
+                               f"{self.max_model_len}: shorten it or raise rollout.max_model_len")
+        if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
+            raise HandoffError(f"prompt {index} holds token ids outside [0, {self.spec.vocab_size}): "
+                               "tokenize with the model's own tokenizer")
+
+    def _check_ready(self) -> None:
+        asleep = [t for t in TAGS if not self.pool.is_awake(t)]
+        if self._paused or asleep:
+            raise HandoffError(f"the engine is asleep (paused={self._paused}, regions asleep: "
+                               f"{asleep}): call wake_up() before generate")
+        if self._missing_weights:
+            raise HandoffError("the engine's weights were discarded by sleep(2) and not all were "
+                               f"loaded again ({len(self._missing_weights)} missing): call "
+                               "load_weights with the full model before generate")
+
+    # ---------------------------------------------------------------- the handoff
+
+    def sleep(self, level: int) -> None:
+        """0: pause; 1: weights -> pinned host, KV dropped; 2: weights and KV dropped."""
+        if level not in (0, 1, 2):
+            raise HandoffError(f"sleep level={level} is not supported: use 0, 1 or 2")
+        self._paused = True
+        if level == 0:
+            return
+        if self.pool.is_awake("kv_cache"):
+            self.blocks.reset_prefix_cache()
+        self.pool.sleep(["weights"], level=level)
+        self.pool.sleep(["kv_cache", "buffers"], level=2)
+        if level == 2:
+            self._missing_weights = self.model.weight_keys()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Map the regions of `tags` again (default both; "weights" brings the buffers back)."""
+        tags = list(TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in TAGS]
+        if unknown:
+            raise HandoffError(f"unknown engine tags {unknown}: use {list(TAGS)}")
+        pool_tags = [t for tag in TAGS if tag in tags
+                     for t in ((tag, "buffers") if tag == "weights" else (tag,))]
+        self.pool.wake_up(pool_tags)
+        if "kv_cache" in tags:
+            self.blocks.reset_prefix_cache()
+        self._paused = not all(self.pool.is_awake(t) for t in TAGS)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (HF name, full tensor) pairs into the engine layout; bumps weights_version."""
+        if not self.pool.is_awake("weights"):
+            raise HandoffError("load_weights while the weights region sleeps: call "
+                               "wake_up(['weights']) first")
+        self._missing_weights -= self.model.load_weights(weights)
+        self.weights_version += 1
+        if self.pool.is_awake("kv_cache"):
+            self.blocks.reset_prefix_cache()  # cached KV was computed by the old weights
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (call after weights change)."""
+        self.blocks.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        b = self.blocks
+        return {
+            "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.runner.backend, "num_blocks": b.num_blocks,
+            "block_size": b.block_size, "kv_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
+            "kv_block_bytes": self.runner.kv_block_bytes(),
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "free_blocks": b.num_free_blocks, "cached_free_blocks": b.num_cached_free_blocks,
+            "prefix_cache_queries": b.prefix_queries, "prefix_cache_hits": b.prefix_hits,
+            "prefix_cache_hit_rate": b.prefix_hits / max(b.prefix_queries, 1),
+            "preemptions": self.scheduler.num_preemptions, **self._counters,
+            "max_num_seqs": self.cfg.max_num_seqs, "max_model_len": self.max_model_len,
+            "weights_version": self.weights_version, "paused": self._paused,
+            "awake": {t: self.pool.is_awake(t) for t in (*TAGS, "buffers")},
+        }
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="sample")

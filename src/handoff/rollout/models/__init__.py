@@ -1,0 +1,83 @@
+"""Engine models: HF config.json -> DecoderSpec -> CausalLM, and safetensors checkpoint reading.
+
+Supported `model_type`s: qwen3, qwen2, llama (one decoder with flags, see qwen3.py). Reading
+is config-driven and uses safetensors directly, one tensor at a time, so a checkpoint never
+needs a second copy in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from handoff.errors import HandoffError
+from handoff.rollout.models.qwen3 import CausalLM, DecoderSpec
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+def read_hf_config(model_path: str | Path) -> dict:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise HandoffError(f"{str(model_path)!r} has no config.json: pass an HF checkpoint directory "
+                           "(write one with `handoff init-model --preset tiny-qwen3 --out DIR`)")
+    return json.loads(path.read_text())
+
+
+def spec_from_hf_config(hf: dict) -> DecoderSpec:
+    """Check that the engine can run this config and extract what it needs."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HandoffError(f"model_type {model_type!r} is not supported by the built-in engine: use "
+                           f"one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HandoffError(f"hidden_act {hf['hidden_act']!r} is not supported: the engine runs "
+                           "SiLU-gated MLPs only")
+    if hf.get("use_sliding_window"):
+        raise HandoffError("use_sliding_window=true is not supported: the engine attends to the "
+                           "full context; set it to false in config.json")
+    heads = hf["num_attention_heads"]
+    bias = bool(hf.get("attention_bias", False))
+    return DecoderSpec(
+        model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        qk_norm=model_type == "qwen3", qkv_bias=bias or model_type == "qwen2", o_bias=bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def eos_token_ids(model_path: str | Path, hf: dict) -> frozenset[int]:
+    """EOS ids from config.json and generation_config.json (chat models list several)."""
+    ids: set[int] = set()
+    gen_path = Path(model_path) / "generation_config.json"
+    sources = [hf] + ([json.loads(gen_path.read_text())] if gen_path.is_file() else [])
+    for src in sources:
+        eos = src.get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return frozenset(int(i) for i in ids)
+
+
+def build_model(spec: DecoderSpec, *, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Parameters allocated uninitialised on `device` (fill them with load_weights)."""
+    return CausalLM(spec, device=device, dtype=dtype)
+
+
+def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor in the directory's *.safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise HandoffError(f"no *.safetensors file in {str(model_path)!r}: the engine loads "
+                           "safetensors checkpoints only (save with safe_serialization=True)")
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,153 @@
+"""Sampling parameters and the sampler: temperature, top-k, top-p, seeds, log-probs.
+
+Randomness is counter-based, not stateful: the uniform number behind a sample's t-th token is
+a hash of (request seed, sample index, t), and the token is drawn by inverse CDF over the
+vocabulary in id order. So a seeded request yields the same tokens whatever else shares its
+batch, and a sequence that is preempted and recomputed continues exactly where it stopped.
+
+Log-prob semantics (what GRPO needs): each sampled token's log-prob is
+log_softmax(logits / T)[token], taken BEFORE top-k / top-p truncation, with T = 1 for greedy
+(temperature 0). At T = 1 this is exactly the raw model's log-prob, the quantity the trainer
+recomputes, so the old-policy ratio starts at 1.
+
+Shape legend: B = sequences in the batch, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from handoff.errors import HandoffError
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one prompt's completions (vLLM-style names)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    max_tokens: int = 64
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        checks = [
+            (self.temperature >= 0, f"temperature={self.temperature} is negative: use 0 (greedy) or more"),
+            (0 < self.top_p <= 1, f"top_p={self.top_p} is outside (0, 1]: use e.g. 0.95 or 1.0 (off)"),
+            (self.top_k >= 0, f"top_k={self.top_k} is negative: use 0 (off) or a positive count"),
+            (self.n >= 1, f"n={self.n} asks for no samples: use n >= 1"),
+            (self.max_tokens >= 1, f"max_tokens={self.max_tokens} allows no tokens: use >= 1"),
+            (self.seed is None or self.seed >= 0, f"seed={self.seed} is negative: use a seed >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise HandoffError(message)
+
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> "SamplingParams":
+        """Defaults from a RolloutConfig (temperature, top_p, top_k, n, max_tokens)."""
+        base = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.n,
+                    max_tokens=cfg.max_tokens)
+        return cls(**{**base, **overrides})
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (numpy wraps on overflow, as wanted)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _MIX1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def sample_key(seed: int, sample_index: int) -> int:
+    """The per-sequence stream key of sample `sample_index` of a request seeded with `seed`."""
+    seed_arr = np.array([seed % 2**64], dtype=np.uint64)
+    index_arr = np.array([sample_index], dtype=np.uint64)
+    return int(_mix64(_mix64(seed_arr) + index_arr * _GOLDEN)[0])
+
+
+def uniforms(keys: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per row, a pure function of (key, step): 53 random bits."""
+    h = _mix64(keys.astype(np.uint64) + (steps.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for one step, built on the host from the scheduled sequences."""
+
+    temperature: np.ndarray  # float32 [B]
+    top_p: np.ndarray        # float32 [B]
+    top_k: np.ndarray        # int64 [B]
+    uniform: np.ndarray      # float64 [B]
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.temperature.any()
+
+    @property
+    def any_greedy(self) -> bool:
+        return not self.temperature.all()
+
+    @property
+    def needs_truncation(self) -> bool:
+        return bool((self.top_k > 0).any() or (self.top_p < 1).any())
+
+
+def _truncate(probs_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens outside top-k, then outside the top-p nucleus of what is left (HF order)."""
+    vocab = probs_BV.shape[-1]
+    # A stable sort keeps tie order a function of the row alone, hence batch-independent.
+    sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True, stable=True)
+    rank_V = torch.arange(vocab, device=probs_BV.device)
+    k_B = torch.where(top_k_B > 0, top_k_B, vocab)
+    keep_BV = rank_V[None, :] < k_B[:, None]
+    sorted_BV = sorted_BV * keep_BV
+    cum_BV = sorted_BV.cumsum(dim=-1)
+    mass_before_BV = cum_BV - sorted_BV
+    keep_BV &= mass_before_BV < top_p_B[:, None] * cum_BV[:, -1:]
+    mask_BV = torch.zeros_like(keep_BV).scatter_(1, order_BV, keep_BV)
+    return probs_BV * mask_BV
+
+
+def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns (token ids int64 [B], their log-probs float32 [B])."""
+    device = logits_BV.device
+    logits_BV = logits_BV.float()
+    if batch.all_greedy:
+        tokens_B = logits_BV.argmax(dim=-1)
+        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+    else:
+        temp_B = torch.from_numpy(np.where(batch.temperature == 0, 1.0, batch.temperature)
+                                  .astype(np.float32)).to(device, non_blocking=True)
+        logprobs_BV = torch.log_softmax(logits_BV / temp_B[:, None], dim=-1)
+        probs_BV = logprobs_BV.exp()
+        if batch.needs_truncation:
+            probs_BV = _truncate(probs_BV,
+                                 torch.from_numpy(batch.top_k).to(device, non_blocking=True),
+                                 torch.from_numpy(batch.top_p).to(device, non_blocking=True))
+        cdf_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
+        u_B = torch.from_numpy(batch.uniform).to(device, non_blocking=True)
+        target_B1 = (u_B * cdf_BV[:, -1])[:, None]
+        tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
+        tokens_B.clamp_(max=logits_BV.shape[-1] - 1)
+        # Rounding at the top of the CDF can land on a zero-probability tail token: fall back
+        # to the mode rather than emit a token the truncation removed.
+        picked_B = probs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        tokens_B = torch.where(picked_B > 0, tokens_B, probs_BV.argmax(dim=-1))
+        if batch.any_greedy:
+            greedy_B = torch.from_numpy(batch.temperature == 0).to(device, non_blocking=True)
+            tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), tokens_B)
+    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)

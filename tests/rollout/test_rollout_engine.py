@@ -1,0 +1,205 @@
+"""Engine vs transformers on CPU (fp32, tiny checkpoints): greedy tokens and log-probs.
+
+Covers the acceptance list of the engine issue: mixed prompt lengths, shared prefixes, n > 1,
+preemption forced by a tiny pool, sleep(2) + wake + load_weights, and sampled-token log-probs
+within 1e-4 of a transformers forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handoff.errors import HandoffError
+from handoff.rollout.engine import Engine
+from handoff.rollout.models import iter_checkpoint
+from handoff.rollout.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [s.token_ids for o in outs for s in o.outputs]
+
+
+@pytest.mark.parametrize("which", ["qwen3_dir", "llama_dir"])
+def test_greedy_mixed_lengths_match_transformers(which, ref, request):
+    path = request.getfixturevalue(which)
+    engine = Engine(str(path), ref.cfg())
+    outs = engine.generate(ref.mixed_prompts, GREEDY)
+    for prompt, out in zip(ref.mixed_prompts, outs):
+        (sample,) = out.outputs
+        assert sample.token_ids == ref.greedy(path, prompt, 24)
+        assert len(set(sample.token_ids)) > 3, "degenerate model: the test would prove nothing"
+        expected = ref.logprobs(path, prompt, sample.token_ids)
+        assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4, rtol=0)
+        assert sample.finish_reason in ("stop", "length")
+    assert engine.stats()["decode_steps"] > 0
+
+
+def test_shared_prefix_and_n_samples(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    prefix = list(range(50, 70))  # five full blocks of 4
+    prompts = [prefix + [1, 2], prefix + [3], prefix + [4, 5, 6, 7, 8]]
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, n=3, max_tokens=16))
+    first_hits = engine.stats()["prefix_cache_hits"]
+    assert first_hits >= 8 * 20  # 8 of the 9 sequences reuse the 20-token prefix
+    for prompt, out in zip(prompts, outs):
+        expected = ref.greedy(qwen3_dir, prompt, 16)
+        assert [s.token_ids for s in out.outputs] == [expected] * 3
+    again = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    assert _tokens(again) == [out.outputs[0].token_ids for out in outs]
+    assert engine.stats()["prefix_cache_hits"] > first_hits  # freed blocks were revived
+
+
+def test_preemption_with_tiny_pool(llama_dir, ref):
+    cfg = ref.cfg(num_blocks=20, max_model_len=64)  # 16 blocks hold one full-length sequence
+    engine = Engine(str(llama_dir), cfg)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    outs = engine.generate(ref.mixed_prompts[:4], params)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    for prompt, out in zip(ref.mixed_prompts[:4], outs):
+        expected = ref.greedy(llama_dir, prompt, 40)
+        n = len(out.outputs[0].token_ids)
+        assert out.outputs[0].token_ids == expected[:n]
+        assert n == min(40, 64 - len(prompt)) or out.outputs[0].finish_reason == "stop"
+    assert stats["free_blocks"] == 19  # everything returned (block 0 is the null block)
+
+
+def test_sleep2_wake_reload_same_weights(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    before = _tokens(engine.generate(ref.mixed_prompts, GREEDY))
+    version = engine.weights_version
+    engine.sleep(2)
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+    assert engine.runner.kv_storage.untyped_storage().nbytes() == 0
+    assert engine.model.rope_cos_sin.untyped_storage().nbytes() == 0
+    with pytest.raises(HandoffError, match="asleep"):
+        engine.generate(ref.mixed_prompts, GREEDY)
+    engine.wake_up()
+    with pytest.raises(HandoffError, match="load_weights"):
+        engine.generate(ref.mixed_prompts, GREEDY)
+    engine.load_weights(iter_checkpoint(qwen3_dir))
+    assert engine.weights_version == version + 1
+    assert not engine.runner.kv_storage.any()  # the woken pool starts zeroed
+    after = engine.generate(ref.mixed_prompts, GREEDY)
+    assert _tokens(after) == before
+    assert after[1].outputs[0].token_ids == ref.greedy(qwen3_dir, ref.mixed_prompts[1], 24)
+
+
+def test_sleep1_keeps_weights_and_tags_wake_separately(llama_dir, ref):
+    engine = Engine(str(llama_dir), ref.cfg())
+    before = _tokens(engine.generate(ref.mixed_prompts, GREEDY))
+    engine.sleep(1)
+    assert engine.runner.kv_storage.untyped_storage().nbytes() == 0
+    engine.wake_up(["weights"])
+    assert engine.stats()["awake"] == {"weights": True, "kv_cache": False, "buffers": True}
+    with pytest.raises(HandoffError, match="asleep"):
+        engine.generate(ref.mixed_prompts, GREEDY)
+    engine.wake_up(["kv_cache"])
+    assert _tokens(engine.generate(ref.mixed_prompts, GREEDY)) == before
+    engine.sleep(0)
+    with pytest.raises(HandoffError, match="paused=True"):
+        engine.generate(ref.mixed_prompts, GREEDY)
+    engine.wake_up()
+    assert _tokens(engine.generate(ref.mixed_prompts, GREEDY)) == before
+
+
+def test_load_new_weights_equals_fresh_engine(qwen3_dir, ref, tmp_path):
+    other = ref.write_checkpoint("tiny-qwen3", tmp_path / "other", seed=2)
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    old = _tokens(engine.generate(ref.mixed_prompts, GREEDY))
+    engine.sleep(2)
+    engine.wake_up(["weights"])
+    engine.load_weights(iter_checkpoint(other))
+    engine.wake_up(["kv_cache"])
+    new = _tokens(engine.generate(ref.mixed_prompts, GREEDY))
+    assert new != old
+    assert new == _tokens(Engine(str(other), ref.cfg()).generate(ref.mixed_prompts, GREEDY))
+
+
+def test_sampled_logprobs_match_transformers(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    prompt = ref.mixed_prompts[1]
+    for temperature in (1.0, 0.7):
+        params = SamplingParams(temperature=temperature, seed=3, n=2, max_tokens=20)
+        for sample in engine.generate([prompt], params)[0].outputs:
+            expected = ref.logprobs(qwen3_dir, prompt, sample.token_ids, temperature)
+            assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_top_k_restricts_support(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    prompt = ref.mixed_prompts[0]
+    params = SamplingParams(temperature=1.5, top_k=3, seed=11, n=4, max_tokens=12)
+    samples = engine.generate([prompt], params)[0].outputs
+    for sample in samples:
+        logits = ref.logits(qwen3_dir, prompt + sample.token_ids)[len(prompt) - 1:-1]
+        top3 = logits.topk(3, dim=-1).indices
+        assert (top3 == torch.tensor(sample.token_ids)[:, None]).any(dim=-1).all()
+    assert len({tuple(s.token_ids) for s in samples}) > 1  # it did sample
+
+
+def test_seeded_sampling_ignores_batch_composition(llama_dir, ref):
+    engine = Engine(str(llama_dir), ref.cfg())
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=5, n=2, max_tokens=16)
+    alone = engine.generate([ref.mixed_prompts[2]], params)[0]
+    others = SamplingParams(temperature=0.8, seed=9, n=3, max_tokens=20)
+    mixed = engine.generate(ref.mixed_prompts, [others, others, params, others, others])[2]
+    assert [s.token_ids for s in mixed.outputs] == [s.token_ids for s in alone.outputs]
+    assert alone.outputs[0].token_ids != alone.outputs[1].token_ids  # samples differ
+    reseeded = engine.generate([ref.mixed_prompts[2]], SamplingParams(
+        temperature=1.0, top_p=0.9, seed=6, n=2, max_tokens=16))[0]
+    assert reseeded.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_stop_ids_and_length_limits(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg(max_model_len=32))
+    prompt = ref.mixed_prompts[3]  # 13 tokens
+    greedy = ref.greedy(qwen3_dir, prompt, 6)
+    stop = greedy[3]
+    cut = greedy.index(stop)
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6,
+                                                   stop_token_ids=[stop]))[0].outputs[0]
+    assert out.token_ids == greedy[:cut + 1] and out.finish_reason == "stop"
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=100,
+                                                   ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 32 - 13 and out.finish_reason == "length"
+
+
+def test_fp8_kv_cache_runs_and_resets_on_wake(qwen3_dir, ref):
+    exact = Engine(str(qwen3_dir), ref.cfg())
+    fp8 = Engine(str(qwen3_dir), ref.cfg(kv_dtype="fp8"))
+    assert fp8.runner.kv_storage.dtype == torch.float8_e4m3fn
+    assert fp8.stats()["kv_cache_bytes"] * 4 == exact.stats()["kv_cache_bytes"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    a = exact.generate(ref.mixed_prompts, params)
+    b = fp8.generate(ref.mixed_prompts, params)
+    # e4m3 keeps ~2 significant digits: the first token's log-prob moves only a little.
+    for x, y in zip(a, b):
+        assert abs(x.outputs[0].logprobs[0] - y.outputs[0].logprobs[0]) < 0.1
+    assert fp8.runner.kv_storage.float().abs().sum() > 0
+    fp8.runner.kv_scales.fill_(3.0)
+    fp8.sleep(1)
+    fp8.wake_up()
+    assert not fp8.runner.kv_storage.float().any()
+    assert torch.equal(fp8.runner.kv_scales, torch.ones_like(fp8.runner.kv_scales))
+
+
+def test_user_errors_name_the_fix(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg(max_model_len=16))
+    with pytest.raises(HandoffError, match="max_model_len"):
+        engine.generate([list(range(20))], GREEDY)
+    with pytest.raises(HandoffError, match="empty"):
+        engine.generate([[]], GREEDY)
+    with pytest.raises(HandoffError, match="outside"):
+        engine.generate([[1, 999]], GREEDY)
+    with pytest.raises(HandoffError, match="one per prompt"):
+        engine.generate([[1], [2]], [GREEDY])
+    with pytest.raises(HandoffError, match="unknown engine tags"):
+        engine.wake_up(["kv"])
+    with pytest.raises(HandoffError, match="cannot hold one sequence"):
+        Engine(str(qwen3_dir), ref.cfg(num_blocks=3))
+    with pytest.raises(HandoffError, match="no place"):
+        engine.load_weights([("model.layers.0.self_attn.x_proj.weight", torch.zeros(1))])
