@@ -40,7 +40,9 @@ _EXPANDABLE = {"enabled": "expandable_segments:true" in
 
 
 def _fmt(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
+    if abs(nbytes) >= GiB:
+        return f"{nbytes / GiB:.2f} GiB"
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def aggressive_empty_cache() -> None:
@@ -273,11 +275,12 @@ class RegionPool:
         holders = "no meter probe yet (pass meter= to RegionPool to see who holds it)"
         last = self.meter.last if self.meter is not None else None
         if last:
-            awake = {k: _fmt(v) for k, v in last.get("regions", {}).items()
-                     if last.get("awake", {}).get(k)}
-            holders = (f"at probe {last['name']!r}: torch allocated "
-                       f"{_fmt(last['allocated'])}, reserved {_fmt(last['reserved'])}, "
-                       f"awake regions {awake}")
+            from handoff.memory.meter import owners
+
+            held = ", ".join(f"{k} {_fmt(v)}" for k, v in owners(last).items()
+                             if k != "free" and v > 0)
+            holders = (f"at probe {last['name']!r}: {held or 'nothing measured'} (torch "
+                       f"allocated {_fmt(last['allocated'])})")
         return (f"cannot wake {tags}: needs {_fmt(need)} + margin "
                 f"{_fmt(self.wake_margin_bytes)} but the driver has {_fmt(free)} free; "
                 f"{holders}; free memory first (aggressive_empty_cache(), offload trainer "
@@ -326,5 +329,9 @@ class _CpuBackend:
             storage.resize_(0)
 
     def remap(self, tag: str, tracked: list, nbytes: list[int]) -> None:
-        for (_, storage), n in zip(tracked, nbytes):
-            storage.resize_(n)
+        try:
+            for (_, storage), n in zip(tracked, nbytes):
+                storage.resize_(n)
+        except BaseException:
+            self.release(tag, tracked)  # all or nothing, like a CUDA remap
+            raise
