@@ -249,6 +249,15 @@ class Engine:
         if self.pool.is_awake("kv_cache"):
             self.blocks.reset_prefix_cache()  # cached KV was computed by the old weights
 
+    def export_weight(self, hf_name: str) -> torch.Tensor:
+        """The engine's copy of HF tensor `hf_name` (a view: fused rows, or the tied embedding)."""
+        if hf_name == "lm_head.weight" and self.model.lm_head is None:
+            hf_name = "model.embed_tokens.weight"
+        found = self.model.locate(hf_name)
+        if found is None:
+            raise HandoffError(f"weight {hf_name!r} is not kept by the engine: export a model weight")
+        return found[0]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (call after weights change)."""
         self.blocks.reset_prefix_cache()

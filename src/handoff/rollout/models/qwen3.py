@@ -128,6 +128,7 @@ class CausalLM(nn.Module):
         self.lm_head = (None if spec.tie_word_embeddings
                         else Linear(spec.hidden_size, spec.vocab_size, bias=False, **kw))
         self.rope_cos_sin: torch.Tensor | None = None  # [max_len, D] fp32, outside the weights
+        self._target_cache: dict | None = None
 
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
                 meta: AttnMeta) -> torch.Tensor:
@@ -152,34 +153,45 @@ class CausalLM(nn.Module):
                 out[f"{mod_name}.{p_name}" if mod_name else p_name] = (param, fused)
         return out
 
+    def locate(self, hf_name: str) -> tuple[torch.Tensor, str] | None:
+        """The engine view that holds HF tensor `hf_name` and its coverage key (None: ignored)."""
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            return None
+        if hf_name == "lm_head.weight" and self.lm_head is None:
+            return None
+        module_name, _, leaf = hf_name.rpartition(".")
+        parent, _, proj = module_name.rpartition(".")
+        shard = None
+        if proj in _FUSED:
+            fused_name, shard = _FUSED[proj]
+            module_name = f"{parent}.{fused_name}"
+        name = f"{module_name}.{leaf}"
+        if self._target_cache is None:
+            self._target_cache = self._targets()
+        if name not in self._target_cache:
+            raise HandoffError(f"weight {hf_name!r} has no place in the engine's "
+                               f"{self.spec.model_type} layout: check that the checkpoint "
+                               "matches its config.json (model_type, bias flags, tying)")
+        param, fused = self._target_cache[name]
+        if shard is None:
+            return param, name
+        return param.narrow(0, *fused.shard_slice(shard)), f"{name}[{shard}]"
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named full tensors into the engine layout; returns the keys touched."""
-        targets = self._targets()
         touched: set[str] = set()
         for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight"
-                                                        and self.lm_head is None):
+            found = self.locate(hf_name)
+            if found is None:
                 continue
-            module_name, _, leaf = hf_name.rpartition(".")
-            parent, _, proj = module_name.rpartition(".")
-            shard = None
-            if proj in _FUSED:
-                fused_name, shard = _FUSED[proj]
-                module_name = f"{parent}.{fused_name}"
-            name = f"{module_name}.{leaf}"
-            if name not in targets:
-                raise HandoffError(f"weight {hf_name!r} has no place in the engine's "
-                                   f"{self.spec.model_type} layout: check that the checkpoint "
-                                   "matches its config.json (model_type, bias flags, tying)")
-            param, fused = targets[name]
-            dest = param if shard is None else param.narrow(0, *fused.shard_slice(shard))
+            dest, key = found
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise HandoffError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, the engine "
                                    f"expects {tuple(dest.shape)}: the checkpoint and config.json "
                                    "disagree")
             dest.copy_(tensor)
-            touched.add(name if shard is None else f"{name}[{shard}]")
+            touched.add(key)
         return touched
 
     def weight_keys(self) -> set[str]:

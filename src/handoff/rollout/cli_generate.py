@@ -1,0 +1,45 @@
+"""`handoff generate`: try the engine on a checkpoint from the shell.
+
+    handoff generate --model ckpt/ --prompt "2+2=" --prompt "Hello" --max-tokens 32 \
+        --temperature 0.7 --n 2 --json
+
+Prompts are tokenized as raw text with the checkpoint's tokenizer (no chat template); every
+sample is printed, or with --json a list of {prompt, token_ids, text, logprobs, finish_reason}
+(token_ids are the generated ones, the stop token included; text is their decoding without
+special tokens).
+"""
+
+from __future__ import annotations
+
+from handoff.errors import HandoffError
+
+
+def generate_samples(model: str, prompts: list[str], *, max_tokens: int, temperature: float,
+                     n: int = 1, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                     device: str | None = None, max_model_len: int | None = None) -> list[dict]:
+    """Run the engine on text prompts; one dict per sample, grouped by prompt."""
+    from transformers import AutoTokenizer
+
+    from handoff.config import RolloutConfig
+    from handoff.rollout.engine import Engine
+    from handoff.rollout.sampling import SamplingParams
+
+    if not prompts:
+        raise HandoffError("no prompt given: pass --prompt TEXT (repeat it for several)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise HandoffError(f"cannot load a tokenizer from {model!r} ({e}): pass an HF checkpoint "
+                           "directory with tokenizer files") from None
+    token_lists = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    longest = max(len(t) for t in token_lists) + max_tokens
+    cfg = RolloutConfig(max_model_len=max_model_len or max(longest + 1, 2),
+                        max_num_seqs=max(len(prompts) * n, 1), n=n, max_tokens=max_tokens)
+    engine = Engine(model, cfg, device=device)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
+                            max_tokens=max_tokens)
+    outputs = engine.generate(token_lists, params)
+    return [{"prompt": text, "token_ids": s.token_ids,
+             "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
+             "logprobs": s.logprobs, "finish_reason": s.finish_reason}
+            for text, out in zip(prompts, outputs) for s in out.outputs]
