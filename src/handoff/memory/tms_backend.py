@@ -8,8 +8,9 @@ this file:
   a resume runs out of memory half way: RegionPool keeps the state and checks the driver's
   free memory before every wake, so neither reaches it;
 * it refuses to start when PYTORCH_CUDA_ALLOC_CONF sets expandable_segments: we hide that
-  setting from its start-up check and switch expandable segments off while a region
-  allocates (its pools use their own allocator; the rest of the process keeps the setting);
+  setting from its start-up check; and PyTorch refuses MemPool allocations while the
+  setting is on, so a region switches it off while it allocates and back afterwards (the
+  rest of the process keeps it; switch it only through handoff.memory so the two agree);
 * pause does not wait for running kernels, so we synchronize first;
 * its tags are process-wide and its pools live until the process ends: each RegionPool
   prefixes its tags (`handoff3:weights`) so two pools never pause each other's memory or
@@ -25,7 +26,7 @@ import os
 import torch
 
 from handoff.errors import HandoffError
-from handoff.memory.regions import expandable_segments, expandable_segments_enabled
+from handoff.memory.regions import expandable_segments
 
 _POOL_IDS = itertools.count()
 
@@ -83,9 +84,9 @@ class TmsBackend:
     @contextlib.contextmanager
     def region(self, tag: str):
         before = torch.cuda.memory_reserved(self.device)
-        cm = expandable_segments(False) if expandable_segments_enabled() else \
-            contextlib.nullcontext()
-        with torch.cuda.device(self.device), cm, self.saver.region(tag=self._prefix + tag):
+        # PyTorch refuses MemPool allocations while expandable_segments is on.
+        with torch.cuda.device(self.device), expandable_segments(False), \
+                self.saver.region(tag=self._prefix + tag):
             try:
                 yield
             finally:
