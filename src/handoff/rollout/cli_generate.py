@@ -22,10 +22,12 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
 
     from handoff.config import RolloutConfig
     from handoff.rollout.engine import Engine
+    from handoff.rollout.models import read_hf_config
     from handoff.rollout.sampling import SamplingParams
 
     if not prompts:
         raise HandoffError("no prompt given: pass --prompt TEXT (repeat it for several)")
+    read_hf_config(model)  # a missing checkpoint is named before the tokenizer complains
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:

@@ -110,16 +110,7 @@ class ModelRunner:
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
         """(input_ids, positions, block_tables, context_lens, slot_mapping) for `decode`."""
-        bs = self.block_size
-        num = len(seqs)
-        rows = np.fromiter((s.row for s in seqs), np.int64, num)
-        lens = np.fromiter((s.num_tokens for s in seqs), np.int64, num)
-        last = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num)
-        tables_BM = self.tables[rows, :-(-int(lens.max()) // bs)]
-        positions = lens - 1
-        slots = tables_BM[np.arange(num), positions // bs].astype(np.int64) * bs + positions % bs
-        return (self._dev(last), self._dev(positions), self._dev(tables_BM),
-                self._dev(lens.astype(np.int32)), self._dev(slots))
+        return decode_inputs(seqs, self.tables, self.block_size, self.device)
 
     def decode(self, input_ids_B: torch.Tensor, positions_B: torch.Tensor,
                block_tables_BM: torch.Tensor, context_lens_B: torch.Tensor,
@@ -142,7 +133,7 @@ class ModelRunner:
             uniform=uniforms(keys, steps))
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return _to_device(array, self.device)
 
     # ---------------------------------------------------------------- sizing
 
@@ -177,3 +168,22 @@ class ModelRunner:
             peak += gather * (self.dtype.itemsize + (4 if self.kv_dtype == FP8_DTYPE else 0))
         torch.cuda.empty_cache()
         return int(peak)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+
+def decode_inputs(seqs: list[Sequence], tables: np.ndarray, block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Decode-step tensors from the block manager's table array: a few numpy ops per step."""
+    num = len(seqs)
+    rows = np.fromiter((s.row for s in seqs), np.int64, num)
+    lens = np.fromiter((s.num_tokens for s in seqs), np.int64, num)
+    last = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num)
+    tables_BM = tables[rows, :-(-int(lens.max()) // block_size)]
+    positions = lens - 1
+    slots = (tables_BM[np.arange(num), positions // block_size].astype(np.int64) * block_size
+             + positions % block_size)
+    return tuple(_to_device(a, device) for a in (last, positions, tables_BM,
+                                                 lens.astype(np.int32), slots))
