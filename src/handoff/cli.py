@@ -76,5 +76,39 @@ def bench_memory_cmd(
     console.print(f"wrote {out}")
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HandoffError(f"{flag} {text!r} is not a comma-separated list of integers: "
+                           "write e.g. 1,8,64") from None
+
+
+@bench_app.command("kernel")
+@friendly_errors
+def bench_kernel_cmd(
+    out: str = typer.Option("bench-kernel.json", "--out", help="where to write the JSON result"),
+    batches: str = typer.Option("1,8,64,256", help="batch sizes, comma-separated"),
+    contexts: str = typer.Option("512,2048,8192", help="context lengths, comma-separated"),
+    block_sizes: str = typer.Option("16,64", help="KV block sizes, comma-separated"),
+    variants: str = typer.Option("", help="extra configs T:W:S[:waves], e.g. 64:4:5,128:4:3"),
+    kv_dtype: str = typer.Option("bfloat16", help="bfloat16 | fp8 (e4m3 with scales)"),
+    timer: str = typer.Option("graph", help="graph (CUDA-graph replays) | events (eager)"),
+) -> None:
+    """Paged decode kernel alone vs SDPA on contiguous KV, in bytes/s (CUDA only)."""
+    import json
+
+    from handoff.bench.kernel import parse_variants, render, run_kernel_bench
+
+    result = run_kernel_bench(
+        batches=_int_list(batches, "--batches"), contexts=_int_list(contexts, "--contexts"),
+        block_sizes=_int_list(block_sizes, "--block-sizes"), variants=parse_variants(variants),
+        kv_dtype=kv_dtype, timer=timer)
+    render(result, console)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    console.print(f"wrote {out}")
+
+
 if __name__ == "__main__":
     app()

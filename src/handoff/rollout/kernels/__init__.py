@@ -6,11 +6,11 @@ Default launch settings for an H200, fixed (no autotuning: the first call of a s
 once and a CUDA-graph capture never starts a tuning sweep). T = tokens per tile. Resources are
 from compiling for sm_90 with Triton 3.6 (cuobjdump --dump-resource-usage), Qwen3 shapes:
 
-| KV dtype  | head_dim | T  | warps | stages | regs | smem   | programs/SM | K+V bytes in flight/SM |
-|-----------|----------|----|-------|--------|------|--------|-------------|------------------------|
-| bf16/fp16 | <= 128   | 64 | 4     | 3      | 128  | 39 KiB | 4           | 4 x 32 KiB             |
-| fp8 e4m3  | <= 128   | 64 | 4     | 3      | 114  | 39 KiB | 4           | 4 x 16 KiB             |
-| any       | > 128    | 32 | 4     | 2      |      |        |             |                        |
+| KV dtype  | head_dim | T  | warps | stages | regs | smem   | programs/SM | K+V in flight/SM |
+|-----------|----------|----|-------|--------|------|--------|-------------|------------------|
+| bf16/fp16 | <= 128   | 64 | 4     | 3      | 128  | 39 KiB | 4           | 4 x 32 KiB       |
+| fp8 e4m3  | <= 128   | 64 | 4     | 3      | 114  | 39 KiB | 4           | 4 x 16 KiB       |
+| any       | > 128    | 32 | 4     | 2      |      |        |             |                  |
 
 Why: decode is memory-bound (16 FLOP per KV byte with a GQA group padded to 16 rows, against
 the H200's ~200 FLOP/B ridge), so bytes in flight are what count: 4.8 TB/s over 132 SMs at ~1 us
