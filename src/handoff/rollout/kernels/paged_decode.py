@@ -8,13 +8,13 @@ Layout (the contract with the engine): per layer
 Shape legend: B batch, H query heads, K kv heads, G query heads per kv head (padded: GP),
 D head_dim (padded: DP), N block_size, M max_blocks_per_seq, S splits, T tokens of one tile.
 
-How it runs: one program per (sequence, kv head, split). The G query heads that share a kv head
+How it runs: one program per (kv head, sequence, split). The G query heads that share a kv head
 form one [GP, DP] tile (GP >= 16) so both products go through tl.dot on the tensor cores. Each
 program walks its share of the context in tiles of T tokens; a token's physical row comes from
 the block table with block_size a compile-time constant, so any block size works (division by
 a constant) and a tile may span several blocks or part of one. With S > 1 each split writes a
 normalised partial output and its log-sum-exp, and a second kernel merges them. The grid is
-(B, K, S) with S chosen from shapes only, never from context_lens values, so a launch can be
+(K, B, S) with S chosen from shapes only, never from context_lens values, so a launch can be
 captured in a CUDA graph and replayed with new lengths. Rows with context_len 0 write zeros.
 """
 
@@ -43,8 +43,8 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, SPLIT: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
 
     # Clamp so a bad length can never index past the block-table row.
@@ -248,7 +248,9 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_lse = torch.empty(B * H * num_splits, device=q_BHD.device, dtype=torch.float32)
     else:
         part_o = part_lse = out
-    _paged_decode_kernel[(B, K, num_splits)](
+    # kv heads vary fastest so that programs launched together read neighbouring head slices
+    # of the same token rows ([block, slot, kv_head, :] is one 2 KiB row at Qwen3 shapes).
+    _paged_decode_kernel[(K, B, num_splits)](
         q_BHD, k_cache, v_cache, block_tables, context_lens, ks, vs, out, part_o, part_lse,
         scale * LOG2E, max_blocks, num_splits,
         q_BHD.stride(0), q_BHD.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
