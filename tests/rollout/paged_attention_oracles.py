@@ -47,6 +47,13 @@ def make_case(seed: int, batch: int, num_kv_heads: int, group: int, head_dim: in
     return case
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids], through a byte view for fp8 (not every device indexes fp8 directly)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[block_ids].view(cache.dtype)
+    return cache[block_ids]
+
+
 def reference(case: dict) -> torch.Tensor:
     """Gather the blocks and run attention in float32 (masked slots zeroed, so NaN never leaks)."""
     q, kc, vc, bt, ctx = (case[n] for n in ("q", "k_cache", "v_cache", "block_tables",
@@ -54,8 +61,8 @@ def reference(case: dict) -> torch.Tensor:
     B, H, D = q.shape
     _, bs, K, _ = kc.shape
     idx = bt.clamp(min=0).long()
-    k_BLKD = kc[idx].float().reshape(B, -1, K, D)
-    v_BLKD = vc[idx].float().reshape(B, -1, K, D)
+    k_BLKD = gather_blocks(kc, idx).float().reshape(B, -1, K, D)
+    v_BLKD = gather_blocks(vc, idx).float().reshape(B, -1, K, D)
     if case["k_scale"] is not None:
         k_BLKD, v_BLKD = k_BLKD * case["k_scale"].float(), v_BLKD * case["v_scale"].float()
     valid_BL = torch.arange(k_BLKD.shape[1], device=q.device)[None, :] < ctx[:, None].long()

@@ -114,7 +114,9 @@ def bench_shape(*, block_size: int, batch: int, context: int, heads: tuple[int, 
     scale = D ** -0.5
 
     def dense_kv(pool, s, kv_scale):
-        x_BLKD = pool[tables[s].long()].reshape(batch, blocks_per_seq * block_size, K, D)
+        raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+        x_BLKD = raw[tables[s].long()].view(pool.dtype)
+        x_BLKD = x_BLKD.reshape(batch, blocks_per_seq * block_size, K, D)
         x_BLKD = x_BLKD[:, :context].to(dense) if kv_scale is None else \
             (x_BLKD[:, :context].float() * kv_scale).to(dense)
         return x_BLKD.transpose(1, 2).contiguous()
