@@ -80,11 +80,19 @@ def test_sleep2_wake_reload_same_weights(qwen3_dir, ref):
     engine.wake_up()
     with pytest.raises(HandoffError, match="load_weights"):
         engine.generate(ref.mixed_prompts, GREEDY)
-    engine.load_weights(iter_checkpoint(qwen3_dir))
+    tensors = list(iter_checkpoint(qwen3_dir))
+    engine.load_weights(tensors[:5])  # a sync arrives in buckets: one version for all
+    with pytest.raises(HandoffError, match="missing"):
+        engine.generate(ref.mixed_prompts, GREEDY)
+    engine.load_weights(tensors[5:])
     assert engine.weights_version == version + 1
     assert not engine.runner.kv_storage.any()  # the woken pool starts zeroed
     after = engine.generate(ref.mixed_prompts, GREEDY)
     assert _tokens(after) == before
+    engine.load_weights(tensors)
+    assert engine.weights_version == version + 2
+    for name, tensor in tensors:
+        assert torch.equal(engine.export_weight(name), tensor)
     assert after[1].outputs[0].token_ids == ref.greedy(qwen3_dir, ref.mixed_prompts[1], 24)
 
 

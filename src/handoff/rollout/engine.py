@@ -74,6 +74,7 @@ class Engine:
         self.pool.track("weights", model)
         self.model = model
         self.weights_version = 0
+        self._updating_weights = False
         self._missing_weights = model.weight_keys() - model.load_weights(iter_checkpoint(model_path))
         if self._missing_weights:
             raise HandoffError(f"checkpoint {self.model_path!r} lacks weights for "
@@ -147,6 +148,7 @@ class Engine:
                  *, progress: bool = False) -> list[RequestOutput]:
         """Complete every prompt `params.n` times; outputs in prompt order, samples in order."""
         self._check_ready()
+        self._updating_weights = False
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -240,12 +242,18 @@ class Engine:
         self._paused = not all(self.pool.is_awake(t) for t in TAGS)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy (HF name, full tensor) pairs into the engine layout; bumps weights_version."""
+        """Copy (HF name, full tensor) pairs into the engine layout.
+
+        weights_version grows by one per update: consecutive calls between two `generate`s
+        (the buckets of one sync) count as a single update.
+        """
         if not self.pool.is_awake("weights"):
             raise HandoffError("load_weights while the weights region sleeps: call "
                                "wake_up(['weights']) first")
         self._missing_weights -= self.model.load_weights(weights)
-        self.weights_version += 1
+        if not self._updating_weights:  # the buckets of one sync make one new version
+            self.weights_version += 1
+            self._updating_weights = True
         if self.pool.is_awake("kv_cache"):
             self.blocks.reset_prefix_cache()  # cached KV was computed by the old weights
 
