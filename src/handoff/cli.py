@@ -55,6 +55,35 @@ def init_model_cmd(
     console.print(f"wrote {preset} checkpoint to {path}")
 
 
+@app.command("generate")
+@friendly_errors
+def generate_cmd(
+    model: str = typer.Option(..., "--model", help="HF checkpoint directory"),
+    prompt: list[str] = typer.Option(..., "--prompt", help="prompt text (repeat for several)"),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="most new tokens per sample"),
+    temperature: float = typer.Option(1.0, "--temperature", help="0: greedy"),
+    n: int = typer.Option(1, "--n", help="samples per prompt"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus mass (1: off)"),
+    seed: int = typer.Option(-1, "--seed", help="sampling seed (-1: random)"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON list, one entry per sample"),
+) -> None:
+    """Generate completions with the built-in rollout engine."""
+    import json
+
+    from handoff.rollout.cli_generate import generate_samples
+
+    samples = generate_samples(model, prompt, max_tokens=max_tokens, temperature=temperature,
+                               n=n, top_p=top_p, seed=None if seed < 0 else seed,
+                               device=None if device == "auto" else device)
+    if as_json:
+        typer.echo(json.dumps(samples))
+        return
+    for s in samples:
+        console.print(f"[bold]{s['prompt']!r}[/] -> {s['text']!r} "
+                      f"({len(s['token_ids'])} tokens, {s['finish_reason']})", highlight=False)
+
+
 @bench_app.command("memory")
 @friendly_errors
 def bench_memory_cmd(
