@@ -124,3 +124,27 @@ def check(case: dict, out: torch.Tensor, ref: torch.Tensor | None = None) -> dic
     return {"rel_err": ((out.float() - ref).norm() / ref.norm()).item(),
             "finite": bool(torch.isfinite(out).all()),
             "zero_rows_zero": bool((out[zero_rows] == 0).all())}
+
+
+def prefill_reference(case: dict, q_THD: torch.Tensor, query_lens: list[int]) -> torch.Tensor:
+    """Each sequence's queries are its last query_lens[b] positions; float32, causal."""
+    kc, vc, bt = case["k_cache"], case["v_cache"], case["block_tables"]
+    _, bs, K, D = kc.shape
+    H = q_THD.shape[1]
+    outs, start = [], 0
+    for b, nq in enumerate(query_lens):
+        nk = int(case["context_lens"][b])
+        ids = bt[b, :-(-nk // bs)].long()
+        k_LKD = gather_blocks(kc, ids).float().reshape(-1, K, D)[:nk]
+        v_LKD = gather_blocks(vc, ids).float().reshape(-1, K, D)[:nk]
+        if case["k_scale"] is not None:
+            k_LKD, v_LKD = k_LKD * case["k_scale"].float(), v_LKD * case["v_scale"].float()
+        k_LHD = k_LKD.repeat_interleave(H // K, dim=1)
+        v_LHD = v_LKD.repeat_interleave(H // K, dim=1)
+        s_HQL = torch.einsum("qhd,lhd->hql", q_THD[start:start + nq].float(), k_LHD)
+        keep_QL = torch.arange(nk, device=q_THD.device)[None, :] <= \
+            torch.arange(nq, device=q_THD.device)[:, None] + (nk - nq)
+        p_HQL = torch.softmax((s_HQL * case["scale"]).masked_fill(~keep_QL, float("-inf")), -1)
+        outs.append(torch.einsum("hql,lhd->qhd", p_HQL, v_LHD))
+        start += nq
+    return torch.cat(outs)

@@ -1,6 +1,7 @@
 """Triton kernels of the rollout engine (CUDA; also run on CPU tensors under TRITON_INTERPRET=1).
 
 paged_decode_attention: decode attention over the paged KV cache (see paged_decode.py).
+paged_prefill_attention: prefill over the paged cache via varlen_attn on CUDA (see prefill.py).
 
 Default launch settings for an H200, fixed (no autotuning: the first call of a shape compiles
 once and a CUDA-graph capture never starts a tuning sweep). T = tokens per tile. Resources are
@@ -22,5 +23,7 @@ the SMs, at least two tiles per split. `handoff bench kernel --variants` times a
 
 from handoff.rollout.kernels.paged_decode import (choose_num_splits, default_config,
                                                   paged_decode_attention)
+from handoff.rollout.kernels.prefill import paged_prefill_attention
 
-__all__ = ["choose_num_splits", "default_config", "paged_decode_attention"]
+__all__ = ["choose_num_splits", "default_config", "paged_decode_attention",
+           "paged_prefill_attention"]
