@@ -123,6 +123,7 @@ def bench_kernel_cmd(
     variants: str = typer.Option("", help="extra configs T:W:S[:waves], e.g. 64:4:5,128:4:3"),
     kv_dtype: str = typer.Option("bfloat16", help="bfloat16 | fp8 (e4m3 with scales)"),
     timer: str = typer.Option("graph", help="graph (CUDA-graph replays) | events (eager)"),
+    prefill: bool = typer.Option(False, help="also time paged prefill (gather + varlen_attn)"),
 ) -> None:
     """Paged decode kernel alone vs SDPA on contiguous KV, in bytes/s (CUDA only)."""
     import json
@@ -132,7 +133,7 @@ def bench_kernel_cmd(
     result = run_kernel_bench(
         batches=_int_list(batches, "--batches"), contexts=_int_list(contexts, "--contexts"),
         block_sizes=_int_list(block_sizes, "--block-sizes"), variants=parse_variants(variants),
-        kv_dtype=kv_dtype, timer=timer)
+        kv_dtype=kv_dtype, timer=timer, prefill=prefill)
     render(result, console)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)

@@ -2,6 +2,7 @@
 
     handoff bench kernel --out kernel.json                       # Qwen3 shapes, bf16, CUDA only
     handoff bench kernel --variants 64:4:3,64:4:5,128:4:3:4      # also time other launch configs
+    handoff bench kernel --prefill                               # plus varlen prefill timings
 
 For each block size x batch x context (every sequence at that length, blocks scattered over the
 pool) it times paged_decode_attention and SDPA (flash / efficient / cuDNN, the best that runs)
@@ -163,7 +164,7 @@ def bench_shape(*, block_size: int, batch: int, context: int, heads: tuple[int, 
 
 def run_kernel_bench(*, batches: list[int], contexts: list[int], block_sizes: list[int],
                      variants: list[dict], kv_dtype: str = "bfloat16", timer: str = "graph",
-                     heads: tuple[int, int, int] = (32, 8, 128)) -> dict:
+                     heads: tuple[int, int, int] = (32, 8, 128), prefill: bool = False) -> dict:
     """Run every shape; the first variant is the kernel's default config. Returns a JSON dict."""
     import triton
 
@@ -194,7 +195,41 @@ def run_kernel_bench(*, batches: list[int], contexts: list[int], block_sizes: li
             variants=all_variants, timer=timer, l2_bytes=l2_bytes,
             num_sms=props.multi_processor_count))
         torch.cuda.empty_cache()
+    if prefill:
+        result["prefill"] = bench_prefill(num_seqs=[8, 64], prompt_lens=[256, 1024],
+                                          heads=heads)
     return result
+
+
+def bench_prefill(*, num_seqs: list[int], prompt_lens: list[int], block_size: int = 16,
+                  heads: tuple[int, int, int] = (32, 8, 128)) -> list[dict]:
+    """paged_prefill_attention (gather + varlen_attn, eager as the engine runs prefill) against
+    varlen_attn alone on K/V already packed: the difference is what the gather costs."""
+    from handoff.rollout.kernels.prefill import _varlen_call, paged_prefill_attention
+
+    H, K, D = heads
+    rows = []
+    for n, p in itertools.product(num_seqs, prompt_lens):
+        nb = -(-p // block_size)
+        k_pool = torch.randn(n * nb, block_size, K, D, device="cuda", dtype=torch.bfloat16)
+        v_pool = torch.randn_like(k_pool)
+        tables = torch.randperm(n * nb, device="cuda").to(torch.int32).view(n, nb)
+        q_THD = torch.randn(n * p, H, D, device="cuda", dtype=torch.bfloat16)
+        k_LKD = torch.randn(n * p, K, D, device="cuda", dtype=torch.bfloat16)
+        v_LKD = torch.randn_like(k_LKD)
+        cu = torch.arange(0, n * p + 1, p, device="cuda", dtype=torch.int32)
+        lens, scale = [p] * n, D ** -0.5
+        paged_ms = _median_ms(lambda: paged_prefill_attention(
+            q_THD, k_pool, v_pool, tables, lens, lens, scale=scale), "events")
+        packed_ms = _median_ms(lambda: _varlen_call(q_THD, k_LKD, v_LKD, cu, cu, p, p, scale),
+                               "events")
+        flops = 4 * n * H * D * p * (p + 1) / 2  # causal: QK^T and PV over the kept half
+        rows.append({"num_seqs": n, "prompt_len": p, "paged_ms": paged_ms,
+                     "packed_ms": packed_ms, "paged_tflops": flops / paged_ms / 1e9,
+                     "packed_tflops": flops / packed_ms / 1e9})
+        del k_pool, v_pool, q_THD, k_LKD, v_LKD
+        torch.cuda.empty_cache()
+    return rows
 
 
 def render(result: dict, console) -> None:
@@ -230,3 +265,14 @@ def render(result: dict, console) -> None:
                      for x in bws]
             v.add_row(str(r["block_size"]), str(r["batch"]), str(r["context"]), *cells)
         console.print(v)
+    if result.get("prefill"):
+        p = Table(title="prefill (bf16, block 16): paged = gather + varlen_attn; packed = "
+                        "varlen_attn on K/V already packed")
+        for col in ("seqs", "prompt", "paged ms", "paged TFLOP/s", "packed ms",
+                    "packed TFLOP/s"):
+            p.add_column(col, justify="right")
+        for r in result["prefill"]:
+            p.add_row(str(r["num_seqs"]), str(r["prompt_len"]), f"{r['paged_ms']:.3f}",
+                      f"{r['paged_tflops']:.0f}", f"{r['packed_ms']:.3f}",
+                      f"{r['packed_tflops']:.0f}")
+        console.print(p)
