@@ -29,8 +29,8 @@ import math
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena, Transfer
@@ -243,7 +243,8 @@ class ShardedModel:
                     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor on the device) one parameter at a time, all-gathered from the
         shards and cast to `dtype`; the previous one is released before the next is gathered.
-        Tied weights appear once, under their first name (e.g. model.embed_tokens.weight)."""
+        Tied weights appear once, under their first name (e.g. model.embed_tokens.weight).
+        Collective: every rank must run the generator to the end, in step."""
         self._require_on_device("params")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         for name, p in self.module.named_parameters():
@@ -255,13 +256,9 @@ class ShardedModel:
 
     def _gather(self, p: torch.Tensor) -> torch.Tensor:
         shard = local_shard(p.detach())
-        if shard.device != self.device:   # CPUOffloadPolicy keeps shards on the host
-            shard = shard.to(self.device)
         if self.world_size == 1:
-            return shard.clone()
-        rows = math.ceil(p.shape[0] / self.world_size)
-        padded = F.pad(shard, (0, 0) * (shard.dim() - 1) + (0, rows - shard.shape[0]))
-        out = torch.empty((rows * self.world_size, *p.shape[1:]), dtype=shard.dtype,
-                          device=self.device)
-        torch.distributed.all_gather_into_tensor(out, padded.contiguous())
-        return out[:p.shape[0]]
+            return shard.to(self.device, copy=True)
+        if shard.device != self.device:   # CPUOffloadPolicy keeps shards on the host
+            p = DTensor.from_local(shard.to(self.device), p.device_mesh, p.placements,
+                                   run_check=False, shape=p.shape, stride=p.stride())
+        return p.detach().full_tensor()
