@@ -143,7 +143,8 @@ def test_split_count_uses_shapes_and_fills_the_gpu():
 
     assert choose_num_splits(256, 8, 8192, 64, 132) == 1
     assert choose_num_splits(1, 8, 8192, 64, 132) == 33  # 2 waves of 132 SMs over 8 programs
-    assert choose_num_splits(1, 8, 512, 64, 132) == 4    # at least 2 tiles of 64 per split
+    assert choose_num_splits(1, 8, 512, 64, 132) == 8    # no more splits than tiles of 64
+    assert choose_num_splits(1, 8, 512, 64, 132, min_tiles_per_split=2) == 4
     assert choose_num_splits(1, 1, 1 << 20, 16, 132) == 64  # capped
 
 

@@ -18,7 +18,7 @@ the H200's ~200 FLOP/B ridge), so bytes in flight are what count: 4.8 TB/s over 
 latency is ~36 KiB per SM. With 3 stages the pipeliner prefetches the block-table entries one
 tile ahead and K/V (16-byte cp.async) one tile ahead; 5 stages doubles the K/V buffers (72 KiB,
 139 regs, 3 programs/SM). The split count comes from shapes: about two waves of programs over
-the SMs, at least two tiles per split. `handoff bench kernel --variants` times alternatives.
+the SMs, at most one split per tile. `handoff bench kernel --variants` times alternatives.
 """
 
 from handoff.rollout.kernels.paged_decode import (choose_num_splits, default_config,

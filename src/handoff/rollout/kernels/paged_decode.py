@@ -32,7 +32,9 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 
 
-@triton.jit
+# Integers that vary at run time are not specialized, so a new batch size, block-table width or
+# split count never compiles a new kernel (which must not happen inside a graph capture).
+@triton.jit(do_not_specialize=["max_blocks", "num_splits", "stride_btb"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
@@ -112,7 +114,7 @@ def _paged_decode_kernel(
         tl.store(part_lse_ptr + row_GP, lse_GP, mask=g_ok_GP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -151,7 +153,7 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, tile: int,
-                      num_sms: int, *, waves: int = 2, min_tiles_per_split: int = 2) -> int:
+                      num_sms: int, *, waves: int = 2, min_tiles_per_split: int = 1) -> int:
     """Splits of the context per (sequence, kv head) so that the grid fills the GPU.
 
     Uses shapes only (max_context = max_blocks_per_seq * block_size), so the launch is the same
