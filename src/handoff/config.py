@@ -112,6 +112,7 @@ class DataConfig:
     prompt_field: str = F("prompt", help="field that holds the prompt")
     answer_field: str = F("answer", help="field that holds the reference answer")
     difficulty: int = F(1, help="arithmetic: digits per operand", ge=1, le=9)
+    ops: str = F("+-", help="arithmetic: operators to draw from, a mix of + - *")
     prompts_per_step: int = F(8, help="prompts per step (each sampled rollout.n times)", ge=1)
     chat_template: bool = F(True, help="apply the tokenizer's chat template when it has one")
 

@@ -1,0 +1,144 @@
+"""User data: prompts and reference answers from a JSONL or Parquet file (`data.task=file`).
+
+    {"prompt": "What is the capital of France?", "answer": "Paris"}
+    {"prompt": "What is 6 x 7?", "answer": 42}
+
+The field names are `data.prompt_field` / `data.answer_field`. A prompt is a string (the
+user turn) or a list of chat messages ({"role", "content"}). Answers that read as a number
+are graded numerically (see answers.py: `#### N`, `\\boxed{N}`, or the last number);
+others by normalised exact match of the marked answer or the last line. Records are visited
+in a fresh seeded permutation each epoch; record order on disk does not matter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from handoff.errors import HandoffError
+from handoff.tasks.answers import normalize_number, score_numeric, score_text
+from handoff.tasks.base import Problem, Score, Task
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
+
+
+def _read_json_lines(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HandoffError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): "
+                               "fix the file or write one JSON object per line") from None
+    else:
+        rows = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise HandoffError(f"{path}:{lineno} is not valid JSON ({e.msg}): fix or "
+                                   "remove that line (one JSON object per line)") from None
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise HandoffError(f"record {i} of {path} is a {type(row).__name__}, not an object: "
+                               'write one {"prompt": ..., "answer": ...} object per record')
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise HandoffError(f"reading {path} needs pyarrow: pip install pyarrow "
+                           "(or convert the file to JSONL)") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise HandoffError(f"{path} is not a readable Parquet file ({e}): check or "
+                           "re-export it") from None
+
+
+def load_records(path: str | Path) -> list[dict]:
+    """Every record of a JSONL / JSON / Parquet file, as dicts; HandoffError if none."""
+    p = Path(path)
+    if not p.is_file():
+        raise HandoffError(f"data file {str(p)!r} not found: set data.path to an existing "
+                           "JSONL or Parquet file")
+    if p.suffix.lower() not in SUFFIXES:
+        raise HandoffError(f"data file {str(p)!r} has an unsupported extension: use one of "
+                           f"{', '.join(SUFFIXES)}")
+    parquet = p.suffix.lower() in (".parquet", ".pq")
+    rows = _read_parquet(p) if parquet else _read_json_lines(p)
+    if not rows:
+        raise HandoffError(f"data file {str(p)!r} holds no records: add at least one row with "
+                           "a prompt field and an answer field")
+    return rows
+
+
+def _check_field(rows: list[dict], path: Path, key: str, setting: str) -> None:
+    for i, row in enumerate(rows):
+        if row.get(key) is None:
+            fields = ", ".join(sorted(row)) or "none"
+            where = f"{path}" if i == 0 else f"record {i} of {path}"
+            raise HandoffError(f"{setting}={key!r} is not a field of {where} (its fields: "
+                               f"{fields}): set {setting} to one of them or fix the record")
+
+
+def _messages(prompt: Any, row: int, path: Path) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+    raise HandoffError(f"record {row} of {path}: the prompt is neither a string nor a list of "
+                       '{"role", "content"} messages: fix that record')
+
+
+class DatasetTask(Task):
+    """Problems from a user file; numeric answers graded numerically, others by exact match."""
+
+    name = "file"
+    instruction: str | None = None  # appended to the last user turn of every prompt
+
+    def __init__(self, path: str | Path, *, prompt_field: str = "prompt",
+                 answer_field: str = "answer", seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.path = Path(path)
+        rows = load_records(self.path)
+        _check_field(rows, self.path, prompt_field, "data.prompt_field")
+        _check_field(rows, self.path, answer_field, "data.answer_field")
+        self._messages = [_messages(r[prompt_field], i, self.path) for i, r in enumerate(rows)]
+        self._answers = [self.make_answer(str(r[answer_field]), i) for i, r in enumerate(rows)]
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def make_answer(self, raw: str, row: int) -> str:
+        """The reference as graded: canonical number when it reads as one, else the text."""
+        return normalize_number(raw) or raw.strip()
+
+    def _record(self, index: int) -> int:
+        epoch, pos = divmod(index, len(self))
+        if self._order is None or self._order[0] != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self))
+            self._order = (epoch, perm)
+        return int(self._order[1][pos])
+
+    def get(self, index: int) -> Problem:
+        row = self._record(index)
+        messages = [dict(m) for m in self._messages[row]]
+        if self.instruction:
+            messages[-1]["content"] = f"{messages[-1]['content']}\n\n{self.instruction}"
+        return Problem(messages=tuple(messages), answer=self._answers[row], index=index,
+                       metadata={"row": row, "path": str(self.path)})
+
+    def score(self, problem: Problem, response: str) -> Score:
+        if normalize_number(problem.answer) == problem.answer:
+            return score_numeric(response, problem.answer)
+        return score_text(response, problem.answer)
