@@ -135,7 +135,8 @@ def bench_shape(*, block_size: int, batch: int, context: int, heads: tuple[int, 
             ref = _sdpa_call(backend, q4s[0], ks[0], vs[0], scale)
             ms = _median_ms(_rotate([partial(_sdpa_call, backend, q4s[s], ks[s], vs[s], scale)
                                      for s in range(num_sets)]), timer)
-        except RuntimeError:
+        except Exception as e:  # a backend that cannot run this shape (or be captured)
+            row[f"sdpa_{name.lower()}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
             continue
         dense_bytes = 2 * batch * context * K * D * dense.itemsize + io_bytes
         row[f"sdpa_{name.lower()}_us"] = ms * 1e3
@@ -148,12 +149,17 @@ def bench_shape(*, block_size: int, batch: int, context: int, heads: tuple[int, 
         calls = [partial(paged_decode_attention, qs[s], k_pool, v_pool, tables[s], lens,
                          scale=scale, k_scale=k_scale, v_scale=v_scale, out=outs[s],
                          num_splits=splits, config=cfg) for s in range(num_sets)]
-        calls[0]()
-        err = None
-        if best_sdpa is not None:
-            ref = best_sdpa[3]
-            err = ((outs[0].float() - ref).norm() / ref.norm()).item()
-        ms = _median_ms(_rotate(calls), timer)
+        try:  # one config out of resources must not cost the rest of the run
+            calls[0]()
+            err = None
+            if best_sdpa is not None:
+                ref = best_sdpa[3]
+                err = ((outs[0].float() - ref).norm() / ref.norm()).item()
+            ms = _median_ms(_rotate(calls), timer)
+        except Exception as e:
+            row["variants"][_variant_name(v)] = {"error": f"{type(e).__name__}: {str(e)[:160]}",
+                                                 "splits": splits}
+            continue
         row["variants"][_variant_name(v)] = {"us": ms * 1e3, "splits": splits, "rel_err": err,
                                              "bytes_per_s": (kv_bytes + io_bytes) / (ms * 1e-3)}
     if best_sdpa is not None:
@@ -236,6 +242,8 @@ def render(result: dict, console) -> None:
     """Print the main table (default config vs SDPA) and, with variants, their TB/s."""
     from rich.table import Table
 
+    width = max(console.width, 150)  # logs (no tty) default to 80 columns: too narrow
+
     copy = result["copy_bytes_per_s"]
     default = result["default_variant"]
     t = Table(title=f"paged decode, {result['device']}, heads {result['heads']}, KV "
@@ -246,25 +254,31 @@ def render(result: dict, console) -> None:
         t.add_column(col, justify="right")
     for r in result["rows"]:
         ours = r["variants"][default]
+        if "error" in ours:
+            t.add_row(str(r["block_size"]), str(r["batch"]), str(r["context"]), "-",
+                      f"[red]{ours['error'][:60]}[/]", *["-"] * 7)
+            continue
         sdpa_bw = r.get("sdpa_bytes_per_s")
         ratio = f"{ours['bytes_per_s'] / sdpa_bw:.0%}" if sdpa_bw else "-"
         err = "-" if ours["rel_err"] is None else f"{ours['rel_err']:.1e}"
+        if ours["rel_err"] is not None and not ours["rel_err"] < 1e-2:
+            err = f"[red]{err}[/]"
         t.add_row(str(r["block_size"]), str(r["batch"]), str(r["context"]), str(ours["splits"]),
                   f"{ours['us']:.1f}", f"{ours['bytes_per_s'] / 1e12:.2f}",
                   r.get("sdpa_backend", "none")[:5].lower(), f"{r.get('sdpa_us', 0):.1f}",
                   f"{(sdpa_bw or 0) / 1e12:.2f}", ratio,
                   f"{ours['bytes_per_s'] / copy:.0%}", err)
-    console.print(t)
+    console.print(t, width=width)
     if len(result["variants"]) > 1:
         v = Table(title="variants: TB/s of our kernel (T:W:S:waves), best per row in bold")
         for col in ["block", "batch", "ctx"] + result["variants"]:
             v.add_column(col, justify="right")
         for r in result["rows"]:
-            bws = [r["variants"][n]["bytes_per_s"] for n in result["variants"]]
-            cells = [f"[bold]{x / 1e12:.2f}[/]" if x == max(bws) else f"{x / 1e12:.2f}"
-                     for x in bws]
+            bws = [r["variants"][n].get("bytes_per_s", 0.0) for n in result["variants"]]
+            cells = ["fail" if x == 0.0 else f"[bold]{x / 1e12:.2f}[/]" if x == max(bws)
+                     else f"{x / 1e12:.2f}" for x in bws]
             v.add_row(str(r["block_size"]), str(r["batch"]), str(r["context"]), *cells)
-        console.print(v)
+        console.print(v, width=width)
     if result.get("prefill"):
         p = Table(title="prefill (bf16, block 16): paged = gather + varlen_attn; packed = "
                         "varlen_attn on K/V already packed")
@@ -275,4 +289,4 @@ def render(result: dict, console) -> None:
             p.add_row(str(r["num_seqs"]), str(r["prompt_len"]), f"{r['paged_ms']:.3f}",
                       f"{r['paged_tflops']:.0f}", f"{r['packed_ms']:.3f}",
                       f"{r['packed_tflops']:.0f}")
-        console.print(p)
+        console.print(p, width=width)
