@@ -35,7 +35,7 @@ from handoff.rollout.scheduler import Scheduler
 from handoff.rollout.sequence import RequestOutput, SampleOutput, Sequence
 
 TAGS = ("weights", "kv_cache")
-CPU_DEFAULT_KV_BYTES = 1 << 30  # a CPU pool without num_blocks is capped here
+CPU_DEFAULT_KV_BYTES = 256 << 20  # a CPU pool without num_blocks is capped here
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -90,6 +90,7 @@ class Engine:
         kv_dtype = FP8_DTYPE if cfg.kv_dtype == "fp8" else self.dtype
         self.runner = ModelRunner(model, device=self.device, block_size=cfg.block_size,
                                   kv_dtype=kv_dtype, attention_backend=attention_backend)
+        self.activation_peak_bytes = 0  # profiled on CUDA when the pool is sized from util
         num_blocks = self._num_blocks()
         with self.pool.region("kv_cache"):
             kv_tensors = self.runner.allocate_kv_cache(num_blocks)
@@ -119,19 +120,31 @@ class Engine:
         if cfg.num_blocks is not None:
             num_blocks = cfg.num_blocks
         elif self.device.type == "cuda":
+            # The brief's ledger: KV = util x HBM - engine weights - activation peak. Memory
+            # held by others (a resident trainer) is not charged to the engine, but the pool
+            # must be allocatable now, activations included.
             peak = runner.profile_peak_bytes(max_num_batched_tokens=self.max_num_batched_tokens,
                                              max_model_len=self.max_model_len,
                                              max_num_seqs=cfg.max_num_seqs)
+            self.activation_peak_bytes = peak
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(cfg.gpu_memory_utilization * total) - (total - free) - peak
+            own = self.pool.region_bytes("weights") + self.pool.region_bytes("buffers")
+            budget = int(cfg.gpu_memory_utilization * total) - own - peak
             num_blocks = max(budget, 0) // block_bytes
+            gib = 2**30
             if num_blocks < needed:
                 raise HandoffError(
-                    f"KV pool would be {budget / 2**30:.2f} GiB at gpu_memory_utilization="
-                    f"{cfg.gpu_memory_utilization}: {(total - free) / 2**30:.2f} GiB is in use "
-                    f"(weights and others) and the profiled activation peak is "
-                    f"{peak / 2**30:.2f} GiB; raise rollout.gpu_memory_utilization or lower "
-                    "rollout.max_model_len / rollout.max_num_seqs")
+                    f"KV pool would be {budget / gib:.2f} GiB at gpu_memory_utilization="
+                    f"{cfg.gpu_memory_utilization}: engine weights take {own / gib:.2f} GiB and the "
+                    f"profiled activation peak {peak / gib:.2f} GiB of {total / gib:.1f} GiB; raise "
+                    "rollout.gpu_memory_utilization or lower rollout.max_model_len / max_num_seqs")
+            if num_blocks * block_bytes + peak > free:
+                raise HandoffError(
+                    f"KV pool of {num_blocks * block_bytes / gib:.2f} GiB plus a {peak / gib:.2f} GiB "
+                    f"activation peak does not fit in the {free / gib:.2f} GiB free now "
+                    f"({(total - free - own) / gib:.2f} GiB held by others): build the engine "
+                    "before the trainer fills the card, offload it first, or lower "
+                    "rollout.gpu_memory_utilization")
         else:
             wanted = cfg.max_num_seqs * (needed - 1) + 1
             num_blocks = max(needed, min(wanted, CPU_DEFAULT_KV_BYTES // block_bytes))
@@ -278,6 +291,7 @@ class Engine:
             "block_size": b.block_size, "kv_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
             "kv_block_bytes": self.runner.kv_block_bytes(),
             "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "activation_peak_bytes": self.activation_peak_bytes,
             "free_blocks": b.num_free_blocks, "cached_free_blocks": b.num_cached_free_blocks,
             "prefix_cache_queries": b.prefix_queries, "prefix_cache_hits": b.prefix_hits,
             "prefix_cache_hit_rate": b.prefix_hits / max(b.prefix_queries, 1),
