@@ -211,3 +211,27 @@ def test_user_errors_name_the_fix(qwen3_dir, ref):
         Engine(str(qwen3_dir), ref.cfg(num_blocks=3))
     with pytest.raises(HandoffError, match="no place"):
         engine.load_weights([("model.layers.0.self_attn.x_proj.weight", torch.zeros(1))])
+
+
+def test_profiling_forward_without_cache_equals_the_paged_prefill(qwen3_dir, ref):
+    """The cache-less forward that sizes the CUDA pool computes the same prefill."""
+    from handoff.rollout.attention import AttnMeta
+    from handoff.rollout.sequence import Sequence
+
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    prompts = ref.mixed_prompts[:3]
+    seqs = [Sequence(i, p, GREEDY, request_index=i, sample_index=0, key=0, stop_ids=frozenset())
+            for i, p in enumerate(prompts)]
+    for seq in seqs:
+        assert engine.blocks.allocate(seq)
+    with torch.inference_mode():
+        paged = engine.runner._prefill(seqs)
+        ids = torch.tensor([t for p in prompts for t in p])
+        positions = torch.cat([torch.arange(len(p)) for p in prompts])
+        meta = AttnMeta(is_prefill=True, kv=None, query_lens=[len(p) for p in prompts])
+        hidden = engine.model(ids, positions, meta)
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        fresh = engine.model.compute_logits(hidden[ends])
+    assert torch.allclose(paged, fresh, atol=1e-5)
+    for seq in seqs:
+        engine.blocks.free_seq(seq)
