@@ -1,12 +1,12 @@
 """Paged decode attention in Triton: one new query token per sequence against a paged KV cache.
 
 Layout (the contract with the engine): per layer
-  k_cache_NTKD, v_cache_NTKD  [num_blocks, block_size, num_kv_heads, head_dim], bf16/fp16, or
-                              float8_e4m3fn with float32 scalar scales (real = stored * scale)
-  block_tables_BM             int32 [batch, max_blocks_per_seq]: logical block -> physical block
-  context_lens_B              int32 [batch]: valid tokens, the current token's K/V included
+  k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], bf16/fp16, or
+                    float8_e4m3fn with float32 scalar scales (real = stored * scale)
+  block_tables      int32 [batch, max_blocks_per_seq]: logical block -> physical block
+  context_lens      int32 [batch]: valid tokens, the current token's K/V included
 Shape legend: B batch, H query heads, K kv heads, G query heads per kv head (padded: GP),
-D head_dim (padded: DP), N block_size, M max_blocks_per_seq, S splits, T tokens of one tile.
+D head_dim (padded: DP), S splits (padded: SP), T tokens of one tile.
 
 How it runs: one program per (kv head, sequence, split). The G query heads that share a kv head
 form one [GP, DP] tile (GP >= 16) so both products go through tl.dot on the tensor cores. Each
@@ -189,6 +189,10 @@ def _check(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             "paged_decode_attention: block_tables must be int32 [batch, max_blocks] and "
             f"context_lens int32 [batch] for batch {B}; got {block_tables.dtype} "
             f"{tuple(block_tables.shape)} and {context_lens.dtype} {tuple(context_lens.shape)}")
+    devices = {t.device for t in (q_BHD, k_cache, v_cache, block_tables, context_lens)}
+    if len(devices) != 1:
+        raise HandoffError(f"paged_decode_attention: inputs are on {sorted(map(str, devices))}: "
+                           "move q, the caches, block_tables and context_lens to one device")
     if q_BHD.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or \
             block_tables.stride(-1) != 1 or not context_lens.is_contiguous():
         raise HandoffError("paged_decode_attention: the last dim of q, the caches and the block "
@@ -212,8 +216,9 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """Attention of one query token per sequence over its paged K/V; returns out [B, H, D].
 
     scale is the softmax scale (usually head_dim ** -0.5). For a float8_e4m3fn cache pass
-    k_scale and v_scale (float32 scalar tensors, or floats). num_splits=None picks the split
-    count from shapes and the SM count; config overrides {"tile", "num_warps", "num_stages"}.
+    k_scale and v_scale (float32 scalar tensors, or floats; tensors when capturing a graph,
+    since a float becomes a host-to-device copy). num_splits=None picks the split count from
+    shapes and the SM count; config overrides {"tile", "num_warps", "num_stages"}.
     """
     _check(q_BHD, k_cache, v_cache, block_tables, context_lens)
     B, H, D = q_BHD.shape
