@@ -1,0 +1,11 @@
+"""The built-in rollout engine: paged KV, prefix cache, continuous batching, sleep/wake.
+
+    from handoff.rollout.engine import Engine
+    from handoff.rollout.sampling import SamplingParams
+
+Files: engine.py (generate, sleep/wake, load_weights), scheduler.py (prefill/decode steps,
+preemption), blocks.py (paged KV blocks + prefix cache), runner.py (inputs, forward,
+sampling), attention.py (paged attention, backend choice), sampling.py, sequence.py,
+layers.py, models/ (Qwen3 / Qwen2 / Llama), kernels/ (Triton), hostbench.py.
+Nothing is imported here, so `handoff.rollout.kernels` loads without the engine.
+"""
