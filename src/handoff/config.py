@@ -49,7 +49,14 @@ class HardwareConfig:
     activation_peak_gb: float | None = F(None, help="engine activation peak (profiled), GB", ge=0)
     graph_pool_gb: float | None = F(None, help="resident CUDA graph pool, GB", ge=0)
     host_ram_gb: float | None = F(None, help="host RAM per node, GB", gt=0)
-    gpus_per_node: int = F(8, help="cards per node (for pinned host RAM per node)", ge=1)
+    gpus_per_node: int | None = F(None, help="cards per node (None: the preset's)", ge=1)
+    resident_gb: float | None = F(None, help="CUDA contexts, NCCL buffers, allocator residue, GB",
+                                  ge=0)
+    train_activation_gb: float | None = F(None, help="trainer activation peak per card, GB", ge=0)
+    d2d_gbps: float | None = F(None, help="device copy GB/s, read + write", gt=0)
+    remap_gbps: float | None = F(None, help="cuMemMap/unmap rate of a sleeping region, GB/s", gt=0)
+    sync_bucket_ms: float | None = F(None, help="weight-sync overhead per bucket (IPC, ACK), ms",
+                                     ge=0)
 
 
 @dataclass
@@ -121,6 +128,8 @@ class DataConfig:
 class WorkloadConfig:
     prompt_len: int = F(1024, help="mean prompt length P in tokens", ge=1)
     response_len: int = F(7168, help="mean response length L in tokens", ge=1)
+    max_response_len: int | None = F(None, help="longest response (the long tail; None: none)",
+                                     ge=1)
     tokens_per_step: float | None = F(None, help="generated tokens per step across all cards", gt=0)
     step_seconds: float | None = F(None, help="measured step time, if known", gt=0)
 

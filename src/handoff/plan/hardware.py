@@ -1,0 +1,114 @@
+"""GPU and link profiles for the cost model: HBM, pinned PCIe, NVLink, decode bandwidth.
+
+    hw = hardware_profile("h100-sxm", HardwareConfig(pinned_pcie_gbps=40))
+
+Every number is a profile parameter, never a constant of the formulas, and every one can be
+overridden from the config (`hardware.*`) or the `handoff plan` flags. Units inside the plan
+are SI: bytes, bytes per second, seconds (1 GB = 1e9 bytes, as the source's tables count).
+
+Where the numbers come from:
+* h100-sxm: the source's assumptions (80 GB, pinned PCIe 25 GB/s measured, NVLink 450 GB/s
+  per direction); its 8B utilization table implies a ~2 GB activation peak, ~2.0 TB/s
+  effective decode bandwidth and ~6 GB that even an exclusive card never gives the engine.
+* h200: measured on this project's device (139 GiB usable HBM, pinned 55 GB/s each way,
+  101 GB/s both directions at once, device copy 4.2 TB/s read + write, torch_memory_saver
+  pause of 30 GiB in 12 ms); decode bandwidth scaled from the H100's 60% of peak.
+* a100-80g: PCIe Gen4 and NVLink3 figures, decode bandwidth at 60% of the 2.0 TB/s peak.
+* cpu: the CPU demo, where "HBM" is host memory and every link is a memcpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from handoff.config import HardwareConfig
+from handoff.errors import HandoffError
+
+GB = 1e9
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One card and its links, in bytes and seconds."""
+
+    name: str
+    hbm_bytes: float               # HBM per card the allocators can use
+    pinned_pcie_bps: float         # pinned host<->device copy rate, per direction
+    nvlink_bps: float              # per card, per direction (the all-gather of weight sync)
+    decode_bw_bps: float           # effective HBM bandwidth of a decode step
+    d2d_bps: float                 # device copy rate, bytes read + written per second
+    remap_bps: float               # cuMemMap / cuMemUnmap of a region, bytes per second
+    activation_peak_bytes: float   # engine activation peak (profiled)
+    graph_pool_bytes: float        # engine CUDA graph pool (resident)
+    resident_bytes: float          # CUDA contexts, NCCL buffers, allocator residue: nobody's
+    train_activation_bytes: float  # trainer activation peak per card (after recompute)
+    sync_bucket_seconds: float     # per weight-sync bucket: IPC open, load_weights, ACK
+    host_ram_bytes: float          # host RAM per node
+    gpus_per_node: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+PROFILES: dict[str, HardwareProfile] = {
+    "h100-sxm": HardwareProfile(
+        name="h100-sxm", hbm_bytes=80 * GB, pinned_pcie_bps=25 * GB, nvlink_bps=450 * GB,
+        decode_bw_bps=2000 * GB, d2d_bps=2800 * GB, remap_bps=300 * GB,
+        activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
+        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, host_ram_bytes=2048 * GB,
+        gpus_per_node=8),
+    "h200": HardwareProfile(
+        name="h200", hbm_bytes=139 * GIB, pinned_pcie_bps=55 * GB, nvlink_bps=450 * GB,
+        decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, remap_bps=2500 * GB,
+        activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
+        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, host_ram_bytes=2048 * GB,
+        gpus_per_node=8),
+    "a100-80g": HardwareProfile(
+        name="a100-80g", hbm_bytes=80 * GB, pinned_pcie_bps=20 * GB, nvlink_bps=300 * GB,
+        decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, remap_bps=300 * GB,
+        activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
+        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, host_ram_bytes=1024 * GB,
+        gpus_per_node=8),
+    "cpu": HardwareProfile(
+        name="cpu", hbm_bytes=16 * GB, pinned_pcie_bps=5 * GB, nvlink_bps=5 * GB,
+        decode_bw_bps=20 * GB, d2d_bps=10 * GB, remap_bps=50 * GB,
+        activation_peak_bytes=0.25 * GB, graph_pool_bytes=0.0, resident_bytes=0.5 * GB,
+        train_activation_bytes=0.5 * GB, sync_bucket_seconds=0.001, host_ram_bytes=32 * GB,
+        gpus_per_node=1),
+}
+
+# config field -> (profile field, factor from the config's unit to SI)
+_OVERRIDES = {
+    "hbm_gb": ("hbm_bytes", GB),
+    "pinned_pcie_gbps": ("pinned_pcie_bps", GB),
+    "nvlink_gbps": ("nvlink_bps", GB),
+    "decode_bw_tbps": ("decode_bw_bps", 1e12),
+    "d2d_gbps": ("d2d_bps", GB),
+    "remap_gbps": ("remap_bps", GB),
+    "activation_peak_gb": ("activation_peak_bytes", GB),
+    "graph_pool_gb": ("graph_pool_bytes", GB),
+    "resident_gb": ("resident_bytes", GB),
+    "train_activation_gb": ("train_activation_bytes", GB),
+    "sync_bucket_ms": ("sync_bucket_seconds", 1e-3),
+    "host_ram_gb": ("host_ram_bytes", GB),
+}
+
+
+def hardware_profile(name: str, overrides: HardwareConfig | None = None) -> HardwareProfile:
+    """The named profile with every non-None field of `overrides` applied."""
+    if name not in PROFILES:
+        raise HandoffError(f"unknown hardware {name!r}: choose one of {', '.join(PROFILES)} "
+                           "and override its rates with --pcie-gbps, --hbm-gb, ...")
+    hw = PROFILES[name]
+    if overrides is None:
+        return hw
+    changes: dict = {}
+    for key, (field_name, unit) in _OVERRIDES.items():
+        value = getattr(overrides, key, None)
+        if value is not None:
+            changes[field_name] = float(value) * unit
+    if overrides.gpus_per_node is not None:
+        changes["gpus_per_node"] = int(overrides.gpus_per_node)
+    return dataclasses.replace(hw, **changes)

@@ -1,0 +1,157 @@
+"""The real tax of colocation: the KV pool that gpu_memory_utilization leaves the engine.
+
+    pool = kv_pool_bytes(0.5, hw, weights)       # util x HBM - weights - activations - graphs
+    rows = kv_table(shape, hw, tp=1, workload=wl, requested=0.5, best=0.85)
+
+The engine sizes its KV pool once, at start: budget = util x HBM (capped at HBM minus what
+no allocator ever gets back, the profile's `resident_bytes`), minus its weights, its
+activation peak and its CUDA graph pool. Sleep and wake remap the same blocks, so the pool
+never grows when the trainer frees memory. From the pool:
+
+    concurrency c   = pool / ((P + L/2) x k_kv)        capped at max_num_seqs
+    decode step     = (weights + KV in use) / effective HBM bandwidth
+    tokens/s/card   = c / step / TP
+    generation time = tokens per card / tokens/s  +  (L_max - L) x weights / bandwidth
+
+The last term is the long tail: when the bulk of the responses is done, the longest one
+still decodes L_max - L tokens almost alone, at the step time of reading the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from handoff.errors import HandoffError
+from handoff.plan.hardware import GB, HardwareProfile
+from handoff.plan.shapes import ModelShape
+
+UTILIZATIONS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 1.0)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step asks of the engine on each card."""
+
+    prompt_len: int
+    response_len: int
+    tokens_per_card: float                # generated tokens per card per step
+    max_response_len: int | None = None   # the long tail (None: not modelled)
+    max_num_seqs: int = 256               # the engine's batch cap
+
+    @property
+    def mean_context(self) -> float:
+        """Average tokens cached per running sequence: P + L/2."""
+        return self.prompt_len + self.response_len / 2
+
+
+@dataclass(frozen=True)
+class KvRow:
+    """The engine at one gpu_memory_utilization."""
+
+    utilization: float
+    kv_pool_bytes: float
+    concurrency: float
+    decode_step_seconds: float
+    tokens_per_second: float           # per card
+    generation_seconds: float | None   # None when the pool holds no sequence
+    tail_seconds: float
+    requested: bool = False
+    best: bool = False
+
+    def to_dict(self) -> dict:
+        return {"utilization": self.utilization, "kv_pool_bytes": int(self.kv_pool_bytes),
+                "concurrency": self.concurrency, "decode_step_seconds": self.decode_step_seconds,
+                "tokens_per_second": self.tokens_per_second,
+                "generation_seconds": self.generation_seconds, "tail_seconds": self.tail_seconds,
+                "requested": self.requested, "best": self.best}
+
+
+def engine_weight_bytes(shape: ModelShape, tp: int, weight_bytes: int = 2) -> int:
+    """Bytes of the engine's weights on one card (its TP shard)."""
+    return math.ceil(shape.num_params * weight_bytes / tp)
+
+
+def kv_bytes_per_token_per_card(shape: ModelShape, tp: int, kv_bytes: int = 2) -> float:
+    """KV bytes one token costs on one card: heads split by TP (replicated past the KV-head
+    count); an MLA latent is not split, every rank caches it whole."""
+    if shape.kv_latent_dim:
+        return float(shape.num_layers * shape.kv_latent_dim * kv_bytes)
+    heads_per_card = max(shape.num_kv_heads / tp, 1.0)
+    return 2 * shape.num_layers * heads_per_card * shape.head_dim * kv_bytes
+
+
+def engine_budget_bytes(utilization: float, hw: HardwareProfile) -> float:
+    """util x HBM, but never more than the card can hand the engine."""
+    return min(utilization * hw.hbm_bytes, hw.hbm_bytes - hw.resident_bytes)
+
+
+def kv_pool_bytes(utilization: float, hw: HardwareProfile, weights_bytes: float) -> float:
+    """KV pool per card; negative when the weights and activations do not fit the budget."""
+    return (engine_budget_bytes(utilization, hw) - weights_bytes - hw.activation_peak_bytes
+            - hw.graph_pool_bytes)
+
+
+def min_utilization(hw: HardwareProfile, weights_bytes: float, kv_min_bytes: float = 0.0) -> float:
+    """Smallest utilization (on a 0.05 grid) whose KV pool holds `kv_min_bytes`."""
+    need = (weights_bytes + hw.activation_peak_bytes + hw.graph_pool_bytes + kv_min_bytes)
+    return math.ceil(need / hw.hbm_bytes / 0.05 - 1e-9) * 0.05
+
+
+def check_kv_pool(utilization: float, hw: HardwareProfile, weights_bytes: float, tp: int) -> None:
+    """Raise a HandoffError naming the bytes and the fix when the pool comes out negative."""
+    pool = kv_pool_bytes(utilization, hw, weights_bytes)
+    if pool > 0:
+        return
+    need = min_utilization(hw, weights_bytes, kv_min_bytes=1 * GB)
+    ceiling = 1 - hw.resident_bytes / hw.hbm_bytes
+    fix = (f"raise --util to >= {need:.2f} or raise --tp" if need <= ceiling
+           else f"raise --tp above {tp} (the weights alone leave no room on one card)")
+    raise HandoffError(
+        f"KV pool would be {pool / GB:.1f} GB at gpu_memory_utilization={utilization:g}: engine "
+        f"weights need {weights_bytes / GB:.1f} GB + activations "
+        f"{hw.activation_peak_bytes / GB:.1f} GB + CUDA graphs {hw.graph_pool_bytes / GB:.1f} GB "
+        f"of {engine_budget_bytes(utilization, hw) / GB:.1f} GB; {fix}")
+
+
+def kv_row(utilization: float, shape: ModelShape, hw: HardwareProfile, *, tp: int,
+           workload: Workload, weight_bytes: int = 2, kv_bytes: int = 2) -> KvRow:
+    """Pool, concurrency, decode step, tokens/s and generation time at one utilization."""
+    weights = engine_weight_bytes(shape, tp, weight_bytes)
+    pool = kv_pool_bytes(utilization, hw, weights)
+    per_seq = workload.mean_context * kv_bytes_per_token_per_card(shape, tp, kv_bytes)
+    concurrency = min(max(pool, 0.0) / per_seq, float(workload.max_num_seqs))
+    step = (weights + concurrency * per_seq) / hw.decode_bw_bps
+    tokens_per_second = concurrency / step / tp
+    longest = workload.max_response_len or workload.response_len
+    tail = max(0, longest - workload.response_len) * weights / hw.decode_bw_bps
+    generation = (workload.tokens_per_card / tokens_per_second + tail
+                  if concurrency >= 1 else None)
+    return KvRow(utilization=utilization, kv_pool_bytes=pool, concurrency=concurrency,
+                 decode_step_seconds=step, tokens_per_second=tokens_per_second,
+                 generation_seconds=generation, tail_seconds=tail)
+
+
+def kv_table(shape: ModelShape, hw: HardwareProfile, *, tp: int, workload: Workload,
+             requested: float, best: float | None = None, weight_bytes: int = 2,
+             kv_bytes: int = 2) -> list[KvRow]:
+    """A row per utilization in UTILIZATIONS plus the requested and best ones, marked."""
+    utils = sorted({*UTILIZATIONS, round(requested, 4), *([round(best, 4)] if best else [])})
+    rows = []
+    for u in utils:
+        row = kv_row(u, shape, hw, tp=tp, workload=workload, weight_bytes=weight_bytes,
+                     kv_bytes=kv_bytes)
+        rows.append(KvRow(**{**row.__dict__, "requested": math.isclose(u, requested),
+                             "best": best is not None and math.isclose(u, best)}))
+    return rows
+
+
+def generation_gain(rows: list[KvRow]) -> dict | None:
+    """How much longer generation takes at the requested utilization than at the best one."""
+    req = next((r for r in rows if r.requested), None)
+    best = next((r for r in rows if r.best), None)
+    if req is None or best is None or not req.generation_seconds or not best.generation_seconds:
+        return None
+    return {"from_utilization": req.utilization, "to_utilization": best.utilization,
+            "seconds_saved": req.generation_seconds - best.generation_seconds,
+            "slower_by": req.generation_seconds / best.generation_seconds - 1}

@@ -1,0 +1,188 @@
+"""The ledger: who owns each byte of a card in both phases, and the nine switch actions.
+
+    actions = switch_actions(shape, cfg.parallel, cfg.memory, hw, kv_pool_bytes=pool)
+    [(a.name, a.bytes_per_card, a.seconds) for a in actions]
+
+Per card, with n the FSDP sharding group and N the parameter count (bf16 + fp32 Adam):
+training holds params 2N/n, grads 2N/n, fp32 master + Adam 12N/n, the reference 2N/n;
+generation holds the engine weights 2N/TP, the KV pool, the activation peak, the CUDA graph
+pool. The switch moves, per direction: 12N/n (optimizer offload) + 2N/n (param offload) +
+2N/n (ref) over pinned PCIe; grads are freed, not moved, unless `grad_offload` (the source's
+quick formula 16N/n + 2N/n counts them). Bytes are exact functions of N and the dtype sizes,
+so the runtime can assert measured == planned; seconds = bytes / the link's rate.
+
+`SWITCH_ACTIONS` is a contract with the runtime: the hybrid worker times its actions under
+exactly these names, in this order (training -> generation, then generation -> training).
+An action whose offload is off stays in the list with 0 bytes and 0 seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from handoff.config import MemoryConfig, ParallelConfig
+from handoff.plan.hardware import GB, HardwareProfile
+from handoff.plan.kvpool import engine_weight_bytes
+from handoff.plan.shapes import ModelShape
+
+SWITCH_ACTIONS = ("optimizer_d2h", "params_d2h", "ref_d2h", "engine_weights_sync",
+                  "kv_cache_wake", "engine_sleep", "params_h2d", "optimizer_h2d", "ref_h2d")
+HOST_LINK = "PCIe"
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of each kind of state."""
+
+    param_bytes: int = 2       # the trainer's compute params (bf16)
+    grad_bytes: int = 2
+    master_bytes: int = 4      # fp32 master copy (0 when the params are fp32 themselves)
+    optimizer_bytes: int = 8   # Adam's two moments
+    engine_bytes: int = 2      # the engine's weights
+    kv_bytes: int = 2          # one KV cache element
+
+    @classmethod
+    def for_model(cls, dtype: str = "bfloat16", kv_dtype: str = "auto") -> "Dtypes":
+        width = 4 if dtype == "float32" else 2
+        kv = 1 if kv_dtype == "fp8" else width
+        return cls(param_bytes=width, grad_bytes=width, master_bytes=0 if width == 4 else 4,
+                   engine_bytes=width, kv_bytes=kv)
+
+    @property
+    def train_state_bytes(self) -> int:
+        """Bytes per parameter of the full training state (16 for bf16 + fp32 Adam)."""
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class SwitchAction:
+    """One step of the handoff on one card."""
+
+    name: str
+    direction: str        # D2H, H2D, D2D, map, unmap
+    bytes_per_card: int
+    link: str
+    seconds: float
+    note: str
+
+    @property
+    def on_host_link(self) -> bool:
+        return self.link == HOST_LINK
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def shard_size(parallel: ParallelConfig) -> int:
+    return parallel.shard_size or parallel.gpus
+
+
+def trainer_bytes(shape: ModelShape, shard: int, dtypes: Dtypes, *, ref: bool = True) -> dict:
+    """Per-card bytes of each trainer owner (FSDP shards of 1/shard)."""
+    n = shape.num_params
+
+    def per_card(width: int) -> int:
+        return math.ceil(n * width / shard)
+
+    return {"params": per_card(dtypes.param_bytes), "grads": per_card(dtypes.grad_bytes),
+            "optimizer": per_card(dtypes.master_bytes + dtypes.optimizer_bytes),
+            "reference": per_card(dtypes.param_bytes) if ref else 0}
+
+
+def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: HardwareProfile,
+                        dtypes: Dtypes, bucket_bytes: int) -> float:
+    """All-gather every full tensor over NVLink, copy it through a bucket into the engine's
+    shard, and pay a fixed overhead per bucket (IPC handle, load_weights, ACK)."""
+    full = shape.num_params * dtypes.param_bytes
+    group = shard_size(parallel)
+    gather = full * (group - 1) / group / hw.nvlink_bps
+    written = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
+    copies = 2 * (full + written) / hw.d2d_bps  # read + write, into the bucket and out of it
+    return gather + copies + math.ceil(full / bucket_bytes) * hw.sync_bucket_seconds
+
+
+def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
+                   hw: HardwareProfile, *, kv_pool_bytes: float, dtypes: Dtypes = Dtypes(),
+                   ref: bool = True, grad_offload: bool = False,
+                   bucket_bytes: int = 512 * 2 ** 20) -> list[SwitchAction]:
+    """The nine actions of one step's two switches, in SWITCH_ACTIONS order."""
+    owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
+    opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
+    opt_on = memory.optimizer_offload
+    param_on = memory.param_offload
+    ref_on = ref and memory.ref_offload
+    pcie = hw.pinned_pcie_bps
+
+    def move(name: str, direction: str, on: bool, nbytes: int, note: str, off_note: str):
+        if not on:
+            return SwitchAction(name, direction, 0, HOST_LINK, 0.0, off_note)
+        return SwitchAction(name, direction, nbytes, HOST_LINK, nbytes / pcie, note)
+
+    opt_what = "fp32 master + Adam" + (" + grad shard" if grad_offload else "")
+    grads_note = "grads move with the optimizer" if grad_offload else "grads are freed, not moved"
+    weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
+    pool = max(int(kv_pool_bytes), 0)
+    full_gb = shape.num_params * dtypes.param_bytes / GB
+    gathered = shard_size(parallel) > 1
+    sync_link = "NVLink all-gather + CUDA IPC" if gathered else "in-card copy"
+    kv_seconds = pool / hw.remap_bps + (pool / hw.d2d_bps if dtypes.kv_bytes == 1 else 0.0)
+    no_ref = "no reference model" if not ref else "off: the reference stays on the card"
+    return [
+        move("optimizer_d2h", "D2H", opt_on, opt,
+             f"{opt_what}; needs {opt / GB:.1f} GB pinned host RAM per card",
+             "off: optimizer state stays on the card"),
+        move("params_d2h", "D2H", param_on, owners["params"], grads_note,
+             "off: bf16 params stay on the card"),
+        move("ref_d2h", "D2H", ref_on, owners["reference"], "", no_ref),
+        SwitchAction("engine_weights_sync", "D2D", weights, sync_link,
+                     weight_sync_seconds(shape, parallel, hw, dtypes, bucket_bytes),
+                     f"the whole model ({full_gb:.1f} GB) flows through every card"),
+        SwitchAction("kv_cache_wake", "map", pool, "cuMemMap, no copy", kv_seconds,
+                     "prefix cache emptied" + ("; fp8 KV zeroed, scales reset to 1"
+                                               if dtypes.kv_bytes == 1 else "")),
+        SwitchAction("engine_sleep", "unmap", 0, "cuMemUnmap", (weights + pool) / hw.remap_bps,
+                     "weights and KV discarded; addresses kept, CUDA graphs not recaptured"),
+        move("params_h2d", "H2D", param_on, owners["params"], "before old_log_prob",
+             "off: bf16 params stay on the card"),
+        move("optimizer_h2d", "H2D", opt_on, opt, "only loaded right before update_actor",
+             "off: optimizer state stays on the card"),
+        move("ref_h2d", "H2D", ref_on, owners["reference"], "only loaded for the ref forward",
+             no_ref),
+    ]
+
+
+def switch_summary(actions: list[SwitchAction], step_seconds: float | None = None) -> dict:
+    """Totals: host-link bytes (the source's ~130 GB), all seconds, share of the step."""
+    total_seconds = sum(a.seconds for a in actions)
+    return {
+        "actions": [a.to_dict() for a in actions],
+        "total_bytes_per_card": sum(a.bytes_per_card for a in actions if a.on_host_link),
+        "host_link_seconds": sum(a.seconds for a in actions if a.on_host_link),
+        "total_seconds": total_seconds,
+        "share_of_step": total_seconds / step_seconds if step_seconds else None,
+    }
+
+
+def offloaded_bytes_per_card(actions: list[SwitchAction]) -> int:
+    """What one card parks in pinned host RAM: every D2H move."""
+    return sum(a.bytes_per_card for a in actions if a.direction == "D2H")
+
+
+def memory_by_owner(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
+                    hw: HardwareProfile, *, kv_pool_bytes: float, dtypes: Dtypes = Dtypes(),
+                    ref: bool = True) -> dict:
+    """Bytes per card per owner in the training and the generation phase."""
+    owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
+    left = ((0 if memory.param_offload else owners["params"])
+            + (0 if memory.optimizer_offload else owners["optimizer"])
+            + (0 if memory.ref_offload else owners["reference"]))
+    return {
+        "train": {**owners, "activations": int(hw.train_activation_bytes),
+                  "cuda_graph_pool": int(hw.graph_pool_bytes), "resident": int(hw.resident_bytes)},
+        "generate": {"engine_weights": engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes),
+                     "kv_pool": int(kv_pool_bytes),
+                     "activation_peak": int(hw.activation_peak_bytes),
+                     "cuda_graph_pool": int(hw.graph_pool_bytes),
+                     "trainer_left": left, "resident": int(hw.resident_bytes)},
+    }

@@ -1,0 +1,130 @@
+"""Print a `build_plan` report: rich tables for a terminal, or Markdown for docs.
+
+Both forms come from one list of (title, header, rows) so they never disagree; numbers are
+shown in GB (1e9 bytes), seconds and milliseconds, while `--json` keeps bytes and seconds.
+"""
+
+from __future__ import annotations
+
+GB = 1e9
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f}"
+
+
+def _secs(x: float) -> str:
+    return f"{x:.2f}" if x < 10 else f"{x:.0f}"
+
+
+def header_lines(report: dict) -> list[str]:
+    m, lay, wl, hw = report["model"], report["layout"], report["workload"], report["hardware"]
+    moe = (f", MoE {m['experts']} experts, {m['active_params'] / 1e9:.1f}B active"
+           if m["experts"] else "")
+    off = report["offload"]
+    flags = ", ".join(f"{k} offload {'on' if off[k] else 'off'}" for k in ("param", "optimizer"))
+    ref = "no ref"
+    if off["ref"]:
+        ref = "ref offloaded" if off["ref_offload"] else "ref kept on card"
+    lines = [
+        f"model {m['name']}: {m['params'] / 1e9:.2f}B params{moe}, "
+        f"KV {m['kv_bytes_per_token'] / 1024:.0f} KiB/token",
+        f"{lay['gpus']} x {hw['name']} ({_gb(hw['hbm_bytes'])} GB HBM, pinned PCIe "
+        f"{hw['pinned_pcie_bps'] / GB:.0f} GB/s), FSDP shard {lay['shard_size']}, engine TP "
+        f"{lay['tp']}{' (auto)' if lay['tp_auto'] else ''}; {flags}, {ref}",
+        f"workload: P={wl['prompt_len']}, L={wl['response_len']}, gpu_memory_utilization="
+        f"{wl['utilization']:g}",
+    ]
+    lines += [f"assumed: {a}" for a in wl["assumed"]]
+    return lines
+
+
+def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    train, gen = report["memory"]["train"], report["memory"]["generate"]
+    t_items, g_items = list(train.items()), list(gen.items())
+    mem_rows = []
+    for i in range(max(len(t_items), len(g_items))):
+        t = t_items[i] if i < len(t_items) else ("", None)
+        g = g_items[i] if i < len(g_items) else ("", None)
+        mem_rows.append([t[0], _gb(t[1]) if t[1] is not None else "",
+                         g[0], _gb(g[1]) if g[1] is not None else ""])
+    mem_rows.append(["training peak (limit)", f"{_gb(report['memory']['train_peak_bytes'])} "
+                     f"({_gb(report['memory']['train_peak_limit_bytes'])})", "", ""])
+
+    sw = report["switch"]
+    act_rows = [[str(i + 1), a["name"], a["direction"], _gb(a["bytes_per_card"]), a["link"],
+                 _secs(a["seconds"]), a["note"]] for i, a in enumerate(sw["actions"])]
+    share = (f"{sw['share_of_step']:.2%} of step" if sw["share_of_step"] is not None
+             else "step unknown")
+    act_rows.append(["", "total", "", _gb(sw["total_bytes_per_card"]), "PCIe moves",
+                     _secs(sw["total_seconds"]), share])
+
+    kv_rows = []
+    for r in report["kv"]:
+        mark = ", ".join(x for x, on in (("requested", r["requested"]), ("highest safe", r["best"]))
+                         if on)
+        gen_s = _secs(r["generation_seconds"]) if r["generation_seconds"] is not None else "-"
+        kv_rows.append([f"{r['utilization']:g}", _gb(r["kv_pool_bytes"]), f"{r['concurrency']:.0f}",
+                        f"{r['decode_step_seconds'] * 1e3:.1f}", f"{r['tokens_per_second']:.0f}",
+                        gen_s, mark])
+    return [
+        ("Memory per card by owner (GB)", ["training", "GB", "generation", "GB"], mem_rows),
+        ("The nine switch actions, per card", ["#", "action", "dir", "GB", "link", "s", "note"],
+         act_rows),
+        ("KV pool vs gpu_memory_utilization",
+         ["util", "KV GB", "c", "decode ms", "tok/s/card", "gen s", ""], kv_rows),
+    ]
+
+
+def summary_lines(report: dict) -> list[str]:
+    lines = []
+    gain = report["kv_gain"]
+    if gain:
+        lines.append(f"generation at {gain['from_utilization']:g} takes {gain['slower_by']:.0%} "
+                     f"longer than at the highest safe {gain['to_utilization']:g} "
+                     f"({gain['seconds_saved']:.0f} s per step)")
+    cap = report["workload"]["max_num_seqs"]
+    capped = [r["utilization"] for r in report["kv"] if r["concurrency"] >= cap]
+    if capped:
+        lines.append(f"concurrency is capped by rollout.max_num_seqs={cap} from utilization "
+                     f"{min(capped):g} up: raise it (rollout.max_num_seqs=1024) to use that pool")
+    lay = report["layout"]
+    fits = report["pinned_host_fits"]
+    lines.append(f"pinned host RAM: {_gb(report['pinned_host_bytes_per_card'])} GB per card x "
+                 f"{lay['cards_per_node']} cards = {_gb(report['pinned_host_bytes_per_node'])} GB "
+                 f"per node of {_gb(report['host_ram_bytes'])} GB "
+                 f"({'fits' if fits else 'does not fit'} in half of it)")
+    v = report["verdict"]
+    util = f"{v['max_utilization']:.2f}" if v["max_utilization"] is not None else "-"
+    lines.append(f"verdict: {'fits' if v['fits'] else 'DOES NOT FIT'}; mode "
+                 f"{v['mode'] or '-'}; highest safe gpu_memory_utilization {util}")
+    lines += [f"  - {r}" for r in v["reasons"]]
+    return lines
+
+
+def render_markdown(report: dict) -> str:
+    out = [f"{line}  " for line in header_lines(report)]
+    for title, head, rows in tables(report):
+        out += ["", f"**{title}**", "", "| " + " | ".join(head) + " |",
+                "|" + "|".join("---" for _ in head) + "|"]
+        out += ["| " + " | ".join(row) + " |" for row in rows]
+    out += [""] + [line if line.startswith("  -") else f"{line}  "
+                   for line in summary_lines(report)]
+    return "\n".join(out) + "\n"
+
+
+def render_rich(report: dict, console) -> None:
+    from rich.table import Table
+
+    for line in header_lines(report):
+        console.print(line, highlight=False)
+    for title, head, rows in tables(report):
+        table = Table(title=title, title_justify="left")
+        for h in head:
+            table.add_column(h, justify="right" if h in ("GB", "s", "KV GB", "c", "decode ms",
+                                                         "tok/s/card", "gen s", "#") else "left")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    for line in summary_lines(report):
+        console.print(line, highlight=False, soft_wrap=True)

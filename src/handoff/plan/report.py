@@ -1,0 +1,153 @@
+"""`handoff plan` end to end: a config in, one JSON-ready report out (no torch, no GPU).
+
+    report = build_plan(load_config(None, ["model.path=qwen3-32b", "parallel.gpus=8"]),
+                        auto_tp=True)
+    report["switch"]["total_seconds"], report["verdict"]["mode"]
+
+The report's keys are the `--json` contract (bytes in bytes, times in seconds):
+model, hardware, layout, workload, memory {train, generate}, switch {actions,
+total_bytes_per_card, total_seconds, share_of_step}, kv [rows], kv_gain,
+pinned_host_bytes_per_node, verdict {fits, mode, max_utilization, reasons}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from handoff.config import Config
+from handoff.errors import HandoffError
+from handoff.plan.hardware import HardwareProfile, hardware_profile
+from handoff.plan.kvpool import (Workload, check_kv_pool, engine_weight_bytes, generation_gain,
+                                 kv_pool_bytes, kv_table)
+from handoff.plan.ledger import (Dtypes, memory_by_owner, offloaded_bytes_per_card, shard_size,
+                                 switch_actions, switch_summary, weight_sync_seconds)
+from handoff.plan.shapes import ModelShape, load_shape
+from handoff.plan.verdict import (HOST_FRACTION, TRAIN_PEAK_FRACTION, decide, max_safe_utilization,
+                                  training_peak_bytes)
+
+# Without --tokens-per-step each card generates this many responses of mean length L per step
+# (e.g. 512 prompts x 16 samples over 64 cards).
+DEFAULT_RESPONSES_PER_CARD = 128
+# Without --tp: one engine per card when the weights take at most this share of HBM, else one
+# engine per node (verl's colocated recipes for models that do not fit a card comfortably).
+AUTO_TP_WEIGHT_SHARE = 0.25
+
+
+def auto_tp(shape: ModelShape, hw: HardwareProfile, gpus: int, dtypes: Dtypes) -> int:
+    """TP 1 for a model whose weights sit comfortably on one card, else a node's cards."""
+    if shape.num_params * dtypes.engine_bytes <= AUTO_TP_WEIGHT_SHARE * hw.hbm_bytes:
+        return 1
+    tp = 1
+    while tp * 2 <= min(gpus, hw.gpus_per_node) and gpus % (tp * 2) == 0:
+        tp *= 2
+    return tp
+
+
+def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
+               auto_tp_size: bool = False) -> dict:
+    """Every table of `handoff plan` as one dict; raises HandoffError on unusable input."""
+    shape = load_shape(cfg.model.path)
+    hw = hardware_profile(cfg.hardware.name, cfg.hardware)
+    dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
+    parallel = dataclasses.replace(cfg.parallel)
+    if auto_tp_size:
+        parallel.tp = auto_tp(shape, hw, parallel.gpus, dtypes)
+    if parallel.tp > parallel.gpus or parallel.gpus % parallel.tp:
+        raise HandoffError(f"--tp {parallel.tp} does not divide --gpus {parallel.gpus}: pick a "
+                           "divisor of the card count")
+    memory, wl_cfg = cfg.memory, cfg.workload
+    util = cfg.rollout.gpu_memory_utilization
+    assumed = []
+    if wl_cfg.tokens_per_step:
+        tokens_per_card = wl_cfg.tokens_per_step / parallel.gpus
+    else:
+        tokens_per_card = DEFAULT_RESPONSES_PER_CARD * wl_cfg.response_len
+        assumed.append(f"{DEFAULT_RESPONSES_PER_CARD} responses of {wl_cfg.response_len} tokens "
+                       "per card per step (pass --tokens-per-step)")
+    if not wl_cfg.max_response_len:
+        assumed.append("no long tail (pass --max-response-len)")
+    if not wl_cfg.step_seconds:
+        assumed.append("step time unknown: no share of step (pass --step-seconds)")
+    workload = Workload(prompt_len=wl_cfg.prompt_len, response_len=wl_cfg.response_len,
+                        tokens_per_card=tokens_per_card, max_response_len=wl_cfg.max_response_len,
+                        max_num_seqs=cfg.rollout.max_num_seqs)
+
+    weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
+    check_kv_pool(util, hw, weights, parallel.tp)
+    pool = kv_pool_bytes(util, hw, weights)
+    bucket = cfg.sync.bucket_mb * 2 ** 20
+    actions = switch_actions(shape, parallel, memory, hw, kv_pool_bytes=pool, dtypes=dtypes,
+                             ref=ref, grad_offload=grad_offload, bucket_bytes=bucket)
+    switch = switch_summary(actions, wl_cfg.step_seconds)
+    cards_per_node = min(parallel.gpus, hw.gpus_per_node)
+    pinned_per_card = offloaded_bytes_per_card(actions)
+    pinned_per_node = cards_per_node * pinned_per_card
+    sync_seconds = weight_sync_seconds(shape, parallel, hw, dtypes, bucket)
+
+    best = max_safe_utilization(shape, parallel, memory, hw, dtypes=dtypes, ref=ref)
+    rows = kv_table(shape, hw, tp=parallel.tp, workload=workload, requested=util,
+                    best=best if best > 0 else None, weight_bytes=dtypes.engine_bytes,
+                    kv_bytes=dtypes.kv_bytes)
+    req_row = next(r for r in rows if r.requested)
+    verdict = decide(shape, parallel, memory, hw, workload=workload, dtypes=dtypes, ref=ref,
+                     utilization=util, pinned_per_node=pinned_per_node, sync_seconds=sync_seconds,
+                     generation_seconds=req_row.generation_seconds,
+                     tail_seconds=req_row.tail_seconds, step_seconds=wl_cfg.step_seconds)
+    memory_owners = memory_by_owner(shape, parallel, memory, hw, kv_pool_bytes=pool,
+                                    dtypes=dtypes, ref=ref)
+    return {
+        "model": {"name": shape.name, "params": shape.num_params,
+                  "active_params": shape.active_params, "layers": shape.num_layers,
+                  "experts": shape.num_experts, "kv_bytes_per_token": shape.kv_bytes_per_token},
+        "hardware": hw.to_dict(),
+        "layout": {"gpus": parallel.gpus, "shard_size": shard_size(parallel), "tp": parallel.tp,
+                   "tp_auto": auto_tp_size, "cards_per_node": cards_per_node},
+        "offload": {"param": memory.param_offload, "optimizer": memory.optimizer_offload,
+                    "grad": grad_offload, "ref": ref, "ref_offload": memory.ref_offload},
+        "workload": {"prompt_len": workload.prompt_len, "response_len": workload.response_len,
+                     "max_response_len": workload.max_response_len,
+                     "tokens_per_card": workload.tokens_per_card,
+                     "step_seconds": wl_cfg.step_seconds, "utilization": util,
+                     "max_num_seqs": workload.max_num_seqs,
+                     "assumed": assumed},
+        "memory": {**memory_owners,
+                   "train_peak_bytes": training_peak_bytes(shape, shard_size(parallel), dtypes, hw),
+                   "train_peak_limit_bytes": TRAIN_PEAK_FRACTION * hw.hbm_bytes},
+        "switch": {**switch, "weight_sync_seconds": sync_seconds},
+        "kv": [r.to_dict() for r in rows],
+        "kv_gain": generation_gain(rows),
+        "pinned_host_bytes_per_card": pinned_per_card,
+        "pinned_host_bytes_per_node": pinned_per_node,
+        "pinned_host_fits": pinned_per_node <= HOST_FRACTION * hw.host_ram_bytes,
+        "host_ram_bytes": hw.host_ram_bytes,
+        "verdict": verdict.to_dict(),
+    }
+
+
+# `handoff plan` flag -> config key; a flag left at None keeps the config file's value.
+PLAN_FLAGS = {
+    "model": "model.path", "gpus": "parallel.gpus", "hardware": "hardware.name",
+    "shard_size": "parallel.shard_size", "tp": "parallel.tp",
+    "util": "rollout.gpu_memory_utilization", "param_offload": "memory.param_offload",
+    "optimizer_offload": "memory.optimizer_offload", "ref_offload": "memory.ref_offload",
+    "prompt_len": "workload.prompt_len", "response_len": "workload.response_len",
+    "max_response_len": "workload.max_response_len",
+    "tokens_per_step": "workload.tokens_per_step", "step_seconds": "workload.step_seconds",
+    "host_ram_gb": "hardware.host_ram_gb", "hbm_gb": "hardware.hbm_gb",
+    "pcie_gbps": "hardware.pinned_pcie_gbps", "nvlink_gbps": "hardware.nvlink_gbps",
+    "decode_tbps": "hardware.decode_bw_tbps", "activation_gb": "hardware.activation_peak_gb",
+    "graph_pool_gb": "hardware.graph_pool_gb", "resident_gb": "hardware.resident_gb",
+    "train_activation_gb": "hardware.train_activation_gb",
+}
+
+
+def plan_config(config_path: str | None, overrides: list[str] | None,
+                flags: dict) -> tuple[Config, bool]:
+    """The config of a `handoff plan` call and whether the engine TP is left to `auto_tp`."""
+    from handoff.config import load_config
+
+    extra = [f"{PLAN_FLAGS[k]}={v}" for k, v in flags.items() if k in PLAN_FLAGS and v is not None]
+    cfg = load_config(config_path, list(overrides or []) + extra)
+    tp_given = flags.get("tp") is not None or config_path is not None or any(
+        o.split("=", 1)[0].strip() == "parallel.tp" for o in overrides or [])
+    return cfg, not tp_given
