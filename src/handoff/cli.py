@@ -196,49 +196,5 @@ def bench_kernel_cmd(
     console.print(f"wrote {out}")
 
 
-@bench_app.command("trainer")
-@friendly_errors
-def bench_trainer_cmd(
-    model: str = typer.Option(..., "--model", help="HF checkpoint dir (handoff init-model)"),
-    out: str = typer.Option("bench-trainer.json", "--out", help="where to write the JSON result"),
-    device: str = typer.Option("cuda", help="cuda | cpu"),
-    dtype: str = typer.Option("bfloat16", help="param dtype of actor and reference"),
-    repeats: int = typer.Option(3, help="offload/onload rounds (median reported)"),
-    rows: int = typer.Option(8, help="sequences in the warm-up GRPO batch"),
-    seq_len: int = typer.Option(512, help="tokens per sequence in that batch"),
-    hardware: str = typer.Option("h200", help="hardware profile the ledger is computed for"),
-    compare_fsdp: bool = typer.Option(False, help="also time an update with FSDP2 CPUOffloadPolicy"),
-) -> None:
-    """Actor/ref offload and onload per part, measured vs the ledger of `handoff plan`."""
-    import json
-
-    from handoff.bench.trainer import render, run_trainer_bench
-
-    result = run_trainer_bench(model, device=device, dtype=dtype, repeats=repeats, rows=rows,
-                               seq_len=seq_len, hardware=hardware, compare_fsdp=compare_fsdp)
-    render(result, console)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    console.print(f"wrote {out}")
-
-
-@app.command("train", context_settings={"allow_extra_args": False})
-@friendly_errors
-def train_cmd(
-    config: str = typer.Argument(..., help="YAML config, e.g. examples/cpu-demo.yaml"),
-    overrides: Optional[list[str]] = typer.Argument(None, help="overrides key.sub=value"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint"),
-) -> None:
-    """Colocated sync GRPO: generate, switch, train, switch back; planned vs measured at the end."""
-    from handoff.config import load_config
-    from handoff.preflight import preflight
-
-    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else []))
-    preflight(cfg)
-    from handoff.loop import train
-
-    train(cfg)
-
-
 if __name__ == "__main__":
     app()
