@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable, Optional
+from typing import Callable
 
 import typer
 from rich.console import Console
@@ -37,59 +37,6 @@ def friendly_errors(fn: Callable) -> Callable:
             sys.exit(2)
 
     return wrapper
-
-
-@app.command("plan")
-@friendly_errors
-def plan_cmd(
-    overrides: Optional[list[str]] = typer.Argument(None, help="config overrides key.sub=value"),
-    model: Optional[str] = typer.Option(None, help="preset (qwen3-32b, ...) or HF config dir"),
-    gpus: Optional[int] = typer.Option(None, help="total cards"),
-    hardware: Optional[str] = typer.Option(None, help="h100-sxm | h200 | a100-80g | cpu"),
-    shard_size: Optional[int] = typer.Option(None, help="FSDP group (default: all cards)"),
-    tp: Optional[int] = typer.Option(None, help="engine TP (default: auto, or the config's)"),
-    util: Optional[float] = typer.Option(None, help="gpu_memory_utilization (default 0.5)"),
-    param_offload: Optional[bool] = typer.Option(None, "--param-offload/--no-param-offload"),
-    optimizer_offload: Optional[bool] = typer.Option(
-        None, "--optimizer-offload/--no-optimizer-offload"),
-    ref: bool = typer.Option(True, "--ref/--no-ref", help="a reference model (KL) exists"),
-    ref_offload: Optional[bool] = typer.Option(None, "--ref-offload/--no-ref-offload"),
-    grad_offload: bool = typer.Option(False, help="move grads with the optimizer, not free them"),
-    prompt_len: Optional[int] = typer.Option(None, help="mean prompt tokens P"),
-    response_len: Optional[int] = typer.Option(None, help="mean response tokens L"),
-    max_response_len: Optional[int] = typer.Option(None, help="longest response (long tail)"),
-    tokens_per_step: Optional[float] = typer.Option(None, help="generated tokens/step, all cards"),
-    step_seconds: Optional[float] = typer.Option(None, help="step time, for the switch's share"),
-    host_ram_gb: Optional[float] = typer.Option(None, help="host RAM per node, GB"),
-    hbm_gb: Optional[float] = typer.Option(None, help="HBM per card, GB"),
-    pcie_gbps: Optional[float] = typer.Option(None, help="pinned PCIe GB/s per direction"),
-    nvlink_gbps: Optional[float] = typer.Option(None, help="NVLink GB/s per direction"),
-    decode_tbps: Optional[float] = typer.Option(None, help="effective decode HBM TB/s"),
-    activation_gb: Optional[float] = typer.Option(None, help="engine activation peak, GB"),
-    graph_pool_gb: Optional[float] = typer.Option(None, help="CUDA graph pool, GB"),
-    resident_gb: Optional[float] = typer.Option(None, help="contexts, NCCL, allocator residue GB"),
-    train_activation_gb: Optional[float] = typer.Option(None, help="trainer activations/card, GB"),
-    config: Optional[str] = typer.Option(None, help="YAML config file"),
-    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
-    markdown: bool = typer.Option(False, help="print Markdown tables"),
-) -> None:
-    """What moves at each switch, the KV-pool tax, and whether to colocate at all."""
-    import json
-
-    from handoff.plan.render import render_markdown, render_rich
-    from handoff.plan.report import build_plan, plan_config
-
-    flags = dict(locals())
-    cfg, auto_tp = plan_config(config, overrides, flags)
-    report = build_plan(cfg, ref=ref, grad_offload=grad_offload, auto_tp_size=auto_tp)
-    if not report["verdict"]["fits"]:
-        raise HandoffError(report["verdict"]["fix"])
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    elif markdown:
-        typer.echo(render_markdown(report), nl=False)
-    else:
-        render_rich(report, console)
 
 
 @app.command("init-model")
@@ -190,6 +137,32 @@ def bench_kernel_cmd(
         batches=_int_list(batches, "--batches"), contexts=_int_list(contexts, "--contexts"),
         block_sizes=_int_list(block_sizes, "--block-sizes"), variants=parse_variants(variants),
         kv_dtype=kv_dtype, timer=timer, prefill=prefill)
+    render(result, console)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    console.print(f"wrote {out}")
+
+
+@bench_app.command("trainer")
+@friendly_errors
+def bench_trainer_cmd(
+    model: str = typer.Option(..., "--model", help="HF checkpoint dir (handoff init-model)"),
+    out: str = typer.Option("bench-trainer.json", "--out", help="where to write the JSON result"),
+    device: str = typer.Option("cuda", help="cuda | cpu"),
+    dtype: str = typer.Option("bfloat16", help="param dtype of actor and reference"),
+    repeats: int = typer.Option(3, help="offload/onload rounds (median reported)"),
+    rows: int = typer.Option(8, help="sequences in the warm-up GRPO batch"),
+    seq_len: int = typer.Option(512, help="tokens per sequence in that batch"),
+    hardware: str = typer.Option("h200", help="hardware profile the ledger is computed for"),
+    compare_fsdp: bool = typer.Option(False, help="also time an update with FSDP2 CPUOffloadPolicy"),
+) -> None:
+    """Actor/ref offload and onload per part, measured vs the ledger of `handoff plan`."""
+    import json
+
+    from handoff.bench.trainer import render, run_trainer_bench
+
+    result = run_trainer_bench(model, device=device, dtype=dtype, repeats=repeats, rows=rows,
+                               seq_len=seq_len, hardware=hardware, compare_fsdp=compare_fsdp)
     render(result, console)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)

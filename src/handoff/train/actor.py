@@ -94,7 +94,7 @@ class Actor(ShardedModel):
         into the shards; returns the LossSums of all ranks added up (see grpo.LossSums.NAMES)."""
         cfg = self.cfg
         assert batch.advantages is not None, "set batch.advantages (grpo.group_advantages) first"
-        self._require_on_device("params")
+        self._require_on_device("params", "grads")
         self.module.train()
         tokens = all_reduce_(batch.response_mask.sum().to(self.device, torch.float32))
         scale = self.world_size / max(float(tokens.item()), 1.0)
@@ -128,7 +128,7 @@ class Actor(ShardedModel):
     def step(self) -> float:
         """Clip by the global grad norm, one AdamW step, free the grads; returns the norm
         before clipping (a non-finite norm skips the step)."""
-        self._require_on_device("params", "optimizer")
+        self._require_on_device("params", "optimizer", "grads")
         grad_norm = self._grad_norm()
         if math.isfinite(grad_norm):
             clip = self.cfg.grad_clip / (grad_norm + 1e-6) if self.cfg.grad_clip > 0 else 1.0

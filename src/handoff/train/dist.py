@@ -38,7 +38,9 @@ def init_process_group(device: torch.device) -> None:
     """Join the torchrun group (env://), or make a 1-process group when launched alone."""
     if dist.is_initialized():
         return
-    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    # With a GPU present the group gets NCCL too, even when a CPU model creates it first: a
+    # CUDA model in the same process (tests, benches) then finds the backend it needs.
+    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:
