@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 import typer
 from rich.console import Console
@@ -37,6 +37,59 @@ def friendly_errors(fn: Callable) -> Callable:
             sys.exit(2)
 
     return wrapper
+
+
+@app.command("plan")
+@friendly_errors
+def plan_cmd(
+    overrides: Optional[list[str]] = typer.Argument(None, help="config overrides key.sub=value"),
+    model: Optional[str] = typer.Option(None, help="preset (qwen3-32b, ...) or HF config dir"),
+    gpus: Optional[int] = typer.Option(None, help="total cards"),
+    hardware: Optional[str] = typer.Option(None, help="h100-sxm | h200 | a100-80g | cpu"),
+    shard_size: Optional[int] = typer.Option(None, help="FSDP group (default: all cards)"),
+    tp: Optional[int] = typer.Option(None, help="engine TP (default: auto, or the config's)"),
+    util: Optional[float] = typer.Option(None, help="gpu_memory_utilization (default 0.5)"),
+    param_offload: Optional[bool] = typer.Option(None, "--param-offload/--no-param-offload"),
+    optimizer_offload: Optional[bool] = typer.Option(
+        None, "--optimizer-offload/--no-optimizer-offload"),
+    ref: bool = typer.Option(True, "--ref/--no-ref", help="a reference model (KL) exists"),
+    ref_offload: Optional[bool] = typer.Option(None, "--ref-offload/--no-ref-offload"),
+    grad_offload: bool = typer.Option(False, help="move grads with the optimizer, not free them"),
+    prompt_len: Optional[int] = typer.Option(None, help="mean prompt tokens P"),
+    response_len: Optional[int] = typer.Option(None, help="mean response tokens L"),
+    max_response_len: Optional[int] = typer.Option(None, help="longest response (long tail)"),
+    tokens_per_step: Optional[float] = typer.Option(None, help="generated tokens/step, all cards"),
+    step_seconds: Optional[float] = typer.Option(None, help="step time, for the switch's share"),
+    host_ram_gb: Optional[float] = typer.Option(None, help="host RAM per node, GB"),
+    hbm_gb: Optional[float] = typer.Option(None, help="HBM per card, GB"),
+    pcie_gbps: Optional[float] = typer.Option(None, help="pinned PCIe GB/s per direction"),
+    nvlink_gbps: Optional[float] = typer.Option(None, help="NVLink GB/s per direction"),
+    decode_tbps: Optional[float] = typer.Option(None, help="effective decode HBM TB/s"),
+    activation_gb: Optional[float] = typer.Option(None, help="engine activation peak, GB"),
+    graph_pool_gb: Optional[float] = typer.Option(None, help="CUDA graph pool, GB"),
+    resident_gb: Optional[float] = typer.Option(None, help="contexts, NCCL, allocator residue GB"),
+    train_activation_gb: Optional[float] = typer.Option(None, help="trainer activations/card, GB"),
+    config: Optional[str] = typer.Option(None, help="YAML config file"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    markdown: bool = typer.Option(False, help="print Markdown tables"),
+) -> None:
+    """What moves at each switch, the KV-pool tax, and whether to colocate at all."""
+    import json
+
+    from handoff.plan.render import render_markdown, render_rich
+    from handoff.plan.report import build_plan, plan_config
+
+    flags = dict(locals())
+    cfg, auto_tp = plan_config(config, overrides, flags)
+    report = build_plan(cfg, ref=ref, grad_offload=grad_offload, auto_tp_size=auto_tp)
+    if not report["verdict"]["fits"]:
+        raise HandoffError(report["verdict"]["fix"])
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    elif markdown:
+        typer.echo(render_markdown(report), nl=False)
+    else:
+        render_rich(report, console)
 
 
 @app.command("init-model")
@@ -167,6 +220,7 @@ def bench_trainer_cmd(
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     console.print(f"wrote {out}")
+
 
 
 if __name__ == "__main__":
