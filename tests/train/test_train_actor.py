@@ -10,7 +10,6 @@ from handoff.modelzoo import init_model
 from handoff.plan.shapes import PRESETS, count_params
 from handoff.train import Actor, RolloutBatch, build_reference
 from handoff.train.grpo import group_advantages
-from handoff.train.optim import local_shard
 
 N_TINY = count_params(PRESETS["tiny-qwen3"])
 

@@ -14,6 +14,7 @@ ledger of `handoff plan` for the same shape on the chosen hardware profile.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -138,13 +139,15 @@ def run_trainer_bench(model: str, *, device: str = "cuda", dtype: str = "bfloat1
         "update_metrics": metrics, "actions": actions}
     if compare_fsdp:
         del actor, ref, owners
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         result["fsdp_offload_mode"] = _fsdp_mode_update(cfg, device, batch)
     return result
 
 
 def _fsdp_mode_update(cfg: Config, device: str, batch: RolloutBatch) -> dict:
     """The same update with FSDP2's CPUOffloadPolicy: nothing to move, slower steps."""
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
     cfg.memory.offload_mode = "fsdp"
     actor = build_actor(cfg, device=device)
     dev = actor.device

@@ -108,7 +108,8 @@ class ShardedModel:
         self.module = self._shard(model)
         self._parts = {"params": self._param_tensors}
         self._host: set[str] = set()
-        self._pending: list[Transfer] = []
+        self._pending: list[Transfer] = []           # onloads compute must wait for
+        self._offloads: dict[str, Transfer] = {}     # the last D2H of each part
         self._param_bytes = self._unique_bytes(self._param_tensors())
 
     # ---- sharding -------------------------------------------------------------------------
@@ -161,6 +162,8 @@ class ShardedModel:
             elif to_host:
                 transfers[part] = self._offload_part(part)
             else:
+                # The host copy must be complete before it is read back.
+                self._offloads.pop(part).wait()
                 transfers[part] = self.arena.onload(self._set_name(part))
                 self._host.discard(part)
                 self._pending.append(transfers[part])
@@ -184,7 +187,8 @@ class ShardedModel:
             return None
         self.arena.stage(self._set_name(part), tensors)
         self._host.add(part)
-        return self.arena.offload(self._set_name(part), free_device=True)
+        self._offloads[part] = self.arena.offload(self._set_name(part), free_device=True)
+        return self._offloads[part]
 
     def _require_on_device(self, *parts: str) -> None:
         for part in parts:
