@@ -222,6 +222,23 @@ def bench_trainer_cmd(
     console.print(f"wrote {out}")
 
 
+@app.command("train", context_settings={"allow_extra_args": False})
+@friendly_errors
+def train_cmd(
+    config: str = typer.Argument(..., help="YAML config, e.g. examples/cpu-demo.yaml"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="overrides key.sub=value"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint"),
+) -> None:
+    """Colocated sync GRPO: generate, switch, train, switch back; planned vs measured at the end."""
+    from handoff.config import load_config
+    from handoff.preflight import preflight
+
+    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else []))
+    preflight(cfg)
+    from handoff.loop import train
+
+    train(cfg)
+
 
 if __name__ == "__main__":
     app()

@@ -1,0 +1,181 @@
+"""The step driver: sync GRPO on one HybridWorker per process (`handoff train CONFIG`).
+
+    summary = train(load_config("examples/cpu-demo.yaml"))
+
+One step: prompts from the task -> worker.generate (n samples each) -> rewards ->
+worker.to_train -> old and ref log-probs -> worker.update -> worker.to_rollout (the switch
+and the weight sync). Every step appends one JSON object to `metrics.jsonl` (and TensorBoard
+scalars), with `switch/<action>/seconds` and `/bytes` for each ledger action; the run ends
+with `summary.md` (planned vs measured per action), `memory_timeline.jsonl/.png`.
+
+Under torchrun every rank runs this loop on its share of the step's prompts (data parallel);
+the trainer's FSDP2 group spans all ranks, rewards are averaged over ranks, and rank 0
+writes the files. Prompt i of a step is sampled with a seed from (run.seed, step, i), so a
+run gives the same samples on 1 or 2 ranks and after a resume.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from handoff.config import Config, to_dict
+from handoff.errors import HandoffError
+from handoff.rollout.sampling import SamplingParams
+from handoff.run_report import RunReport
+from handoff.tasks import build_task
+from handoff.train.batch import RolloutBatch
+from handoff.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from handoff.train.dist import all_reduce_
+from handoff.worker import HybridWorker
+
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _prompt_seed(seed: int, step: int, index: int) -> int:
+    return (seed * 1_000_003 + step) * 1_000_033 + index
+
+
+def _mean_over_ranks(values: list[float]) -> tuple[float, float, int]:
+    """(mean, std, count) of per-sample values gathered over every rank."""
+    device = torch.device("cpu")
+    t = torch.tensor([sum(values), sum(v * v for v in values), len(values)], dtype=torch.float64,
+                     device=device)
+    if _rank_world()[1] > 1:
+        t = all_reduce_(t)
+    total, sq, n = t.tolist()
+    mean = total / max(n, 1)
+    return mean, max(sq / max(n, 1) - mean * mean, 0.0) ** 0.5, int(n)
+
+
+class Trainer:
+    """Owns the worker, the task, the tokenizer and the output files of one run."""
+
+    def __init__(self, cfg: Config):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.rank, self.world = _rank_world()
+        self.out_dir = Path(cfg.run.out_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.run.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.task = build_task(cfg.data, seed=cfg.run.seed)
+        self.worker = HybridWorker(cfg)
+        self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                       else self.tokenizer.eos_token_id)
+        self.start_step = 0
+        resumed = cfg.run.resume and self._resume()
+        self.worker.start(resumed=resumed)
+        self.report = RunReport(cfg, self.worker, self.out_dir) if self.rank == 0 else None
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def _resume(self) -> bool:
+        """Load the last complete checkpoint into the actor; False when there is none."""
+        if latest_checkpoint(self.ckpt_dir) is None:
+            return False
+        state = load_checkpoint(self.ckpt_dir, self.worker.actor)
+        self.start_step = int(state["step"])
+        self.task.load_state_dict(state["extra"]["task"])
+        return True
+
+    def _save(self, step: int) -> None:
+        save_checkpoint(self.ckpt_dir, self.worker.actor, step=step,
+                        extra={"task": self.task.state_dict()})
+
+    # ---------------------------------------------------------------- one step
+
+    def _prompts(self, step: int) -> tuple[list, list[list[int]], list[int]]:
+        """This rank's problems, their token ids and their global indices."""
+        problems = self.task.sample(self.cfg.data.prompts_per_step)
+        indices = list(range(self.rank, len(problems), self.world))
+        mine = [problems[i] for i in indices]
+        ids = [self.task.encode_prompt(p, self.tokenizer, chat=self.cfg.data.chat_template)
+               for p in mine]
+        return mine, ids, indices
+
+    def step(self, step: int, *, save: bool = False) -> dict:
+        """One GRPO step; with `save`, checkpoint after the update (trainer state on device)."""
+        cfg, worker = self.cfg, self.worker
+        worker.begin_step(step)
+        t_step = time.perf_counter()
+        problems, prompt_ids, indices = self._prompts(step)
+        params = [SamplingParams.from_config(cfg.rollout, seed=_prompt_seed(cfg.run.seed, step, i))
+                  for i in indices]
+        t0 = time.perf_counter()
+        outs = worker.generate(prompt_ids, params)
+        gen_seconds = time.perf_counter() - t0
+        prompts_rep, responses, rewards, lengths = [], [], [], []
+        for problem, ids, out in zip(problems, prompt_ids, outs):
+            for sample in out.outputs:
+                text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+                prompts_rep.append(ids)
+                responses.append(sample.token_ids)
+                rewards.append(float(self.task.reward(problem, text)))
+                lengths.append(len(sample.token_ids))
+        batch = RolloutBatch.from_tokens(prompts_rep, responses, rewards,
+                                         group_size=cfg.rollout.n, pad_id=self.pad_id)
+        batch = batch.to(worker.device)
+        worker.to_train()
+        t0 = time.perf_counter()
+        batch.old_logprobs = worker.old_log_probs(batch)
+        batch.ref_logprobs = worker.ref_log_probs(batch)
+        update = worker.update(batch)
+        train_seconds = time.perf_counter() - t0
+        if save:
+            self._save(step + 1)
+        sync = worker.to_rollout()
+        step_seconds = time.perf_counter() - t_step
+        reward_mean, reward_std, _ = _mean_over_ranks(rewards)
+        length_mean, _, _ = _mean_over_ranks([float(x) for x in lengths])
+        tokens, _, _ = _mean_over_ranks([float(sum(lengths))])
+        row = {
+            "step": step + 1, "reward_mean": reward_mean, "reward_std": reward_std,
+            "response_length": length_mean, **{k: float(v) for k, v in update.items()},
+            "timing_s/gen": gen_seconds, "timing_s/train": train_seconds,
+            "timing_s/step": step_seconds, "tokens_per_s": tokens * self.world / gen_seconds,
+            "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
+            "sync/bound_extra_bytes": sync.bound_extra_bytes,
+        }
+        if sync.measured_peak_extra_bytes is not None:
+            row["sync/measured_peak_extra_bytes"] = sync.measured_peak_extra_bytes
+        for action, rec in worker.actions.items():
+            row[f"switch/{action}/seconds"] = rec["seconds"]
+            row[f"switch/{action}/bytes"] = rec["bytes"]
+            if rec["seconds"] > 0 and rec["bytes"] > 0:
+                row[f"switch/{action}/gbps"] = rec["bytes"] / rec["seconds"] / 1e9
+        return row
+
+    # ---------------------------------------------------------------- the run
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        if self.start_step >= cfg.run.steps:
+            raise HandoffError(f"the checkpoint in {self.ckpt_dir} is at step {self.start_step}, "
+                               f"run.steps={cfg.run.steps}: raise run.steps to train further")
+        if self.report is not None:
+            self.report.start(self.start_step)
+        for step in range(self.start_step, cfg.run.steps):
+            done = step + 1
+            save = done == cfg.run.steps or bool(cfg.run.save_every and done % cfg.run.save_every == 0)
+            row = self.step(step, save=save)
+            if self.report is not None:
+                self.report.log_step(row)
+        return self.report.finish() if self.report is not None else {}
+
+
+def train(cfg: Config) -> dict:
+    """Run `cfg` to the end; returns the summary (rank 0; {} elsewhere)."""
+    (Path(cfg.run.out_dir)).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.run.out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    return Trainer(cfg).run()

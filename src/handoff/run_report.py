@@ -1,0 +1,185 @@
+"""What a training run writes and prints: metrics, progress, planned vs measured, timeline.
+
+    report = RunReport(cfg, worker, out_dir)
+    report.start(first_step)
+    report.log_step(row)           # metrics.jsonl + TensorBoard + one console line
+    summary = report.finish()      # summary.md, memory_timeline.{jsonl,png}, a rich table
+
+The planned column is the ledger (handoff.plan.ledger) for this model and these offloads,
+fed with link rates measured at the start of this run (handoff.memory.calibrate), so the
+gap between the columns is the runtime's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from handoff.config import Config
+from handoff.memory.calibrate import measure_link_rates
+from handoff.memory.meter import plot_timeline
+from handoff.plan.hardware import hardware_profile
+from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
+from handoff.plan.shapes import load_shape
+
+console = Console()
+
+
+def planned_actions(cfg: Config, rates: dict, kv_pool_bytes: int) -> dict[str, dict]:
+    """The ledger's nine actions for this run, priced with the measured rates."""
+    shape = load_shape(cfg.model.path)
+    base = cfg.hardware.name if cfg.hardware.name else "cpu"
+    hw = hardware_profile(base, cfg.hardware)
+    hw = dataclasses.replace(hw, pinned_pcie_bps=rates["d2h_bps"], d2d_bps=rates["d2d_bps"])
+    dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
+    parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
+    actions = switch_actions(shape, parallel, cfg.memory, hw, kv_pool_bytes=kv_pool_bytes,
+                             dtypes=dtypes, ref=cfg.actor.kl_coef > 0,
+                             bucket_bytes=cfg.sync.bucket_mb << 20)
+    out = {}
+    for a in actions:
+        seconds = a.seconds
+        if a.direction == "H2D" and a.bytes_per_card:
+            seconds = a.bytes_per_card / rates["h2d_bps"]
+        out[a.name] = {"bytes": a.bytes_per_card, "seconds": seconds, "link": a.link}
+    return out
+
+
+class RunReport:
+    """Rank 0's view of a run: files under out_dir and the console."""
+
+    def __init__(self, cfg: Config, worker, out_dir: Path):
+        self.cfg = cfg
+        self.worker = worker
+        self.out_dir = out_dir
+        self.rows: list[dict] = []
+        self.rates = measure_link_rates(worker.device)
+        kv_bytes = worker.engine.stats()["kv_cache_bytes"]
+        self.planned = planned_actions(cfg, self.rates, kv_bytes)
+        self.metrics_path = out_dir / "metrics.jsonl"
+        self._tb = None
+        self._progress: Progress | None = None
+
+    def start(self, first_step: int) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        except ImportError:  # tensorboard is optional: metrics.jsonl has everything
+            console.print("[yellow]tensorboard is not installed: writing metrics.jsonl only[/]")
+        self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TextColumn("{task.description}"),
+                                  console=console, transient=False)
+        self._progress.start()
+        self._task = self._progress.add_task("", total=self.cfg.run.steps, completed=first_step)
+
+    def log_step(self, row: dict) -> None:
+        self.rows.append(row)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, row["step"])
+        switch_s = sum(row.get(f"switch/{a}/seconds", 0.0) for a in SWITCH_ACTIONS)
+        line = (f"step {row['step']:>3}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
+                f"len {row['response_length']:.1f}  kl {row.get('kl', 0.0):.4f}  "
+                f"gen {row['timing_s/gen']:.2f}s  step {row['timing_s/step']:.2f}s  "
+                f"switch {switch_s:.2f}s")
+        if self._progress is not None:
+            self._progress.console.print(line, highlight=False)
+            self._progress.update(self._task, completed=row["step"],
+                                  description=f"reward {row['reward_mean']:.3f}")
+
+    # ---------------------------------------------------------------- the end
+
+    def _measured(self) -> dict[str, dict]:
+        """Per action: median seconds and bytes over the run's steps (the first is warm-up)."""
+        rows = self.rows[1:] or self.rows
+        out = {}
+        for a in SWITCH_ACTIONS:
+            secs = [r.get(f"switch/{a}/seconds", 0.0) for r in rows]
+            nbytes = [r.get(f"switch/{a}/bytes", 0) for r in rows]
+            out[a] = {"seconds": statistics.median(secs), "bytes": int(statistics.median(nbytes))}
+        return out
+
+    def finish(self) -> dict:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        meter = self.worker.meter
+        meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
+        last_step = self.rows[-1]["step"] - 1 if self.rows else 0
+        one_step = [p for p in meter.timeline if p.get("step") == last_step] or meter.timeline
+        plot_timeline(one_step, self.out_dir / "memory_timeline.png",
+                      title=f"memory by owner, step {last_step + 1}")
+        measured = self._measured()
+        rows = self.rows[1:] or self.rows
+        step_s = statistics.median(r["timing_s/step"] for r in rows) if rows else 0.0
+        switch_s = sum(m["seconds"] for m in measured.values())
+        k = max(1, len(self.rows) // 4)
+        summary = {
+            "steps": len(self.rows), "rates": self.rates, "planned": self.planned,
+            "measured": measured, "step_seconds": step_s, "switch_seconds": switch_s,
+            "switch_share": switch_s / step_s if step_s else None,
+            "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
+            "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
+        }
+        (self.out_dir / "summary.md").write_text(self._markdown(summary))
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        console.print(self._table(summary))
+        return summary
+
+    def _table(self, s: dict) -> Table:
+        t = Table(title=f"switch actions: planned (ledger at measured rates) vs measured, "
+                        f"median of {max(len(self.rows) - 1, 1)} step(s)")
+        for col in ("action", "planned bytes", "measured bytes", "planned s", "measured s",
+                    "measured/planned"):
+            t.add_column(col, justify="left" if col == "action" else "right")
+        for a in SWITCH_ACTIONS:
+            p, m = s["planned"][a], s["measured"][a]
+            ratio = f"{m['seconds'] / p['seconds']:.2f}" if p["seconds"] > 0 and m["seconds"] > 0 else "-"
+            t.add_row(a, _fmt_bytes(p["bytes"]), _fmt_bytes(m["bytes"]), f"{p['seconds']:.4f}",
+                      f"{m['seconds']:.4f}", ratio)
+        share = f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
+        t.caption = (f"switch {s['switch_seconds']:.2f} s of a {s['step_seconds']:.2f} s step "
+                     f"({share}); reward {s['reward_first']:.3f} (first quarter) -> "
+                     f"{s['reward_last']:.3f} (last quarter)")
+        return t
+
+    def _markdown(self, s: dict) -> str:
+        r = s["rates"]
+        lines = [
+            f"# Run summary: {self.cfg.model.path}", "",
+            f"{s['steps']} steps on {self.worker.device}; link rates measured at start: "
+            f"D2H {r['d2h_bps'] / 1e9:.1f} GB/s, H2D {r['h2d_bps'] / 1e9:.1f} GB/s, "
+            f"device copy {r['d2d_bps'] / 1e9:.1f} GB/s.", "",
+            "| action | planned bytes | measured bytes | planned s | measured s | measured/planned |",
+            "|---|---|---|---|---|---|",
+        ]
+        for a in SWITCH_ACTIONS:
+            p, m = s["planned"][a], s["measured"][a]
+            ratio = f"{m['seconds'] / p['seconds']:.2f}" if p["seconds"] > 0 and m["seconds"] > 0 else "-"
+            lines.append(f"| {a} | {p['bytes']} | {m['bytes']} | {p['seconds']:.4f} | "
+                         f"{m['seconds']:.4f} | {ratio} |")
+        share = f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
+        lines += ["", f"Switch: {s['switch_seconds']:.3f} s of a {s['step_seconds']:.3f} s step "
+                      f"({share}).",
+                  f"Mean reward: {s['reward_first']:.3f} over the first quarter of steps, "
+                  f"{s['reward_last']:.3f} over the last.", ""]
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n} B"

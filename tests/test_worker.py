@@ -1,0 +1,103 @@
+"""The hybrid worker and the loop on CPU: switch order, sync exactness, metrics files."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from handoff.config import load_config
+from handoff.loop import Trainer
+from handoff.modelzoo import init_model
+from handoff.plan.ledger import SWITCH_ACTIONS
+from handoff.rollout.engine import Engine
+from handoff.rollout.sampling import SamplingParams
+from handoff.worker import PROBES_TO_ROLLOUT, PROBES_TO_TRAIN
+
+PROMPTS = [[256, 51, 43, 52, 61], [256, 49, 55, 43, 50, 53, 61], [256, 72, 105]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """tiny-qwen3 with unit-gain weights, so greedy outputs depend on every weight."""
+    out = init_model("tiny-qwen3", tmp_path_factory.mktemp("worker-model"), dtype="float32")
+    from safetensors.torch import load_file
+
+    state = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    state = {k: (torch.randn(v.shape, generator=gen) / v.shape[-1] ** 0.5 if v.dim() == 2
+                 else 1 + 0.1 * torch.randn(v.shape, generator=gen)) for k, v in state.items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def tiny_cfg(model_dir, out_dir, *extra):
+    return load_config("examples/cpu-tiny.yaml", [f"model.path={model_dir}",
+                                                   f"run.out_dir={out_dir}", *extra])
+
+
+def greedy(engine, prompts=PROMPTS, n_tokens=6):
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n_tokens,
+                                                   ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def fresh_engine_from_actor(trainer, model_dir, tmp_path):
+    """A new engine built from a checkpoint of the actor's current full weights."""
+    ckpt = tmp_path / "from-actor"
+    ckpt.mkdir(exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.name != "model.safetensors":
+            (ckpt / f.name).write_bytes(f.read_bytes())
+    actor = trainer.worker.actor
+    actor.to("device", params=True).wait()
+    state = {k: v.clone() for k, v in actor.full_params(torch.float32)}
+    actor.to("host", params=True).wait()
+    save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    return Engine(str(ckpt), trainer.cfg.rollout, device="cpu", dtype=torch.float32)
+
+
+def test_one_step_runs_the_brief_switch_order(model_dir, tmp_path):
+    trainer = Trainer(tiny_cfg(model_dir, tmp_path, "run.steps=1"))
+    trainer.run()
+    names = [p["name"] for p in trainer.worker.meter.timeline if p.get("step") == 0]
+    assert names == list(PROBES_TO_TRAIN + PROBES_TO_ROLLOUT)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    for key in ("step", "reward_mean", "timing_s/gen", "timing_s/step"):
+        assert key in row
+    for action in SWITCH_ACTIONS:
+        assert f"switch/{action}/seconds" in row and f"switch/{action}/bytes" in row
+    # Offloads on: what went down came back up, byte for byte, and equals the actor's parts.
+    parts = trainer.worker.actor.memory_parts()
+    assert row["switch/params_d2h/bytes"] == row["switch/params_h2d/bytes"] == parts["params"]
+    assert row["switch/optimizer_d2h/bytes"] == row["switch/optimizer_h2d/bytes"] == parts["optimizer"]
+    assert row["switch/ref_h2d/bytes"] == row["switch/ref_d2h/bytes"] > 0
+    for name in ("summary.md", "summary.json", "memory_timeline.jsonl", "memory_timeline.png"):
+        assert (tmp_path / name).is_file()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for action in ("params_d2h", "optimizer_h2d", "engine_weights_sync"):
+        assert summary["planned"][action]["bytes"] == summary["measured"][action]["bytes"]
+
+
+def test_engine_equals_fresh_engine_after_every_sync(model_dir, tmp_path):
+    cfg = tiny_cfg(model_dir, tmp_path, "run.steps=2", "actor.lr=0.05", "actor.kl_coef=0")
+    trainer = Trainer(cfg)
+    # A reward that varies within groups, so every update really moves the weights.
+    trainer.task.reward = lambda problem, text: float(len(text) % 3)
+    before = greedy(trainer.worker.engine)
+    for step in range(2):
+        trainer.step(step)
+        assert trainer.worker.last_sync.verified_buckets == trainer.worker.last_sync.num_buckets > 0
+        ours = greedy(trainer.worker.engine)
+        assert ours == greedy(fresh_engine_from_actor(trainer, model_dir, tmp_path))
+    assert ours != before, "the updates did not change the policy: the test proves nothing"
+
+
+def test_sleeping_engine_refuses_to_generate(model_dir, tmp_path):
+    trainer = Trainer(tiny_cfg(model_dir, tmp_path))
+    trainer.worker.to_train()
+    with pytest.raises(Exception, match="wake_up|asleep"):
+        greedy(trainer.worker.engine)
+    trainer.worker.engine.wake_up(["weights", "kv_cache"])
+    with pytest.raises(Exception, match="load_weights"):
+        greedy(trainer.worker.engine)
