@@ -53,20 +53,35 @@ def test_resume_with_another_seed_is_refused():
     ("10", 1.0, True, True),
     (" 10.\n", 1.0, True, True),
     ("+10", 1.0, True, True),
+    ("{a} + {b} = 10", 1.0, True, True),
+    ("{a}+{b}=10.", 1.0, True, True),
     ("11", 0.1, False, True),
-    ("7 + 3 = 10", 0.0, True, False),
+    ("{a} + {b} = 11", 0.1, False, True),
+    ("{b} + {a} = 10", 0.0, True, False),  # an equation, but not this problem's
+    ("{a} * {b} = 10", 0.0, True, False),
+    ("{a} + {b} + 0 = 10", 0.0, True, False),
+    ("{a} + {b} = 10\n\nThis is", 0.0, True, False),
     ("The answer is 10.", 0.0, True, False),
     ("ten", 0.0, False, False),
     ("", 0.0, False, False),
     ("10 10", 0.0, True, False),
 ])
 def test_reward_exact_match_with_format(response, reward, correct, formatted):
-    task = ArithmeticTask(seed=0)
-    p = next(q for q in task.sample(100) if q.answer == "10")
+    task = ArithmeticTask(seed=0, ops="+")
+    p = next(q for q in task.sample(100) if q.answer == "10" and q.metadata["a"] != 5)
+    response = response.format(**p.metadata)
     score = task.score(p, response)
     assert (score.reward, score.correct, score.formatted) == (reward, correct, formatted)
     assert task.reward(p, response) == reward
     assert score.breakdown()["reward"] == reward
+
+
+def test_multiplication_may_be_written_with_x():
+    task = ArithmeticTask(seed=0, ops="*")
+    p = task.get(0)
+    a, b = p.metadata["a"], p.metadata["b"]
+    assert task.reward(p, f"{a} x {b} = {a * b}") == 1.0
+    assert task.reward(p, f"{a} \u00d7 {b} = {a * b}") == 1.0
 
 
 def test_system_prompt_and_bad_settings():

@@ -8,12 +8,18 @@ Difficulty is `digits` per operand (`data.difficulty`) and the operators drawn f
 (`+`, `-`, `*`); subtraction puts the larger operand first so answers are never negative.
 Problem i is a pure function of (seed, i), so a resumed run continues the same stream.
 
-The reward (the prompt asks for "just the number"):
+The reward. The required format is one short line: the number alone ("10", " 10.") or
+the problem's own equation ending in it ("7 + 3 = 10"; "7+3=10", and "7 x 3" for "7 * 3").
 
-* 1.0: the response is the number alone and it is right ("10", " 10.", "10\\n");
-* 0.1: the response is a number alone but the wrong one (right format, wrong value);
-* 0.0: anything else, including the right number inside a sentence ("7 + 3 = 10"): the
-  format is part of the task, and a GRPO group learns it quickly from the 1.0 samples.
+* 1.0: the response has the format and the number is right;
+* 0.1: the format is right but the number is wrong;
+* 0.0: anything else: the right number inside a sentence ("The answer is 10"), another
+  equation ("3 + 7 = 10"), or the answer followed by more text (the model must stop).
+
+The equation form is accepted on purpose: it is how SmolLM2-135M-Instruct answers when it
+is right (1-digit sums, greedy: 59% of answers in this format, 89% of those right). Made to
+give the bare number, it learns the format within a few GRPO steps but its accuracy
+collapses (measured: 25% -> 2%): restating the sum is what lets a 135M model add.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ CORRECT_REWARD = 1.0
 FORMAT_REWARD = 0.1
 OPS = "+-*"
 PROMPT = "What is {a} {op} {b}? Answer with just the number."
-# The whole response must be one integer, optionally with a trailing period and spaces.
-_JUST_A_NUMBER = re.compile(r"\s*([-+]?\d+)\.?\s*")
+# The whole response: an optional "a op b =" and one integer, an optional trailing period.
+_FORMAT = re.compile(r"\s*(?:(\d+)\s*([-+*x\u00d7])\s*(\d+)\s*=\s*)?([-+]?\d+)\.?\s*")
+_SAME_OP = {"x": "*", "\u00d7": "*"}
 _ANY_INTEGER = re.compile(r"[-+]?\d+")
 
 
@@ -71,7 +78,12 @@ class ArithmeticTask(Task):
                        metadata={"a": a, "b": b, "op": op})
 
     def score(self, problem: Problem, response: str) -> Score:
-        m = _JUST_A_NUMBER.fullmatch(response)
+        m = _FORMAT.fullmatch(response)
+        if m is not None and m.group(1) is not None:
+            meta = problem.metadata
+            restated = (int(m.group(1)), _SAME_OP.get(m.group(2), m.group(2)), int(m.group(3)))
+            if restated != (meta["a"], meta["op"], meta["b"]):
+                m = None  # an equation, but not this problem's
         if m is None:
             # Unformatted: no reward, but `correct` still says whether the last integer was
             # right, so the logged accuracy separates "cannot add" from "says too much".
@@ -79,7 +91,7 @@ class ArithmeticTask(Task):
             value = str(int(found[-1])) if found else None
             return Score(reward=0.0, correct=value == problem.answer, formatted=False,
                          extracted=value)
-        value = str(int(m.group(1)))
+        value = str(int(m.group(4)))
         correct = value == problem.answer
         return Score(reward=CORRECT_REWARD if correct else FORMAT_REWARD, correct=correct,
                      formatted=True, extracted=value)
