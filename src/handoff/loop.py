@@ -10,7 +10,8 @@ with `summary.md` (planned vs measured per action), `memory_timeline.jsonl/.png`
 
 Under torchrun every rank runs this loop on its share of the step's prompts (data parallel);
 the trainer's FSDP2 group spans all ranks, rewards are averaged over ranks, and rank 0
-writes the files. Prompt i of a step is sampled with a seed from (run.seed, step, i), so a
+writes the files. With parallel.tp > 1 the ranks of a TP group share one engine: they
+generate their prompts together and each trains on its own share. Prompt i of a step is sampled with a seed from (run.seed, step, i), so a
 run gives the same samples on 1 or 2 ranks and after a resume.
 """
 
@@ -24,19 +25,20 @@ import torch
 
 from handoff.config import Config, to_dict
 from handoff.errors import HandoffError
+from handoff.rollout.parallel import world_rank_size
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_report import RunReport
 from handoff.tasks import build_task
 from handoff.train.batch import RolloutBatch
-from handoff.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from handoff.train.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
+                                     save_checkpoint)
 from handoff.train.dist import all_reduce_
 from handoff.worker import HybridWorker
 
 
 def _rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+    # torchrun's environment answers before the worker creates the process group.
+    return world_rank_size()
 
 
 def _prompt_seed(seed: int, step: int, index: int) -> int:
@@ -74,31 +76,45 @@ class Trainer:
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
         self.start_step = 0
-        resumed = cfg.run.resume and self._resume()
-        self.worker.start(resumed=resumed)
+        self.pending_checkpoint: Path | None = None
+        if cfg.run.resume:
+            self._resume()
         self.report = RunReport(cfg, self.worker, self.out_dir) if self.rank == 0 else None
 
     # ---------------------------------------------------------------- checkpoints
 
-    def _resume(self) -> bool:
-        """Load the last complete checkpoint into the actor; False when there is none."""
+    def _resume(self) -> None:
+        """Continue from the last complete checkpoint (a fresh start when there is none).
+
+        Metrics rows after the checkpoint's step came from a step that never completed its
+        checkpoint: they are dropped, so no step is lost or counted twice.
+        """
         if latest_checkpoint(self.ckpt_dir) is None:
-            return False
-        state = load_checkpoint(self.ckpt_dir, self.worker.actor)
+            return
+        state = self.worker.load_trainer_state(lambda actor: load_checkpoint(self.ckpt_dir, actor))
         self.start_step = int(state["step"])
         self.task.load_state_dict(state["extra"]["task"])
-        return True
+        metrics = self.out_dir / "metrics.jsonl"
+        if self.rank == 0 and metrics.is_file():
+            kept = [line for line in metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= self.start_step]
+            metrics.write_text("".join(line + "\n" for line in kept))
 
-    def _save(self, step: int) -> None:
-        save_checkpoint(self.ckpt_dir, self.worker.actor, step=step,
-                        extra={"task": self.task.state_dict()})
+    def _save(self, step: int) -> Path:
+        """Write checkpoint `step` unpublished: it counts once its metrics row is written."""
+        return save_checkpoint(self.ckpt_dir, self.worker.actor, step=step,
+                               extra={"task": self.task.state_dict()}, publish=False)
 
     # ---------------------------------------------------------------- one step
 
     def _prompts(self, step: int) -> tuple[list, list[list[int]], list[int]]:
-        """This rank's problems, their token ids and their global indices."""
+        """The problems this rank's engine generates, their token ids and global indices.
+
+        Rank r trains on prompts i with i % world == r; a TP group of ranks [g*tp, (g+1)*tp)
+        shares one engine, so every rank of it generates the prompts of all its ranks."""
         problems = self.task.sample(self.cfg.data.prompts_per_step)
-        indices = list(range(self.rank, len(problems), self.world))
+        tp = self.worker.engine.tp.size
+        indices = [i for i in range(len(problems)) if i % self.world // tp == self.rank // tp]
         mine = [problems[i] for i in indices]
         ids = [self.task.encode_prompt(p, self.tokenizer, chat=self.cfg.data.chat_template)
                for p in mine]
@@ -116,7 +132,9 @@ class Trainer:
         outs = worker.generate(prompt_ids, params)
         gen_seconds = time.perf_counter() - t0
         prompts_rep, responses, rewards, lengths = [], [], [], []
-        for problem, ids, out in zip(problems, prompt_ids, outs):
+        for problem, ids, out, index in zip(problems, prompt_ids, outs, indices):
+            if index % self.world != self.rank:
+                continue  # generated for another rank of this TP group, which trains on it
             for sample in out.outputs:
                 text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
                 prompts_rep.append(ids)
@@ -132,8 +150,7 @@ class Trainer:
         batch.ref_logprobs = worker.ref_log_probs(batch)
         update = worker.update(batch)
         train_seconds = time.perf_counter() - t0
-        if save:
-            self._save(step + 1)
+        self.pending_checkpoint = self._save(step + 1) if save else None
         sync = worker.to_rollout()
         step_seconds = time.perf_counter() - t_step
         reward_mean, reward_std, _ = _mean_over_ranks(rewards)
@@ -171,11 +188,14 @@ class Trainer:
             row = self.step(step, save=save)
             if self.report is not None:
                 self.report.log_step(row)
+            if self.pending_checkpoint is not None:
+                publish_checkpoint(self.pending_checkpoint)
         return self.report.finish() if self.report is not None else {}
 
 
 def train(cfg: Config) -> dict:
     """Run `cfg` to the end; returns the summary (rank 0; {} elsewhere)."""
-    (Path(cfg.run.out_dir)).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.run.out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    if world_rank_size()[0] == 0:
+        (Path(cfg.run.out_dir)).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.run.out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     return Trainer(cfg).run()

@@ -16,12 +16,17 @@ largest, so last), expandable_segments back on, reset the prefix cache. Every po
 meter probe under the brief's names, and every action is timed under the ledger's name
 (handoff.plan.ledger.SWITCH_ACTIONS) with the bytes it moved, so a run prints planned vs
 measured side by side. Offloads the config turns off are skipped and recorded as 0 bytes.
+
+Under torchrun each rank runs one worker: the trainer's FSDP2 mesh spans every rank, and
+the engines of parallel.tp consecutive ranks form one tensor-parallel engine (each rank
+sleeps, wakes and loads its own shard; every rank sends its engine all full params).
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import Callable, TypeVar
 
 import torch
 
@@ -31,9 +36,12 @@ from handoff.memory.regions import RegionPool, aggressive_empty_cache, expandabl
 from handoff.memory.staging import PinnedArena
 from handoff.rollout.engine import Engine
 from handoff.sync.weights import SyncStats, sync_weights
-from handoff.train.actor import build_actor, build_reference
+from handoff.train.actor import Actor, build_actor, build_reference
 from handoff.train.batch import RolloutBatch
-from handoff.train.dist import resolve_device
+from handoff.rollout.parallel import check_world_size, init_tp_group
+from handoff.train.dist import init_process_group, resolve_device
+
+T = TypeVar("T")
 
 # The probe names of one step, in order (the brief's "before resume weights" etc.).
 PROBES_TO_TRAIN = ("after generate", "after engine sleep", "after params onload")
@@ -52,38 +60,44 @@ class HybridWorker:
     def __init__(self, cfg: Config, *, device: str | torch.device | None = None):
         self.cfg = cfg
         self.device = resolve_device(device or cfg.run.device)
+        init_process_group(self.device)   # torchrun's ranks, or a 1-process group
+        check_world_size(cfg.parallel.gpus)
         self.arena = PinnedArena(pin=self.device.type == "cuda")
         self.pool = RegionPool(self.device, wake_margin_bytes=cfg.memory.wake_margin_mb << 20)
         self.meter = MemoryMeter(self.device, pool=self.pool, arena=self.arena)
         self.pool.meter = self.meter
-        self.actor = build_actor(cfg, device=self.device, arena=self.arena)
-        self.ref = build_reference(cfg, device=self.device, arena=self.arena)
-        self.engine = Engine(cfg.model.path, cfg.rollout, device=self.device,
-                             dtype=cfg.model.dtype, pool=self.pool)
-        self.engine_dtype = self.engine.dtype
         self.actions: dict[str, dict[str, float]] = {}
         self.last_sync: SyncStats | None = None
-        self.step = 0
-
-    def start(self, *, resumed: bool) -> None:
-        """Enter the rollout phase: the trainer's state goes to the host, the engine is ready.
-
-        The engine loaded the checkpoint's weights itself; after a resume the actor holds
-        newer ones, so they go through the normal switch (sleep, wake, sync). Its probes
-        carry step -1, before the first step.
-        """
-        self.step = -1
-        if self.ref is not None and self.cfg.memory.ref_offload:
+        self.step = -1  # probes before the first step carry step -1
+        self.actor = build_actor(cfg, device=self.device, arena=self.arena)
+        self.ref = build_reference(cfg, device=self.device, arena=self.arena)
+        # The trainer's state leaves the card before the engine sizes its KV pool from
+        # what is free: the run starts in the rollout phase.
+        if self.ref is not None and cfg.memory.ref_offload:
             self.ref.to("host", params=True).wait()
-        if resumed:
-            self.engine.sleep(2)
-            self.to_rollout()
-            self.actions = {}
-        else:
-            self._move_actor("host", params=self.cfg.memory.param_offload,
-                             optimizer=self.cfg.memory.optimizer_offload, record=False)
+        self._move_actor("host", params=cfg.memory.param_offload,
+                         optimizer=cfg.memory.optimizer_offload, record=False)
         aggressive_empty_cache()
+        self.engine = Engine(cfg.model.path, cfg.rollout, device=self.device,
+                             dtype=cfg.model.dtype, pool=self.pool,
+                             tp=init_tp_group(cfg.parallel.tp))
+        self.engine_dtype = self.engine.dtype
         self.probe("start")
+
+    def load_trainer_state(self, load: Callable[[Actor], T]) -> T:
+        """Resume: `load(actor)` with the trainer's state on the card, then the normal switch.
+
+        The engine sleeps meanwhile (its weights are stale anyway: it loaded the initial
+        checkpoint), and `to_rollout` pushes the resumed weights into it.
+        """
+        self.engine.sleep(2)
+        aggressive_empty_cache()
+        self._move_actor("device", params=self.cfg.memory.param_offload,
+                         optimizer=self.cfg.memory.optimizer_offload, record=False)
+        result = load(self.actor)
+        self.to_rollout()
+        self.actions = {}
+        return result
 
     # ---------------------------------------------------------------- recording
 
@@ -175,7 +189,8 @@ class HybridWorker:
                 self.last_sync = sync_weights(
                     self.actor.full_params(self.engine_dtype), self.engine.load_weights,
                     bucket_bytes=self.cfg.sync.bucket_mb << 20, device=self.device,
-                    readback=self.engine.export_weight if self.cfg.sync.verify else None)
+                    readback=self.engine.export_weight if self.cfg.sync.verify else None,
+                    select=self.engine.weight_shard)
             self.actions["engine_weights_sync"]["bytes"] += self.last_sync.bytes
             self.probe("after update_weights")
             self._move_actor("host", params=mem.param_offload)

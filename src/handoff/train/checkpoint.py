@@ -88,8 +88,13 @@ def _broadcast(obj: object) -> object:
 
 
 def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | None = None,
-                    keep: int = 2) -> Path:
-    """Write a complete checkpoint (collective: every rank calls it); returns its directory."""
+                    keep: int = 2, publish: bool = True) -> Path:
+    """Write a complete checkpoint (collective: every rank calls it); returns its directory.
+
+    With publish=False the checkpoint is complete on disk but `latest` still names the
+    previous one until `publish_checkpoint`: a caller that must finish more work (log the
+    step's metrics) before the step counts as done publishes afterwards.
+    """
     actor._require_on_device("params", "optimizer")
     root = Path(root)
     rank = dist.get_rank()
@@ -112,12 +117,22 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
         _fsync(tmp)
         os.rename(tmp, final)
         _fsync(root)
-        _write_durable(root / f"{LATEST}.tmp", name.encode())
-        os.replace(root / f"{LATEST}.tmp", root / LATEST)
-        _fsync(root)
-        _prune(root, keep, name)
+        if publish:
+            publish_checkpoint(final, keep=keep)
     dist.barrier()
     return final
+
+
+def publish_checkpoint(path: str | Path, *, keep: int = 2) -> None:
+    """Point `latest` at the complete checkpoint `path` (atomic; rank 0 only writes)."""
+    path = Path(path)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    root = path.parent
+    _write_durable(root / f"{LATEST}.tmp", path.name.encode())
+    os.replace(root / f"{LATEST}.tmp", root / LATEST)
+    _fsync(root)
+    _prune(root, keep, path.name)
 
 
 def _serialize(obj: object) -> bytes:
