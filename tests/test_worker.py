@@ -77,6 +77,12 @@ def test_one_step_runs_the_brief_switch_order(model_dir, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     for action in ("params_d2h", "optimizer_h2d", "engine_weights_sync"):
         assert summary["planned"][action]["bytes"] == summary["measured"][action]["bytes"]
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    shown = CliRunner().invoke(app, ["report", str(tmp_path)], terminal_width=200)
+    assert shown.exit_code == 0 and "engine_weights_sync" in shown.output
 
 
 def test_engine_equals_fresh_engine_after_every_sync(model_dir, tmp_path):

@@ -240,5 +240,14 @@ def train_cmd(
     train(cfg)
 
 
+@app.command("report")
+@friendly_errors
+def report_cmd(run_dir: str = typer.Argument(..., help="run.out_dir of a `handoff train` run")) -> None:
+    """Per-step metrics and planned vs measured switch actions of a finished run."""
+    from handoff.run_report import show_run
+
+    show_run(run_dir)
+
+
 if __name__ == "__main__":
     app()

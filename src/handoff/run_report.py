@@ -132,49 +132,54 @@ class RunReport:
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
         }
-        (self.out_dir / "summary.md").write_text(self._markdown(summary))
+        (self.out_dir / "summary.md").write_text(
+            summary_markdown(summary, self.cfg.model.path, str(self.worker.device)))
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        console.print(self._table(summary))
+        console.print(summary_table(summary))
         return summary
 
-    def _table(self, s: dict) -> Table:
-        t = Table(title=f"switch actions: planned (ledger at measured rates) vs measured, "
-                        f"median of {max(len(self.rows) - 1, 1)} step(s)")
-        for col in ("action", "planned bytes", "measured bytes", "planned s", "measured s",
-                    "measured/planned"):
-            t.add_column(col, justify="left" if col == "action" else "right")
-        for a in SWITCH_ACTIONS:
-            p, m = s["planned"][a], s["measured"][a]
-            ratio = f"{m['seconds'] / p['seconds']:.2f}" if p["seconds"] > 0 and m["seconds"] > 0 else "-"
-            t.add_row(a, _fmt_bytes(p["bytes"]), _fmt_bytes(m["bytes"]), f"{p['seconds']:.4f}",
-                      f"{m['seconds']:.4f}", ratio)
-        share = f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
-        t.caption = (f"switch {s['switch_seconds']:.2f} s of a {s['step_seconds']:.2f} s step "
-                     f"({share}); reward {s['reward_first']:.3f} (first quarter) -> "
-                     f"{s['reward_last']:.3f} (last quarter)")
-        return t
 
-    def _markdown(self, s: dict) -> str:
-        r = s["rates"]
-        lines = [
-            f"# Run summary: {self.cfg.model.path}", "",
-            f"{s['steps']} steps on {self.worker.device}; link rates measured at start: "
-            f"D2H {r['d2h_bps'] / 1e9:.1f} GB/s, H2D {r['h2d_bps'] / 1e9:.1f} GB/s, "
-            f"device copy {r['d2d_bps'] / 1e9:.1f} GB/s.", "",
-            "| action | planned bytes | measured bytes | planned s | measured s | measured/planned |",
-            "|---|---|---|---|---|---|",
-        ]
-        for a in SWITCH_ACTIONS:
-            p, m = s["planned"][a], s["measured"][a]
-            ratio = f"{m['seconds'] / p['seconds']:.2f}" if p["seconds"] > 0 and m["seconds"] > 0 else "-"
-            lines.append(f"| {a} | {p['bytes']} | {m['bytes']} | {p['seconds']:.4f} | "
-                         f"{m['seconds']:.4f} | {ratio} |")
-        share = f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
-        lines += ["", f"Switch: {s['switch_seconds']:.3f} s of a {s['step_seconds']:.3f} s step "
-                      f"({share}).",
-                  f"Mean reward: {s['reward_first']:.3f} over the first quarter of steps, "
-                  f"{s['reward_last']:.3f} over the last.", ""]
-        return "\n".join(lines)
+def summary_table(s: dict) -> Table:
+    """The planned-vs-measured table of a run's summary (summary.json)."""
+    t = Table(title=f"switch actions: planned (ledger at measured rates) vs measured, "
+                    f"median of {max(s['steps'] - 1, 1)} step(s)")
+    for col in ("action", "planned bytes", "measured bytes", "planned s", "measured s",
+                "measured/planned"):
+        t.add_column(col, justify="left" if col == "action" else "right")
+    for a in SWITCH_ACTIONS:
+        p, m = s["planned"][a], s["measured"][a]
+        ratio = f"{m['seconds'] / p['seconds']:.2f}" if p["seconds"] > 0 and m["seconds"] > 0 else "-"
+        t.add_row(a, _fmt_bytes(p["bytes"]), _fmt_bytes(m["bytes"]), f"{p['seconds']:.4f}",
+                  f"{m['seconds']:.4f}", ratio)
+    share = f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
+    t.caption = (f"switch {s['switch_seconds']:.2f} s of a {s['step_seconds']:.2f} s step "
+                 f"({share}); reward {s['reward_first']:.3f} (first quarter) -> "
+                 f"{s['reward_last']:.3f} (last quarter)")
+    return t
+
+
+def summary_markdown(s: dict, model: str, device: str) -> str:
+    """summary.md: the same table as Markdown, with the rates it was priced at."""
+    r = s["rates"]
+    lines = [
+        f"# Run summary: {model}", "",
+        f"{s['steps']} steps on {device}; link rates measured at start: "
+        f"D2H {r['d2h_bps'] / 1e9:.1f} GB/s, H2D {r['h2d_bps'] / 1e9:.1f} GB/s, "
+        f"device copy {r['d2d_bps'] / 1e9:.1f} GB/s.", "",
+        "| action | planned bytes | measured bytes | planned s | measured s | measured/planned |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in SWITCH_ACTIONS:
+        p, m = s["planned"][a], s["measured"][a]
+        ratio = f"{m['seconds'] / p['seconds']:.2f}" if p["seconds"] > 0 and m["seconds"] > 0 else "-"
+        lines.append(f"| {a} | {p['bytes']} | {m['bytes']} | {p['seconds']:.4f} | "
+                     f"{m['seconds']:.4f} | {ratio} |")
+    share = f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
+    lines += ["", f"Switch: {s['switch_seconds']:.3f} s of a {s['step_seconds']:.3f} s step "
+                  f"({share}).",
+              f"Mean reward: {s['reward_first']:.3f} over the first quarter of steps, "
+              f"{s['reward_last']:.3f} over the last.", ""]
+    return "\n".join(lines)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -183,3 +188,30 @@ def _fmt_bytes(n: int) -> str:
     if n >= 1 << 20:
         return f"{n / (1 << 20):.1f} MiB"
     return f"{n} B"
+
+
+def show_run(run_dir: str | Path) -> dict:
+    """`handoff report RUN_DIR`: the per-step metrics and the planned-vs-measured table."""
+    from handoff.errors import HandoffError
+
+    run_dir = Path(run_dir)
+    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise HandoffError(f"{run_dir} holds no metrics.jsonl: pass the run.out_dir of a "
+                           "`handoff train` run")
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    t = Table(title=f"{run_dir}: {len(rows)} steps")
+    for col in ("step", "reward", "length", "kl", "gen s", "switch s", "step s"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        switch_s = sum(r.get(f"switch/{a}/seconds", 0.0) for a in SWITCH_ACTIONS)
+        t.add_row(str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['response_length']:.1f}",
+                  f"{r.get('kl', 0.0):.4f}", f"{r['timing_s/gen']:.2f}", f"{switch_s:.2f}",
+                  f"{r['timing_s/step']:.2f}")
+    console.print(t)
+    if not summary_path.is_file():
+        console.print("[yellow]no summary.json: the run did not finish[/]")
+        return {}
+    summary = json.loads(summary_path.read_text())
+    console.print(summary_table(summary))
+    return summary
