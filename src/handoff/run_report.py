@@ -143,9 +143,9 @@ def summary_table(s: dict) -> Table:
     """The planned-vs-measured table of a run's summary (summary.json)."""
     t = Table(title=f"switch actions: planned (ledger at measured rates) vs measured, "
                     f"median of {max(s['steps'] - 1, 1)} step(s)")
-    for col in ("action", "planned bytes", "measured bytes", "planned s", "measured s",
-                "measured/planned"):
-        t.add_column(col, justify="left" if col == "action" else "right")
+    t.add_column("action", no_wrap=True, min_width=19)
+    for col in ("planned bytes", "measured bytes", "planned s", "measured s", "measured/planned"):
+        t.add_column(col, justify="right")
     for a in SWITCH_ACTIONS:
         p, m = s["planned"][a], s["measured"][a]
         ratio = f"{m['seconds'] / p['seconds']:.2f}" if p["seconds"] > 0 and m["seconds"] > 0 else "-"
