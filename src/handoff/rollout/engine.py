@@ -12,13 +12,17 @@ scales) and "buffers" (RoPE tables: not weights, so a level-2 sleep keeps a CPU 
 wake copies it back). Sleep levels: 0 pauses generation only; 1 backs the weights up to pinned
 host memory and drops the KV; 2 drops both (the trainer sends new weights anyway): generation
 is refused until `load_weights` has refilled every parameter.
+
+Tensor parallelism (`tp=N`, one process per rank, see parallel.py): each rank builds its
+shard of the model and a KV pool for its own KV heads, loads its part of every full tensor,
+and sleeps and wakes its own regions; every rank must make the same calls. Logits are
+gathered in full, so all ranks sample the same tokens and return the same outputs.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-import time
 from pathlib import Path
 from typing import Iterable
 
@@ -30,6 +34,7 @@ from handoff.rollout.blocks import BlockManager
 from handoff.rollout.layers import inverse_frequencies, rope_table
 from handoff.rollout.models import (build_model, eos_token_ids, iter_checkpoint, read_hf_config,
                                     spec_from_hf_config)
+from handoff.rollout.parallel import TPGroup, init_tp_group
 from handoff.rollout.runner import ModelRunner
 from handoff.rollout.sampling import SamplingParams, sample_key
 from handoff.rollout.scheduler import Scheduler
@@ -54,7 +59,7 @@ class Engine:
     """Paged-KV generation engine for one device (see the module docstring)."""
 
     def __init__(self, model_path: str, cfg, *, device=None, dtype=None, pool=None,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, tp: TPGroup | int = 1):
         from handoff.memory.regions import RegionPool
 
         self.cfg = cfg
@@ -69,9 +74,10 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len, self.spec.max_position_embeddings)
         self.max_num_batched_tokens = max(self.max_model_len, 8192)
         self.pool = pool if pool is not None else RegionPool(self.device)
+        self.tp = tp if isinstance(tp, TPGroup) else init_tp_group(tp)
 
         with self.pool.region("weights"):
-            model = build_model(self.spec, device=self.device, dtype=self.dtype)
+            model = build_model(self.spec, device=self.device, dtype=self.dtype, tp=self.tp)
         self.pool.track("weights", model)
         self.model = model
         self.weights_version = 0
@@ -90,10 +96,8 @@ class Engine:
 
         kv_dtype = FP8_DTYPE if cfg.kv_dtype == "fp8" else self.dtype
         self.runner = ModelRunner(model, device=self.device, block_size=cfg.block_size,
-                                  kv_dtype=kv_dtype, attention_backend=attention_backend,
-                                  cuda_graphs=cfg.cuda_graphs)
+                                  kv_dtype=kv_dtype, attention_backend=attention_backend)
         self.activation_peak_bytes = 0  # profiled on CUDA when the pool is sized from util
-        self.graph_reserve_bytes = 0    # kept free for the decode graphs (CUDA, from util)
         num_blocks = self._num_blocks()
         with self.pool.region("kv_cache"):
             kv_tensors = self.runner.allocate_kv_cache(num_blocks)
@@ -103,17 +107,14 @@ class Engine:
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         self.blocks = BlockManager(num_blocks, cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                                    max_blocks_per_seq=max_blocks_per_seq)
-        # Outside every region: the decode graphs' pool must stay mapped while regions sleep.
-        self.runner.bind_tables(self.blocks.tables)
+        self.runner.tables = self.blocks.tables
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
         self._paused = False
         self._seq_ids = itertools.count()
-        self._seed_rng = random.Random()
+        self._seed_rng = random.Random(self.tp.shared_seed(self.device))  # same on TP ranks
         self._counters = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0}
-        self._decode_seconds = 0.0
-        self._decode_wait_seconds = 0.0
 
     # ---------------------------------------------------------------- sizing
 
@@ -133,33 +134,29 @@ class Engine:
                                              max_model_len=self.max_model_len,
                                              max_num_seqs=cfg.max_num_seqs)
             self.activation_peak_bytes = peak
-            graphs = runner.graph_reserve_bytes(cfg.max_num_seqs)
-            self.graph_reserve_bytes = graphs
             free, total = torch.cuda.mem_get_info(self.device)
             own = self.pool.region_bytes("weights") + self.pool.region_bytes("buffers")
-            # The graphs' pool is resident too: the brief's ledger subtracts it.
-            peak += graphs
             budget = int(cfg.gpu_memory_utilization * total) - own - peak
             num_blocks = max(budget, 0) // block_bytes
             gib = 2**30
             if num_blocks < needed:
                 raise HandoffError(
                     f"KV pool would be {budget / gib:.2f} GiB at gpu_memory_utilization="
-                    f"{cfg.gpu_memory_utilization}: engine weights take {own / gib:.2f} GiB, the "
-                    f"activation peak and decode graphs {peak / gib:.2f} GiB of "
-                    f"{total / gib:.1f} GiB; raise "
+                    f"{cfg.gpu_memory_utilization}: engine weights take {own / gib:.2f} GiB and the "
+                    f"profiled activation peak {peak / gib:.2f} GiB of {total / gib:.1f} GiB; raise "
                     "rollout.gpu_memory_utilization or lower rollout.max_model_len / max_num_seqs")
             if num_blocks * block_bytes + peak > free:
                 raise HandoffError(
-                    f"KV pool of {num_blocks * block_bytes / gib:.2f} GiB plus {peak / gib:.2f} GiB "
-                    f"of activation peak and decode graphs does not fit in the {free / gib:.2f} "
-                    "GiB free now "
+                    f"KV pool of {num_blocks * block_bytes / gib:.2f} GiB plus a {peak / gib:.2f} GiB "
+                    f"activation peak does not fit in the {free / gib:.2f} GiB free now "
                     f"({(total - free - own) / gib:.2f} GiB held by others): build the engine "
                     "before the trainer fills the card, offload it first, or lower "
                     "rollout.gpu_memory_utilization")
         else:
             wanted = cfg.max_num_seqs * (needed - 1) + 1
             num_blocks = max(needed, min(wanted, CPU_DEFAULT_KV_BYTES // block_bytes))
+        # Every TP rank must schedule alike, hence hold the same number of blocks.
+        num_blocks = self.tp.min_int(num_blocks, self.device)
         if num_blocks < needed:
             raise HandoffError(f"rollout.num_blocks={num_blocks} cannot hold one sequence of "
                                f"max_model_len={self.max_model_len} tokens ({needed} blocks of "
@@ -172,10 +169,15 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  *, progress: bool = False) -> list[RequestOutput]:
         """Complete every prompt `params.n` times; outputs in prompt order, samples in order."""
-        self._check_ready()
-        self._updating_weights = False
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        if self.tp.size > 1:  # ranks that diverge would wait in a collective forever
+            state = (self._paused, [self.pool.is_awake(t) for t in TAGS],
+                     bool(self._missing_weights))
+            self.tp.check_same(repr((prompts, params, state)).encode(),
+                               "generate requests or sleep states", self.device)
+        self._check_ready()
+        self._updating_weights = False
         if len(params) != len(prompts):
             raise HandoffError(f"{len(params)} SamplingParams for {len(prompts)} prompts: pass one, "
                                "or one per prompt")
@@ -211,16 +213,11 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Run one scheduled step; returns the sequences that finished in it."""
-        start, waited = time.perf_counter(), self.runner.wait_seconds
         seqs, is_prefill = self.scheduler.schedule()
         token_ids, logprobs = self.runner.run(seqs, is_prefill)
         self._counters["prefill_steps" if is_prefill else "decode_steps"] += 1
         self._counters["generated_tokens"] += len(seqs)
-        finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
-        if not is_prefill:
-            self._decode_seconds += time.perf_counter() - start
-            self._decode_wait_seconds += self.runner.wait_seconds - waited
-        return finished
+        return self.scheduler.postprocess(seqs, token_ids, logprobs)
 
     def _check_prompt(self, index: int, prompt: list[int]) -> None:
         if not prompt:
@@ -288,13 +285,18 @@ class Engine:
             self.blocks.reset_prefix_cache()  # cached KV was computed by the old weights
 
     def export_weight(self, hf_name: str) -> torch.Tensor:
-        """The engine's copy of HF tensor `hf_name` (a view: fused rows, or the tied embedding)."""
+        """The engine's copy of HF tensor `hf_name` (a view: fused rows, or the tied embedding);
+        under TP, this rank's part of it (compare with `weight_shard` of the full tensor)."""
+        return self.model.export(self._tied(hf_name))
+
+    def weight_shard(self, hf_name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of the full tensor `hf_name` this rank keeps (all of it at TP = 1)."""
+        return self.model.select(self._tied(hf_name), full)
+
+    def _tied(self, hf_name: str) -> str:
         if hf_name == "lm_head.weight" and self.model.lm_head is None:
-            hf_name = "model.embed_tokens.weight"
-        found = self.model.locate(hf_name)
-        if found is None:
-            raise HandoffError(f"weight {hf_name!r} is not kept by the engine: export a model weight")
-        return found[0]
+            return "model.embed_tokens.weight"
+        return hf_name
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (call after weights change)."""
@@ -302,21 +304,14 @@ class Engine:
 
     def stats(self) -> dict:
         b = self.blocks
-        steps = max(self._counters["decode_steps"], 1)
         return {
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+            "tp_size": self.tp.size, "tp_rank": self.tp.rank,
             "attention_backend": self.runner.backend, "num_blocks": b.num_blocks,
             "block_size": b.block_size, "kv_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
             "kv_block_bytes": self.runner.kv_block_bytes(),
             "kv_cache_bytes": self.runner.kv_cache_bytes,
             "activation_peak_bytes": self.activation_peak_bytes,
-            "graph_reserve_bytes": self.graph_reserve_bytes, **self.runner.stats(),
-            "decode_seconds": self._decode_seconds,
-            "decode_wait_seconds": self._decode_wait_seconds,
-            # Decode step wall time, and the part of it the host spends not waiting for the
-            # device (scheduling, inputs, launches, postprocess).
-            "decode_ms_per_step": 1e3 * self._decode_seconds / steps,
-            "host_ms_per_step": 1e3 * (self._decode_seconds - self._decode_wait_seconds) / steps,
             "free_blocks": b.num_free_blocks, "cached_free_blocks": b.num_cached_free_blocks,
             "prefix_cache_queries": b.prefix_queries, "prefix_cache_hits": b.prefix_hits,
             "prefix_cache_hit_rate": b.prefix_hits / max(b.prefix_queries, 1),

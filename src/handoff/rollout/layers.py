@@ -1,11 +1,18 @@
-"""Engine-layout building blocks: linear layers with fused shards, RMSNorm, rotary tables.
+"""Engine-layout building blocks: tensor-parallel linears, embedding and head, RMSNorm, RoPE.
 
 Parameters are created with `torch.empty` on the target device (no init cost: the checkpoint
 or the trainer fills them) so that building the model inside the memory pool's "weights"
-region places exactly the weights there. A fused linear (qkv, gate_up) records its shard
-sizes so `load_weights` can copy each HF tensor into its rows.
+region places exactly the weights there. Every sharded parameter carries `shard_rules`
+(handoff.rollout.parallel.ShardRule), one per HF tensor fused into it (q/k/v, gate/up):
+`load_weights` slices each full HF tensor by its rule, so the trainer always sends full
+tensors. At TP = 1 the rules keep everything and no layer communicates.
 
-Shape legend: T = tokens, E = in features, F = out features, H = heads, D = head dim.
+Column-parallel layers keep output rows (q/k/v heads, gate/up) and need no communication;
+row-parallel layers keep input columns (o_proj, down_proj) and all-reduce their output: one
+all-reduce per block half. The embedding and the head split the vocabulary.
+
+Shape legend: T = tokens, B = sequences, E = in features (hidden), F = out features,
+V = vocabulary, H = heads, D = head dim.
 """
 
 from __future__ import annotations
@@ -17,27 +24,95 @@ import torch.nn.functional as F
 from torch import nn
 
 from handoff.errors import HandoffError
+from handoff.rollout.parallel import ShardRule, TPGroup, even_split, vocab_split, whole
 
 
-class Linear(nn.Module):
-    """y = x W^T + b; `shard_sizes` splits the output rows of a fused projection."""
+def _param(shape: tuple[int, ...], rules: tuple[ShardRule, ...], **kw) -> nn.Parameter:
+    """An uninitialised frozen parameter that knows its shard rules (one per fused part)."""
+    param = nn.Parameter(torch.empty(shape, **kw), requires_grad=False)
+    param.shard_rules = rules
+    return param
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool,
-                 shard_sizes: tuple[int, ...] | None = None, device=None, dtype=None):
+
+def shard_rules(param: torch.Tensor) -> tuple[ShardRule, ...]:
+    """The rules of a parameter; one that has none is replicated whole."""
+    return getattr(param, "shard_rules", None) or (whole(param.shape[0]),)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with this rank's output rows; a fused projection lists its parts.
+
+    `parts` holds one (full rows, first row kept, rows kept) per HF tensor fused here (q, k, v
+    or gate, up); the kept rows are stacked in that order, and `shard_sizes` are their
+    counts, so the output splits into this rank's q/k/v (or gate/up) with one `split`.
+    """
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int, int]], *, bias: bool,
+                 device=None, dtype=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
-                                               dtype=dtype), requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype),
-                                  requires_grad=False) if bias else None)
-        self.shard_sizes = shard_sizes or (out_features,)
-        assert sum(self.shard_sizes) == out_features
-
-    def shard_slice(self, shard: int) -> tuple[int, int]:
-        """(start row, num rows) of shard `shard` in the fused output."""
-        return sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
+        rules, dest = [], 0
+        for full, start, length in parts:
+            rules.append(ShardRule(dim=0, full_size=full, src_start=start, dest_start=dest,
+                                   length=length))
+            dest += length
+        kw = {"device": device, "dtype": dtype}
+        self.weight = _param((dest, in_features), tuple(rules), **kw)
+        self.bias = _param((dest,), tuple(rules), **kw) if bias else None
+        self.shard_sizes = tuple(length for _, _, length in parts)
 
     def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
         return F.linear(x_TE, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T, + b: this rank keeps input columns, one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup,
+                 device=None, dtype=None):
+        super().__init__()
+        start, per = even_split(in_features, tp, "the row-parallel input size")
+        kw = {"device": device, "dtype": dtype}
+        rule = ShardRule(dim=1, full_size=in_features, src_start=start, dest_start=0, length=per)
+        self.weight = _param((out_features, per), (rule,), **kw)
+        self.bias = _param((out_features,), (whole(out_features),), **kw) if bias else None
+        self.tp = tp
+
+    def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
+        y_TF = self.tp.all_reduce_(F.linear(x_TE, self.weight))
+        return y_TF if self.bias is None else y_TF + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + kept) of the embedding; other ids give 0 here, then one all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPGroup, device=None,
+                 dtype=None):
+        super().__init__()
+        self.start, kept, rows = vocab_split(vocab_size, tp)
+        self.end = self.start + kept
+        rule = ShardRule(dim=0, full_size=vocab_size, src_start=self.start, dest_start=0,
+                         length=kept)
+        self.weight = _param((rows, hidden_size), (rule,), device=device, dtype=dtype)
+        self.vocab_size, self.tp = vocab_size, tp
+
+    def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids_T, self.weight)
+        mine_T = (ids_T >= self.start) & (ids_T < self.end)
+        x_TE = F.embedding(torch.where(mine_T, ids_T - self.start, 0), self.weight)
+        return self.tp.all_reduce_(x_TE * mine_T[:, None].to(x_TE.dtype))
+
+    def logits(self, hidden_BE: torch.Tensor) -> torch.Tensor:
+        """Full logits [B, V] on every rank: local rows, gathered, padding dropped."""
+        logits_BV = self.tp.gather_last(F.linear(hidden_BE, self.weight))
+        return logits_BV if logits_BV.shape[-1] == self.vocab_size else logits_BV[:, :self.vocab_size]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied output head, split over the vocabulary like the embedding."""
+
+    def forward(self, hidden_BE: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden_BE)
 
 
 class RMSNorm(nn.Module):

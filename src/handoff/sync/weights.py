@@ -12,7 +12,8 @@ device); the engine copies out of the views into its own layout before the bucke
 
 With `readback` (HF name -> the engine's copy of that tensor), a checksum of every bucket
 is computed on both sides and compared: proof that the engine holds exactly the trainer's
-weights.
+weights. A tensor-parallel engine rank keeps only its shard of each full tensor: `select`
+cuts the same shard out of the sent tensor, so each rank checks exactly what it holds.
 """
 
 from __future__ import annotations
@@ -86,8 +87,12 @@ def _bucket_checksum(entries: list[tuple[str, torch.Tensor]]) -> int:
 
 def sync_weights(params: WeightIter, load_weights: Callable[[WeightIter], None], *,
                  bucket_bytes: int, device: torch.device | str,
-                 readback: Callable[[str], torch.Tensor] | None = None) -> SyncStats:
-    """Stream `params` into `load_weights` bucket by bucket; returns what moved and how fast."""
+                 readback: Callable[[str], torch.Tensor] | None = None,
+                 select: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> SyncStats:
+    """Stream `params` into `load_weights` bucket by bucket; returns what moved and how fast.
+
+    `select(name, full)` is the part of a sent tensor the engine keeps (its TP shard), which
+    is what `readback(name)` must equal; by default the whole tensor."""
     if bucket_bytes <= 0:
         raise HandoffError(f"sync bucket size {bucket_bytes} bytes must be positive: "
                            "set sync.bucket_mb to e.g. 512")
@@ -104,7 +109,9 @@ def sync_weights(params: WeightIter, load_weights: Callable[[WeightIter], None],
     def flush(entries: list[tuple[str, torch.Tensor]]) -> None:
         if not entries:
             return
-        sent = _bucket_checksum(entries) if readback is not None else None
+        sent = None
+        if readback is not None:
+            sent = _bucket_checksum([(n, select(n, t)) for n, t in entries] if select else entries)
         load_weights(entries)
         stats.num_buckets += 1
         if readback is not None:

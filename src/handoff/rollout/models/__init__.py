@@ -15,6 +15,7 @@ import torch
 
 from handoff.errors import HandoffError
 from handoff.rollout.models.qwen3 import CausalLM, DecoderSpec
+from handoff.rollout.parallel import SINGLE, TPGroup
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
@@ -64,9 +65,11 @@ def eos_token_ids(model_path: str | Path, hf: dict) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
-def build_model(spec: DecoderSpec, *, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Parameters allocated uninitialised on `device` (fill them with load_weights)."""
-    return CausalLM(spec, device=device, dtype=dtype)
+def build_model(spec: DecoderSpec, *, device: torch.device, dtype: torch.dtype,
+                tp: TPGroup = SINGLE) -> CausalLM:
+    """This TP rank's parameters, allocated uninitialised on `device` (fill them with
+    load_weights, which takes full tensors)."""
+    return CausalLM(spec, device=device, dtype=dtype, tp=tp)
 
 
 def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

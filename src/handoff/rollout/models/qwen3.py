@@ -3,18 +3,26 @@
 One model with flags covers the three: Qwen3 adds RMSNorm on each head of q and k, Qwen2 adds
 a bias to q/k/v, Llama may bias every projection. The engine layout fuses q/k/v into one
 `qkv_proj` and gate/up into one `gate_up_proj`; `load_weights` takes HF names and full tensors
-(from a checkpoint or from the trainer) and copies them into the fused rows. Tied embeddings
-use the embedding matrix as the head (no separate parameter, so a sync updates both).
+(from a checkpoint or from the trainer) and copies this rank's part into the fused rows.
+Tied embeddings use the embedding matrix as the head (no separate parameter, so a sync
+updates both).
+
+Tensor parallelism (layers.py, parallel.py): attention heads, KV heads (replicated when TP >
+KV heads), the MLP's intermediate size and the vocabulary are split over the TP group, and
+`model.spec` is the shape ONE rank computes with (its heads, KV heads, intermediate size;
+full hidden size and vocabulary), so the runner sizes the KV pool for this rank's KV heads
+only. `model.full_spec` is the checkpoint's shape.
 
 Tokens are packed flat (no batch dimension): a forward takes T tokens of any mix of sequences
 plus an AttnMeta that says where each token's K/V goes and what each query attends to.
 
 Shape legend: T = tokens, E = hidden size, H = query heads, K = KV heads, D = head dim,
-I = intermediate size, V = vocabulary.
+I = intermediate size, V = vocabulary (heads and I are this rank's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -24,9 +32,12 @@ from torch import nn
 
 from handoff.errors import HandoffError
 from handoff.rollout.attention import AttnMeta, attend
-from handoff.rollout.layers import Linear, RMSNorm, apply_rope
+from handoff.rollout.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
+                                    RowParallelLinear, VocabParallelEmbedding, apply_rope,
+                                    shard_rules)
+from handoff.rollout.parallel import SINGLE, ShardRule, TPGroup, even_split, kv_head_split
 
-# HF projection name -> (engine module name, shard index inside the fused weight)
+# HF projection name -> (engine module name, part index inside the fused weight)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -52,19 +63,34 @@ class DecoderSpec:
     mlp_bias: bool
     tie_word_embeddings: bool
 
+    def for_rank(self, tp: TPGroup) -> "DecoderSpec":
+        """The shape one rank of `tp` computes with (raises when TP does not split the model)."""
+        if tp.size == 1:
+            return self
+        even_split(self.num_heads, tp, "num_attention_heads")
+        even_split(self.intermediate_size, tp, "intermediate_size")
+        return dataclasses.replace(self, num_heads=self.num_heads // tp.size,
+                                   num_kv_heads=kv_head_split(self.num_kv_heads, tp)[1],
+                                   intermediate_size=self.intermediate_size // tp.size)
+
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_index: int, **kw):
+    def __init__(self, spec: DecoderSpec, layer_index: int, tp: TPGroup, **kw):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias,
-                               shard_sizes=(q_size, kv_size, kv_size), **kw)
-        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias, **kw)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, **kw) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, **kw) if spec.qk_norm else None
-        self.scale = spec.head_dim ** -0.5
+        d = spec.head_dim
+        head_start, self.num_heads = even_split(spec.num_heads, tp, "num_attention_heads")
+        kv_start, self.num_kv_heads = kv_head_split(spec.num_kv_heads, tp)
+        self.head_dim = d
+        q_part = (spec.num_heads * d, head_start * d, self.num_heads * d)
+        kv_part = (spec.num_kv_heads * d, kv_start * d, self.num_kv_heads * d)
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [q_part, kv_part, kv_part],
+                                             bias=spec.qkv_bias, **kw)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, bias=spec.o_bias,
+                                        tp=tp, **kw)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps, **kw) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps, **kw) if spec.qk_norm else None
+        self.scale = d ** -0.5
 
     def forward(self, x_TE: torch.Tensor, cos_T1D2: torch.Tensor, sin_T1D2: torch.Tensor,
                 meta: AttnMeta) -> torch.Tensor:
@@ -82,12 +108,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, **kw):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, **kw):
         super().__init__()
         inter = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * inter, bias=spec.mlp_bias,
-                                   shard_sizes=(inter, inter), **kw)
-        self.down_proj = Linear(inter, spec.hidden_size, bias=spec.mlp_bias, **kw)
+        start, per = even_split(inter, tp, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [(inter, start, per)] * 2,
+                                                 bias=spec.mlp_bias, **kw)
+        self.down_proj = RowParallelLinear(inter, spec.hidden_size, bias=spec.mlp_bias, tp=tp,
+                                           **kw)
 
     def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
         gate_TI, up_TI = self.gate_up_proj(x_TE).chunk(2, dim=-1)
@@ -95,12 +123,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_index: int, **kw):
+    def __init__(self, spec: DecoderSpec, layer_index: int, tp: TPGroup, **kw):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
-        self.self_attn = Attention(spec, layer_index, **kw)
+        self.self_attn = Attention(spec, layer_index, tp, **kw)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
-        self.mlp = MLP(spec, **kw)
+        self.mlp = MLP(spec, tp, **kw)
 
     def forward(self, x_TE, cos_T1D2, sin_T1D2, meta):
         x_TE = x_TE + self.self_attn(self.input_layernorm(x_TE), cos_T1D2, sin_T1D2, meta)
@@ -108,25 +136,27 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, spec: DecoderSpec, **kw):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, **kw):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=torch.empty(
-            spec.vocab_size, spec.hidden_size, device=kw["device"], dtype=kw["dtype"]),
-            _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, **kw) for i in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp=tp, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, tp, **kw)
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
 
 
 class CausalLM(nn.Module):
     """Qwen3 / Qwen2 / Llama causal LM. `rope_cos_sin` is set by the runner (not a weight)."""
 
-    def __init__(self, spec: DecoderSpec, *, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec: DecoderSpec, *, device: torch.device, dtype: torch.dtype,
+                 tp: TPGroup = SINGLE):
         super().__init__()
-        self.spec = spec
+        self.full_spec = spec
+        self.spec = spec.for_rank(tp)
+        self.tp = tp
         kw = {"device": device, "dtype": dtype}
-        self.model = Backbone(spec, **kw)
+        self.model = Backbone(spec, tp, **kw)
         self.lm_head = (None if spec.tie_word_embeddings
-                        else Linear(spec.hidden_size, spec.vocab_size, bias=False, **kw))
+                        else ParallelLMHead(spec.vocab_size, spec.hidden_size, tp=tp, **kw))
         self.rope_cos_sin: torch.Tensor | None = None  # [max_len, D] fp32, outside the weights
         self._target_cache: dict | None = None
 
@@ -141,29 +171,26 @@ class CausalLM(nn.Module):
         return self.model.norm(x_TE)
 
     def compute_logits(self, hidden_BE: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_BE, weight)
+        """Full-vocabulary logits [B, V], the same on every TP rank."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden_BE)
 
-    def _targets(self) -> dict[str, tuple[nn.Parameter, Linear | None]]:
-        """Engine parameter name -> (parameter, its fused Linear or None)."""
-        out = {}
-        for mod_name, module in self.named_modules():
-            for p_name, param in module.named_parameters(recurse=False):
-                fused = module if isinstance(module, Linear) and len(module.shard_sizes) > 1 else None
-                out[f"{mod_name}.{p_name}" if mod_name else p_name] = (param, fused)
-        return out
+    def _targets(self) -> dict[str, nn.Parameter]:
+        """Engine parameter name -> parameter."""
+        return {name: param for name, param in self.named_parameters()}
 
-    def locate(self, hf_name: str) -> tuple[torch.Tensor, str] | None:
-        """The engine view that holds HF tensor `hf_name` and its coverage key (None: ignored)."""
+    def locate(self, hf_name: str) -> tuple[torch.Tensor, ShardRule, str] | None:
+        """(engine parameter, the rule of this rank's part, coverage key) for HF tensor
+        `hf_name`; None for tensors the engine ignores."""
         if hf_name.endswith(_IGNORED_SUFFIXES):
             return None
         if hf_name == "lm_head.weight" and self.lm_head is None:
             return None
         module_name, _, leaf = hf_name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
-        shard = None
+        part = None
         if proj in _FUSED:
-            fused_name, shard = _FUSED[proj]
+            fused_name, part = _FUSED[proj]
             module_name = f"{parent}.{fused_name}"
         name = f"{module_name}.{leaf}"
         if self._target_cache is None:
@@ -172,32 +199,49 @@ class CausalLM(nn.Module):
             raise HandoffError(f"weight {hf_name!r} has no place in the engine's "
                                f"{self.spec.model_type} layout: check that the checkpoint "
                                "matches its config.json (model_type, bias flags, tying)")
-        param, fused = self._target_cache[name]
-        if shard is None:
-            return param, name
-        return param.narrow(0, *fused.shard_slice(shard)), f"{name}[{shard}]"
+        param = self._target_cache[name]
+        rules = shard_rules(param)
+        if part is None:
+            return param, rules[0], name
+        return param, rules[part], f"{name}[{part}]"
+
+    def export(self, hf_name: str) -> torch.Tensor:
+        """This rank's part of HF tensor `hf_name`, as the engine holds it (a view)."""
+        param, rule, _ = self._require(hf_name)
+        return rule.dest(param)
+
+    def select(self, hf_name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of the full HF tensor `hf_name` that this rank keeps (a view)."""
+        return self._require(hf_name)[1].src(full)
+
+    def _require(self, hf_name: str) -> tuple[torch.Tensor, ShardRule, str]:
+        found = self.locate(hf_name)
+        if found is None:
+            raise HandoffError(f"weight {hf_name!r} is not kept by the engine: export a model weight")
+        return found
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named full tensors into the engine layout; returns the keys touched."""
+        """Copy this rank's part of HF-named full tensors into the engine layout; returns the
+        keys touched."""
         touched: set[str] = set()
         for hf_name, tensor in weights:
             found = self.locate(hf_name)
             if found is None:
                 continue
-            dest, key = found
-            if tuple(dest.shape) != tuple(tensor.shape):
+            param, rule, key = found
+            expected = rule.full_shape(param)
+            if tuple(tensor.shape) != expected:
                 raise HandoffError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, the engine "
-                                   f"expects {tuple(dest.shape)}: the checkpoint and config.json "
-                                   "disagree")
-            dest.copy_(tensor)
+                                   f"expects {expected}: the checkpoint and config.json disagree")
+            rule.dest(param).copy_(rule.src(tensor))
             touched.add(key)
         return touched
 
     def weight_keys(self) -> set[str]:
-        """What `load_weights` must touch for a complete model (fused shards as `name[i]`)."""
+        """What `load_weights` must touch for a complete model (fused parts as `name[i]`)."""
         keys = set()
-        for name, (_, fused) in self._targets().items():
-            shards = range(len(fused.shard_sizes)) if fused is not None else [None]
-            keys |= {name if s is None else f"{name}[{s}]" for s in shards}
+        for name, param in self._targets().items():
+            rules = shard_rules(param)
+            keys |= {name} if len(rules) == 1 else {f"{name}[{i}]" for i in range(len(rules))}
         return keys
