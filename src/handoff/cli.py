@@ -201,6 +201,44 @@ def bench_kernel_cmd(
     console.print(f"wrote {out}")
 
 
+@bench_app.command("engine")
+@friendly_errors
+def bench_engine_cmd(
+    out: str = typer.Option("bench-engine.json", "--out", help="where to write the JSON result"),
+    models: str = typer.Option("qwen3-1.7b,qwen3-4b", help="model presets, comma-separated"),
+    batches: str = typer.Option("1,32,128,256", help="decode batch sizes, comma-separated"),
+    prompt_len: int = typer.Option(256, help="prompt tokens per sequence"),
+    new_tokens: int = typer.Option(512, help="new tokens per sequence (EOS ignored)"),
+    hf_new_tokens: int = typer.Option(32, help="new tokens transformers is timed over"),
+    skip_hf: bool = typer.Option(False, "--skip-hf", help="skip the transformers baseline"),
+    public: bool = typer.Option(True, "--public/--no-public",
+                                help="also run the 0.6B / 256-sequence public workload"),
+    public_seqs: int = typer.Option(256, help="sequences in the public workload"),
+    public_model: str = typer.Option("qwen3-0.6b", help="model preset of the public workload"),
+    public_lengths: str = typer.Option("100,1024", help="public workload: min,max prompt and "
+                                       "output length"),
+    util: float = typer.Option(0.5, help="engine gpu_memory_utilization"),
+    device: str = typer.Option("cuda", help="cuda | cpu (cpu: a smoke run with tiny models)"),
+    dtype: str = typer.Option("bfloat16", help="model dtype"),
+) -> None:
+    """Engine decode step vs transformers generate and the HBM floor; the public workload."""
+    import json
+
+    from handoff.bench.engine import render, run_engine_bench
+
+    result = run_engine_bench(
+        models=[m.strip() for m in models.split(",") if m.strip()],
+        batches=_int_list(batches, "--batches"), prompt_len=prompt_len, new_tokens=new_tokens,
+        hf_new_tokens=hf_new_tokens, skip_hf=skip_hf, public=public, public_seqs=public_seqs,
+        public_model=public_model,
+        public_lengths=tuple(_int_list(public_lengths, "--public-lengths")),
+        util=util, device=device, dtype=dtype)
+    render(result, console)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    console.print(f"wrote {out}")
+
+
 @bench_app.command("trainer")
 @friendly_errors
 def bench_trainer_cmd(

@@ -13,7 +13,10 @@ read blocks another sequence of the same prefill is writing (shared prompt prefi
 
 The decode backend is chosen once per runner (`select_decode_backend`): "torch" (gather each
 sequence's blocks, then SDPA; runs anywhere, the reference) or "triton" (the CUDA kernel).
-Prefill always uses the torch path here.
+Prefill on CUDA (bf16/fp16) is one varlen_attn call per layer over the packed sequences
+(`PackedPrefill`, built once per step by the runner): the context keys are gathered from the
+cache by slot, or taken straight from the new tokens when nothing was cached and the cache
+holds the model dtype. Elsewhere a per-sequence SDPA loop runs (the reference).
 
 Shape legend: T = tokens, B = sequences, H = query heads, K = KV heads, D = head dim,
 N = blocks in the pool, S = block size, M = blocks per sequence, L = keys attended.
@@ -56,6 +59,23 @@ class AttnMeta:
     query_lens: list[int] = field(default_factory=list)     # prefill, on the host
     context_lens: list[int] = field(default_factory=list)   # prefill, on the host
     decode_fn: Callable | None = None
+    packed: "PackedPrefill | None" = None                    # prefill through varlen_attn
+
+
+@dataclass
+class PackedPrefill:
+    """One prefill step's varlen layout, shared by every layer.
+
+    key_slots_L: cache slot of every context key, sequences packed in order; cu_q / cu_k:
+    int32 [B + 1] cumulative query / key counts; fresh: no sequence has cached tokens.
+    """
+
+    key_slots_L: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    fresh: bool
 
 
 def _to_storage(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -145,6 +165,32 @@ def prefill_attention_torch(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out_THD
 
 
+def gather_slots(cache: torch.Tensor, slots_L: torch.Tensor, scale,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows at flat slots -> [L, K, D] in `dtype` (fp8 dequantized)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype == FP8_DTYPE:
+        return _from_storage(flat.view(torch.uint8)[slots_L].view(FP8_DTYPE), scale, dtype)
+    return flat[slots_L].to(dtype)
+
+
+def prefill_attention_packed(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             packed: PackedPrefill, *, scale: float, k_scale=None,
+                             v_scale=None) -> torch.Tensor:
+    """Every sequence's new queries against its context in one varlen_attn call (CUDA)."""
+    from handoff.rollout.kernels.prefill import varlen_attention
+
+    if packed.fresh and k_cache.dtype == q_THD.dtype:
+        # The keys are exactly the new tokens, bit for bit what the cache now holds.
+        k_LKD, v_LKD = k_TKD.contiguous(), v_TKD.contiguous()
+    else:
+        k_LKD = gather_slots(k_cache, packed.key_slots_L, k_scale, q_THD.dtype)
+        v_LKD = gather_slots(v_cache, packed.key_slots_L, v_scale, q_THD.dtype)
+    return varlen_attention(q_THD.contiguous(), k_LKD, v_LKD, packed.cu_q, packed.cu_k,
+                            packed.max_q, packed.max_k, scale=scale)
+
+
 def attend(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: AttnMeta,
            layer: int, *, scale: float) -> torch.Tensor:
     """Store this layer's new K/V, then attend: the single entry point the model calls."""
@@ -160,6 +206,10 @@ def attend(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: 
     k_scale = kv.k_scale[layer] if kv.k_scale is not None else None
     v_scale = kv.v_scale[layer] if kv.v_scale is not None else None
     store_kv(k_TKD, v_TKD, kv.k[layer], kv.v[layer], meta.slot_mapping_T, k_scale, v_scale)
+    if meta.packed is not None:
+        return prefill_attention_packed(q_THD, k_TKD, v_TKD, kv.k[layer], kv.v[layer],
+                                        meta.packed, scale=scale, k_scale=k_scale,
+                                        v_scale=v_scale)
     if meta.is_prefill:
         return prefill_attention_torch(q_THD, kv.k[layer], kv.v[layer], meta, scale=scale,
                                        k_scale=k_scale, v_scale=v_scale)
@@ -192,3 +242,12 @@ def select_decode_backend(device: torch.device, dtype: torch.dtype,
         raise HandoffError(f"attention backend 'triton' needs a CUDA device, not {device.type}: "
                            "use auto or torch")
     return "torch", paged_decode_attention_torch
+
+
+def packed_prefill_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether prefill can run as one varlen_attn call per layer (CUDA, bf16/fp16)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from handoff.rollout.kernels.prefill import varlen_available
+
+    return varlen_available()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -96,8 +97,10 @@ class Engine:
 
         kv_dtype = FP8_DTYPE if cfg.kv_dtype == "fp8" else self.dtype
         self.runner = ModelRunner(model, device=self.device, block_size=cfg.block_size,
-                                  kv_dtype=kv_dtype, attention_backend=attention_backend)
+                                  kv_dtype=kv_dtype, attention_backend=attention_backend,
+                                  cuda_graphs=cfg.cuda_graphs)
         self.activation_peak_bytes = 0  # profiled on CUDA when the pool is sized from util
+        self.graph_reserve_bytes = 0    # kept free for the decode graphs (CUDA, from util)
         num_blocks = self._num_blocks()
         with self.pool.region("kv_cache"):
             kv_tensors = self.runner.allocate_kv_cache(num_blocks)
@@ -107,7 +110,8 @@ class Engine:
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         self.blocks = BlockManager(num_blocks, cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                                    max_blocks_per_seq=max_blocks_per_seq)
-        self.runner.tables = self.blocks.tables
+        # Outside every region: the decode graphs' pool must stay mapped while regions sleep.
+        self.runner.bind_tables(self.blocks.tables)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
@@ -115,6 +119,8 @@ class Engine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(self.tp.shared_seed(self.device))  # same on TP ranks
         self._counters = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0}
+        self._decode_seconds = 0.0
+        self._decode_wait_seconds = 0.0
 
     # ---------------------------------------------------------------- sizing
 
@@ -134,21 +140,27 @@ class Engine:
                                              max_model_len=self.max_model_len,
                                              max_num_seqs=cfg.max_num_seqs)
             self.activation_peak_bytes = peak
+            graphs = runner.graph_reserve_bytes(cfg.max_num_seqs)
+            self.graph_reserve_bytes = graphs
             free, total = torch.cuda.mem_get_info(self.device)
             own = self.pool.region_bytes("weights") + self.pool.region_bytes("buffers")
+            # The graphs' pool is resident too: the brief's ledger subtracts it.
+            peak += graphs
             budget = int(cfg.gpu_memory_utilization * total) - own - peak
             num_blocks = max(budget, 0) // block_bytes
             gib = 2**30
             if num_blocks < needed:
                 raise HandoffError(
                     f"KV pool would be {budget / gib:.2f} GiB at gpu_memory_utilization="
-                    f"{cfg.gpu_memory_utilization}: engine weights take {own / gib:.2f} GiB and the "
-                    f"profiled activation peak {peak / gib:.2f} GiB of {total / gib:.1f} GiB; raise "
+                    f"{cfg.gpu_memory_utilization}: engine weights take {own / gib:.2f} GiB, the "
+                    f"activation peak and decode graphs {peak / gib:.2f} GiB of "
+                    f"{total / gib:.1f} GiB; raise "
                     "rollout.gpu_memory_utilization or lower rollout.max_model_len / max_num_seqs")
             if num_blocks * block_bytes + peak > free:
                 raise HandoffError(
-                    f"KV pool of {num_blocks * block_bytes / gib:.2f} GiB plus a {peak / gib:.2f} GiB "
-                    f"activation peak does not fit in the {free / gib:.2f} GiB free now "
+                    f"KV pool of {num_blocks * block_bytes / gib:.2f} GiB plus {peak / gib:.2f} GiB "
+                    f"of activation peak and decode graphs does not fit in the {free / gib:.2f} "
+                    "GiB free now "
                     f"({(total - free - own) / gib:.2f} GiB held by others): build the engine "
                     "before the trainer fills the card, offload it first, or lower "
                     "rollout.gpu_memory_utilization")
@@ -213,11 +225,16 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Run one scheduled step; returns the sequences that finished in it."""
+        start, waited = time.perf_counter(), self.runner.wait_seconds
         seqs, is_prefill = self.scheduler.schedule()
         token_ids, logprobs = self.runner.run(seqs, is_prefill)
         self._counters["prefill_steps" if is_prefill else "decode_steps"] += 1
         self._counters["generated_tokens"] += len(seqs)
-        return self.scheduler.postprocess(seqs, token_ids, logprobs)
+        finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
+        if not is_prefill:
+            self._decode_seconds += time.perf_counter() - start
+            self._decode_wait_seconds += self.runner.wait_seconds - waited
+        return finished
 
     def _check_prompt(self, index: int, prompt: list[int]) -> None:
         if not prompt:
@@ -304,6 +321,7 @@ class Engine:
 
     def stats(self) -> dict:
         b = self.blocks
+        steps = max(self._counters["decode_steps"], 1)
         return {
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "tp_size": self.tp.size, "tp_rank": self.tp.rank,
@@ -312,6 +330,13 @@ class Engine:
             "kv_block_bytes": self.runner.kv_block_bytes(),
             "kv_cache_bytes": self.runner.kv_cache_bytes,
             "activation_peak_bytes": self.activation_peak_bytes,
+            "graph_reserve_bytes": self.graph_reserve_bytes, **self.runner.stats(),
+            "decode_seconds": self._decode_seconds,
+            "decode_wait_seconds": self._decode_wait_seconds,
+            # Decode step wall time, and the part of it the host spends not waiting for the
+            # device (scheduling, inputs, launches, postprocess).
+            "decode_ms_per_step": 1e3 * self._decode_seconds / steps,
+            "host_ms_per_step": 1e3 * (self._decode_seconds - self._decode_wait_seconds) / steps,
             "free_blocks": b.num_free_blocks, "cached_free_blocks": b.num_cached_free_blocks,
             "prefix_cache_queries": b.prefix_queries, "prefix_cache_hits": b.prefix_hits,
             "prefix_cache_hit_rate": b.prefix_hits / max(b.prefix_queries, 1),

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from handoff.rollout.blocks import BlockManager
-from handoff.rollout.runner import ModelRunner, decode_inputs
+from handoff.rollout.graphs import DecodeInputs
+from handoff.rollout.runner import ModelRunner, decode_rows
 from handoff.rollout.sampling import SamplingParams, sample_key
 from handoff.rollout.scheduler import Scheduler
 from handoff.rollout.sequence import Sequence
@@ -48,14 +49,15 @@ def host_step_cost(num_seqs: int = 256, *, prompt_len: int = 256, block_size: in
     batch, is_prefill = sched.schedule()
     assert is_prefill and len(batch) == num_seqs
     sched.postprocess(batch, rng.integers(0, vocab, num_seqs).tolist(), [0.0] * num_seqs)
-    device = torch.device("cpu")
+    inputs = DecodeInputs(num_seqs, per_seq, block_size, torch.device("cpu"))
     phases = {"schedule": [], "inputs": [], "sampling_inputs": [], "postprocess": []}
     totals = []
     for step in range(warmup + steps):
         t0 = time.perf_counter()
         batch, _ = sched.schedule()
         t1 = time.perf_counter()
-        decode_inputs(batch, blocks.tables, block_size, device)
+        # What the runner does before a decode forward (CPU: the staging buffer is the input).
+        inputs.fill(*decode_rows(batch), blocks.tables, len(batch))
         t2 = time.perf_counter()
         ModelRunner.sampling_batch(batch)
         t3 = time.perf_counter()

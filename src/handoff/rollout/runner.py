@@ -1,20 +1,30 @@
 """Runs the model for one scheduled step: builds the packed inputs, forwards, samples.
 
-Prefill packs the uncached tail of each admitted sequence into one flat batch. Decode is
-`decode(input_ids, positions, block_tables, context_lens, slot_mapping) -> logits`: tensors
-of fixed rank whose shapes depend only on (batch, block-table width), read from the block
-manager's table array with one numpy slice, so a later version can pad them to a bucket and
-replay a captured CUDA graph. Sampling and the one host sync (`tolist`) come after.
+Prefill packs the uncached tail of each admitted sequence into one flat batch (its index
+arrays go to the device in one copy); on CUDA each layer attends with one varlen_attn call
+(attention.PackedPrefill), elsewhere with the per-sequence reference loop. Decode stages its
+five inputs in graphs.DecodeInputs (numpy, one H2D copy). On CUDA with the Triton kernel the
+batch is padded to a ladder size and that size's captured graph replays (graphs.py); with
+`cuda_graphs` off the same padded shapes run eagerly, so both compute the same numbers. On
+CPU decode runs eagerly at the exact batch. Sampling runs outside the graph; a step ends with
+one device-to-host copy of tokens and log-probs and one timed wait (`wait_seconds`), so the
+engine can tell the host's own time per step from the device's.
 
-Shape legend: T = tokens, B = sequences, M = blocks per sequence, V = vocabulary.
+Shape legend: T = tokens, L = context keys, B = sequences, M = blocks per sequence,
+V = vocabulary, E = hidden size.
 """
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import numpy as np
 import torch
 
-from handoff.rollout.attention import FP8_DTYPE, AttnMeta, KVCache, select_decode_backend
+from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefill,
+                                       packed_prefill_available, select_decode_backend)
+from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
 from handoff.rollout.models.qwen3 import CausalLM
 from handoff.rollout.sampling import SamplingBatch, sample, uniforms
 from handoff.rollout.sequence import Sequence
@@ -24,7 +34,8 @@ class ModelRunner:
     """The model, its paged KV cache and the per-step tensor plumbing."""
 
     def __init__(self, model: CausalLM, *, device: torch.device, block_size: int,
-                 kv_dtype: torch.dtype, attention_backend: str | None = None):
+                 kv_dtype: torch.dtype, attention_backend: str | None = None,
+                 cuda_graphs: bool = False):
         self.model = model
         self.spec = model.spec
         self.device = device
@@ -33,10 +44,25 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         self.backend, self.decode_fn = select_decode_backend(device, self.dtype,
                                                                  attention_backend)
+        # Padded decode needs the Triton kernel: the reference path would gather the whole
+        # table width for every padded row.
+        self.pad_decode = device.type == "cuda" and self.backend == "triton"
+        self.use_graphs = bool(cuda_graphs) and self.pad_decode
+        if cuda_graphs and device.type == "cuda" and not self.pad_decode:
+            warnings.warn(f"rollout.cuda_graphs is ignored with the {self.backend!r} attention "
+                          "backend (decode runs eagerly): use a bf16/fp16 model and the triton "
+                          "backend to capture decode graphs", stacklevel=2)
+        self.packed_prefill = packed_prefill_available(device, self.dtype)
         self.kv_storage: torch.Tensor | None = None  # [2, layers, N, S, K, D]
         self.kv_scales: torch.Tensor | None = None   # [2, layers] fp32, fp8 only
         self.kv: KVCache | None = None
         self.tables: np.ndarray | None = None  # the block manager's [rows, M] array
+        self.inputs: DecodeInputs | None = None
+        self.sizes: list[int] = []             # the graph ladder (padded decode only)
+        self.graphs: DecodeGraphs | None = None
+        self.hidden_out: torch.Tensor | None = None  # [rows, E], written by the graphs
+        self._tokens_host = self._logprobs_host = self._result_ready = None
+        self.wait_seconds = 0.0  # host time spent waiting for the device's results
 
     # ---------------------------------------------------------------- the KV pool
 
@@ -77,49 +103,122 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return 0 if self.kv_storage is None else self.kv_storage.numel() * self.kv_storage.element_size()
 
+    # ---------------------------------------------------------------- decode setup
+
+    def bind_tables(self, tables: np.ndarray) -> None:
+        """Read block tables from the block manager's [rows, M] array; set up decode.
+
+        Allocates the static decode inputs and, on CUDA with graphs on, captures the ladder.
+        Call it outside every memory region, after the KV pool exists: the graphs point into
+        the pool, and their own memory must stay resident when the regions sleep.
+        """
+        self.tables = tables
+        max_rows, max_blocks = tables.shape
+        self.inputs = DecodeInputs(max_rows, max_blocks, self.block_size, self.device)
+        self.sizes = graph_batch_sizes(max_rows) if self.pad_decode else []
+        if self.device.type == "cuda":
+            self._tokens_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
+            self._logprobs_host = torch.empty(max_rows, dtype=torch.float32, pin_memory=True)
+            self._result_ready = torch.cuda.Event()
+        if self.use_graphs:
+            assert self.kv is not None, "allocate the KV cache before capturing decode graphs"
+            self.hidden_out = torch.empty(max_rows, self.spec.hidden_size, dtype=self.dtype,
+                                          device=self.device)
+            self.graphs = DecodeGraphs(self.sizes)
+            with torch.inference_mode():
+                self.graphs.capture(lambda b: self._forward_decode(b, max_blocks),
+                                    self.hidden_out, self.device)
+
+    def stats(self) -> dict:
+        graphs = self.graphs
+        return {"cuda_graphs": graphs is not None,
+                "graph_captures": 0 if graphs is None else graphs.num_captures,
+                "graph_pool_bytes": 0 if graphs is None else graphs.pool_bytes,
+                "graph_driver_bytes": 0 if graphs is None else graphs.driver_bytes,
+                "graph_batch_sizes": list(self.sizes), "packed_prefill": self.packed_prefill}
+
     # ---------------------------------------------------------------- steps
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[float]]:
         """Forward the step, sample a token per sequence; returns (token ids, log-probs)."""
-        logits_BV = self._prefill(seqs) if is_prefill else self.decode(*self.prepare_decode(seqs))
+        logits_BV = self._prefill(seqs) if is_prefill else self._decode(seqs)
         tokens_B, logprobs_B = sample(logits_BV, self.sampling_batch(seqs))
-        return tokens_B.tolist(), logprobs_B.tolist()
+        return self._to_host(tokens_B, logprobs_B)
+
+    def _to_host(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor):
+        if self._result_ready is None:
+            return tokens_B.tolist(), logprobs_B.tolist()
+        num = tokens_B.shape[0]
+        tokens, logprobs = self._tokens_host[:num], self._logprobs_host[:num]
+        tokens.copy_(tokens_B, non_blocking=True)
+        logprobs.copy_(logprobs_B, non_blocking=True)
+        self._result_ready.record()
+        start = time.perf_counter()
+        self._result_ready.synchronize()
+        self.wait_seconds += time.perf_counter() - start
+        return tokens.tolist(), logprobs.tolist()
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        bs = self.block_size
+        bs, num = self.block_size, len(seqs)
+        q_lens = np.fromiter((s.num_tokens - s.num_cached_tokens for s in seqs), np.int64, num)
+        ctx_lens = np.fromiter((s.num_tokens for s in seqs), np.int64, num)
         input_ids: list[int] = []
-        query_lens, context_lens = [], []
         for seq in seqs:
             input_ids.extend(seq.token_ids[seq.num_cached_tokens:])
-            query_lens.append(seq.num_tokens - seq.num_cached_tokens)
-            context_lens.append(seq.num_tokens)
-        q_lens, ctx_lens = np.array(query_lens), np.array(context_lens)
         ends = np.cumsum(q_lens)
-        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-        positions = np.arange(ends[-1]) - np.repeat(ends - q_lens, q_lens) \
-            + np.repeat(ctx_lens - q_lens, q_lens)
-        width = -(-int(ctx_lens.max()) // bs)
-        tables_BM = self.tables[[s.row for s in seqs], :width]
+        seq_of_token = np.repeat(np.arange(num), q_lens)
+        positions = np.arange(ends[-1]) - np.repeat(ends - ctx_lens, q_lens)
+        tables_BM = self.tables[[s.row for s in seqs], :-(-int(ctx_lens.max()) // bs)]
         slots = tables_BM[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        meta = AttnMeta(is_prefill=True, kv=self.kv, slot_mapping_T=self._dev(slots),
-                        block_tables_BM=self._dev(tables_BM), query_lens=query_lens,
-                        context_lens=context_lens)
-        hidden_TE = self.model(self._dev(np.array(input_ids)), self._dev(positions), meta)
-        return self.model.compute_logits(hidden_TE[self._dev(ends - 1)])
+        parts = [np.asarray(input_ids, np.int64), positions, slots, ends - 1]
+        fresh = bool((q_lens == ctx_lens).all())
+        if self.packed_prefill:
+            key_ends = np.cumsum(ctx_lens)
+            parts.append(np.concatenate([[0], ends, [0], key_ends]))
+            if not (fresh and self.kv_dtype == self.dtype):
+                seq_of_key = np.repeat(np.arange(num), ctx_lens)
+                key_pos = np.arange(key_ends[-1]) - np.repeat(key_ends - ctx_lens, ctx_lens)
+                parts.append(tables_BM[seq_of_key, key_pos // bs].astype(np.int64) * bs
+                             + key_pos % bs)
+        flat = self._dev(np.concatenate(parts))  # one host-to-device copy
+        views = torch.split(flat, [len(p) for p in parts])
+        ids_T, positions_T, slots_T, last_B = views[:4]
+        meta = AttnMeta(is_prefill=True, kv=self.kv, slot_mapping_T=slots_T,
+                        query_lens=q_lens.tolist(), context_lens=ctx_lens.tolist())
+        if self.packed_prefill:
+            cu = views[4].to(torch.int32)
+            meta.packed = PackedPrefill(
+                key_slots_L=views[5] if len(views) > 5 else None, cu_q=cu[:num + 1],
+                cu_k=cu[num + 1:], max_q=int(q_lens.max()), max_k=int(ctx_lens.max()),
+                fresh=fresh)
+        else:
+            meta.block_tables_BM = self._dev(tables_BM)
+        hidden_TE = self.model(ids_T, positions_T, meta)
+        return self.model.compute_logits(hidden_TE[last_B])
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
-        """(input_ids, positions, block_tables, context_lens, slot_mapping) for `decode`."""
-        return decode_inputs(seqs, self.tables, self.block_size, self.device)
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        num = len(seqs)
+        rows = bucket(num, self.sizes) if self.pad_decode else num
+        assert rows is not None, (num, self.sizes)
+        width = self.inputs.fill(*decode_rows(seqs), self.tables, rows)
+        self.inputs.upload(rows)
+        if self.graphs is not None:
+            self.graphs.replay(rows)
+            hidden_BE = self.hidden_out[:num]
+        else:
+            # Padded decode runs at the graphs' full table width: the same shapes, same numbers.
+            full = self.inputs.max_blocks if self.pad_decode else width
+            hidden_BE = self._forward_decode(rows, full)[:num]
+        return self.model.compute_logits(hidden_BE)
 
-    def decode(self, input_ids_B: torch.Tensor, positions_B: torch.Tensor,
-               block_tables_BM: torch.Tensor, context_lens_B: torch.Tensor,
-               slot_mapping_B: torch.Tensor) -> torch.Tensor:
-        """One token per sequence through the model; logits [B, V]."""
-        meta = AttnMeta(is_prefill=False, kv=self.kv, slot_mapping_T=slot_mapping_B,
-                        block_tables_BM=block_tables_BM, context_lens_B=context_lens_B,
+    def _forward_decode(self, rows: int, width: int) -> torch.Tensor:
+        """The model over the first `rows` staged decode rows -> hidden states [rows, E]."""
+        ids_B, positions_B, tables_BM, context_lens_B, slots_B = self.inputs.views(rows, width)
+        meta = AttnMeta(is_prefill=False, kv=self.kv, slot_mapping_T=slots_B,
+                        block_tables_BM=tables_BM, context_lens_B=context_lens_B,
                         decode_fn=self.decode_fn)
-        return self.model.compute_logits(self.model(input_ids_B, positions_B, meta))
+        return self.model(ids_B, positions_B, meta)
 
     @staticmethod
     def sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
@@ -161,29 +260,50 @@ class ModelRunner:
         del logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
+        s = self.spec
+        per_key = 2 * s.num_kv_heads * s.head_dim * (
+            self.dtype.itemsize + (4 if self.kv_dtype == FP8_DTYPE else 0))
         if self.backend == "torch":
             # The reference decode gathers every sequence's K and V (and an fp32 copy for fp8).
-            s = self.spec
-            gather = 2 * max_num_seqs * max_model_len * s.num_kv_heads * s.head_dim
-            peak += gather * (self.dtype.itemsize + (4 if self.kv_dtype == FP8_DTYPE else 0))
+            peak += max_num_seqs * max_model_len * per_key
+        if self.packed_prefill:
+            # The packed prefill gathers each layer's context keys; the admission budget bounds
+            # the new tokens, cached prefixes can add as much again.
+            peak += 2 * max_num_batched_tokens * per_key
         torch.cuda.empty_cache()
         return int(peak)
+
+    @torch.inference_mode()
+    def graph_reserve_bytes(self, max_num_seqs: int) -> int:
+        """CUDA: room to keep for the decode graphs' pool, before the KV pool exists.
+
+        The pool holds what the largest graph allocates (smaller ones reuse it): twice the peak
+        of a cache-less forward of `max_num_seqs` tokens, for the allocator's segment rounding,
+        plus 64 MiB. The capture then measures the real size (stats' graph_pool_bytes).
+        """
+        if not self.use_graphs:
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        meta = AttnMeta(is_prefill=True, kv=None, query_lens=[max_num_seqs])
+        hidden = self.model(ids, torch.zeros_like(ids), meta)
+        del hidden
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        return int(2 * peak + (64 << 20))
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
 
-def decode_inputs(seqs: list[Sequence], tables: np.ndarray, block_size: int,
-                  device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Decode-step tensors from the block manager's table array: a few numpy ops per step."""
+def decode_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(block-table rows, lengths incl. the new token, last tokens) of a decode batch."""
     num = len(seqs)
-    rows = np.fromiter((s.row for s in seqs), np.int64, num)
-    lens = np.fromiter((s.num_tokens for s in seqs), np.int64, num)
-    last = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num)
-    tables_BM = tables[rows, :-(-int(lens.max()) // block_size)]
-    positions = lens - 1
-    slots = (tables_BM[np.arange(num), positions // block_size].astype(np.int64) * block_size
-             + positions % block_size)
-    return tuple(_to_device(a, device) for a in (last, positions, tables_BM,
-                                                 lens.astype(np.int32), slots))
+    return (np.fromiter((s.row for s in seqs), np.int64, num),
+            np.fromiter((s.num_tokens for s in seqs), np.int64, num),
+            np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num))

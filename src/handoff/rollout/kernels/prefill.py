@@ -75,6 +75,22 @@ def _varlen_call(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, scale) -> torch.
     return varlen_attn(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, **kw)
 
 
+def varlen_available() -> bool:
+    """Whether this torch has varlen_attn (FlashAttention-2 varlen: CUDA, bf16/fp16)."""
+    return _varlen() is not None
+
+
+def varlen_attention(q_THD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor,
+                     cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, *,
+                     scale: float) -> torch.Tensor:
+    """Causal varlen attention on packed q and K/V (cu_* int32 [B + 1] on q's device) -> [T, H, D].
+
+    Query i of a sequence sees its keys up to position i + (keys - queries): the queries are
+    the last of their sequence's keys.
+    """
+    return _varlen_call(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, scale)
+
+
 def paged_prefill_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_lens: list[int],
                             context_lens: list[int], *, scale: float, k_scale=None,

@@ -1,0 +1,313 @@
+"""`handoff bench engine`: the built-in engine's decode speed against transformers and the HBM floor.
+
+    handoff bench engine --out engine.json                    # full run (CUDA; ~5 min on an H200)
+    handoff bench engine --models qwen3-1.7b --batches 1,32 --skip-hf --no-public
+
+Per model shape (random init, bf16, written with handoff.modelzoo.init_model): B prompts of P
+random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B:
+* the engine's decode step: wall time of its decode steps / their count (prefill excluded),
+  and the host's share of it (the step minus the time spent waiting for the device);
+* transformers `generate` on the same checkpoint and batch, in the same run, per decode step:
+  (time for 1 + n new tokens - time for 1 new token) / n, with n = --hf-new-tokens (it takes
+  ~80-130 ms a step, so it is timed over fewer tokens than the engine);
+* the HBM floor of a decode step: bytes it must read (every weight once, the embedding only
+  as the LM head, plus the K/V of every token in context, averaged over the steps) / the
+  device-to-device copy rate measured in this run (bytes read + written).
+Then the workload public engines publish: a Qwen3-0.6B shape, 256 sequences with prompt and
+output lengths uniform in [100, 1024], EOS ignored, temperature 0.6: output tokens / wall time
+of one generate call after a warm-up call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from handoff.errors import HandoffError
+
+PUBLIC_A800_TOKENS_PER_S = 10_000  # a comparable engine's published figure (A800)
+H200_OVER_A800_BANDWIDTH = 2.4
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy rate in bytes/s, bytes read plus bytes written (median of 20)."""
+    nbytes = (2 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    _free(device)
+    return 2 * nbytes / float(np.median(times[5:]))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def decode_weight_bytes(model) -> int:
+    """Weight bytes one decode step reads: all, but an untied embedding only by B rows (0)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def floor_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, prompt_len: int,
+             new_tokens: int, bytes_per_s: float) -> float:
+    """HBM floor of the mean decode step (decode step j reads prompt_len + j tokens of K/V)."""
+    mean_context = prompt_len + new_tokens / 2
+    return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bytes_per_s
+
+
+def transformers_ms_per_step(path: Path, batches: list[int], *, prompt_len: int,
+                             new_tokens: int, device: torch.device, dtype: torch.dtype,
+                             seed: int = 0) -> dict[int, dict]:
+    """transformers `generate` (greedy, EOS suppressed) per decode step at each batch size."""
+    from transformers import AutoModelForCausalLM
+
+    from handoff.modelzoo import PAD_ID
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    gen = torch.Generator().manual_seed(seed)
+
+    def timed(ids: torch.Tensor, num: int) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=num, min_new_tokens=num, pad_token_id=PAD_ID)
+        _sync(device)
+        assert out.shape[1] == ids.shape[1] + num, (out.shape, num)
+        return time.perf_counter() - start
+
+    timed(torch.randint(0, 256, (1, 8), generator=gen).to(device), 2)  # warm-up
+    rows = {}
+    for batch in batches:
+        ids = torch.randint(0, 256, (batch, prompt_len), generator=gen).to(device)
+        one = timed(ids, 1)
+        more = timed(ids, 1 + new_tokens)
+        ms = 1e3 * max(more - one, 1e-9) / new_tokens
+        rows[batch] = {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms,
+                       "new_tokens_timed": new_tokens, "prefill_s": one}
+    del model
+    _free(device)
+    return rows
+
+
+def _engine(path: Path, *, max_num_seqs: int, max_model_len: int, device: torch.device,
+            dtype: torch.dtype, util: float):
+    from handoff.config import RolloutConfig
+    from handoff.rollout.engine import Engine
+
+    cfg = RolloutConfig(gpu_memory_utilization=util, block_size=16, max_num_seqs=max_num_seqs,
+                        max_model_len=max_model_len, cuda_graphs=True)
+    return Engine(str(path), cfg, device=device, dtype=dtype)
+
+
+def _timed_generate(engine, prompts, params) -> dict:
+    before = engine.stats()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    steps = after["decode_steps"] - before["decode_steps"]
+    seconds = after["decode_seconds"] - before["decode_seconds"]
+    wait = after["decode_wait_seconds"] - before["decode_wait_seconds"]
+    return {"outputs": outs, "wall_s": wall, "decode_steps": steps,
+            "prefill_steps": after["prefill_steps"] - before["prefill_steps"],
+            "ms_per_step": 1e3 * seconds / max(steps, 1),
+            "host_ms_per_step": 1e3 * (seconds - wait) / max(steps, 1)}
+
+
+def _engine_facts(engine) -> dict:
+    s = engine.stats()
+    keys = ("attention_backend", "num_blocks", "kv_cache_bytes", "graph_captures",
+            "graph_pool_bytes", "graph_driver_bytes", "graph_reserve_bytes", "packed_prefill",
+            "activation_peak_bytes", "preemptions")
+    return {k: s[k] for k in keys}
+
+
+def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens: int,
+                  device: torch.device, dtype: torch.dtype, util: float, bytes_per_s: float,
+                  seed: int = 0) -> dict:
+    """The engine's decode step at each batch size, with its HBM floor."""
+    from handoff.rollout.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    engine = _engine(path, max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 1,
+                     device=device, dtype=dtype, util=util)
+    build_s = time.perf_counter() - start
+    vocab = engine.spec.vocab_size
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.generate(rng.integers(0, vocab, (min(4, max(batches)), prompt_len)).tolist(), warm)
+    weights = decode_weight_bytes(engine.model)
+    kv_token = engine.runner.kv_block_bytes() // engine.blocks.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    rows = []
+    for batch in batches:
+        prompts = rng.integers(0, vocab, (batch, prompt_len)).tolist()
+        run = _timed_generate(engine, prompts, params)
+        lengths = {len(s.token_ids) for o in run.pop("outputs") for s in o.outputs}
+        assert lengths == {new_tokens}, lengths
+        floor = floor_ms(weights, kv_token, batch, prompt_len, new_tokens, bytes_per_s)
+        rows.append({"batch": batch, **run, "tokens_per_s": batch * 1e3 / run["ms_per_step"],
+                     "floor_ms": floor, "over_floor": run["ms_per_step"] / floor})
+    result = {"build_s": build_s, "weight_bytes": weights, "kv_bytes_per_token": kv_token,
+              **_engine_facts(engine), "rows": rows}
+    engine.sleep(2)  # region memory lives as long as the process unless released
+    del engine
+    _free(device)
+    return result
+
+
+def public_workload(path: Path, *, num_seqs: int, lengths: tuple[int, int],
+                    device: torch.device, dtype: torch.dtype, util: float,
+                    seed: int = 0) -> dict:
+    """num_seqs sequences, prompt and output lengths uniform in `lengths`, EOS ignored."""
+    from handoff.rollout.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    lo, hi = lengths
+    engine = _engine(path, max_num_seqs=num_seqs, max_model_len=2 * hi, device=device,
+                     dtype=dtype, util=util)
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
+    prompt_lens = rng.integers(lo, hi + 1, num_seqs)
+    output_lens = rng.integers(lo, hi + 1, num_seqs)
+    prompts = [rng.integers(0, min(10_000, engine.spec.vocab_size), n).tolist()
+               for n in prompt_lens]
+    params = [SamplingParams(temperature=0.6, max_tokens=int(n), ignore_eos=True)
+              for n in output_lens]
+    run = _timed_generate(engine, prompts, params)
+    produced = sum(len(s.token_ids) for o in run.pop("outputs") for s in o.outputs)
+    assert produced == int(output_lens.sum()), (produced, int(output_lens.sum()))
+    result = {"num_seqs": num_seqs, "lengths": [lo, hi], "temperature": 0.6,
+              "prompt_tokens": int(prompt_lens.sum()), "output_tokens": produced, **run,
+              "tokens_per_s": produced / run["wall_s"], **_engine_facts(engine)}
+    engine.sleep(2)
+    del engine
+    _free(device)
+    return result
+
+
+def _checkpoint(preset: str, workdir: Path, device: torch.device, dtype: str) -> Path:
+    from handoff.modelzoo import init_model
+
+    path = init_model(preset, workdir / preset, dtype=dtype, device=str(device))
+    _free(device)
+    return path
+
+
+def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int = 256,
+                     new_tokens: int = 512, hf_new_tokens: int = 32, skip_hf: bool = False,
+                     public: bool = True, public_model: str = "qwen3-0.6b",
+                     public_seqs: int = 256, public_lengths: tuple[int, int] = (100, 1024),
+                     util: float = 0.5, device: str = "cuda", dtype: str = "bfloat16",
+                     workdir: str | None = None) -> dict:
+    """Run every model x batch (engine, transformers) and the public workload; a JSON dict."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise HandoffError("bench engine measures the engine on a GPU but no CUDA device is "
+                           "visible: run it on the GPU machine (or pass --device cpu for a smoke run)")
+    if not batches or min(batches) < 1 or prompt_len < 1 or new_tokens < 2 or \
+            hf_new_tokens < 1 or len(public_lengths) != 2 or not 1 <= public_lengths[0] <= \
+            public_lengths[1]:
+        raise HandoffError("bench engine needs batches >= 1, --prompt-len >= 1, --new-tokens "
+                           ">= 2, --hf-new-tokens >= 1 and --public-lengths MIN,MAX with "
+                           "1 <= MIN <= MAX: fix the options")
+    torch_dtype = getattr(torch, dtype)
+    own_dir = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="handoff-bench-engine-")) if own_dir else Path(workdir)
+    props = torch.cuda.get_device_properties(dev) if dev.type == "cuda" else None
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "device": props.name if props else "cpu", "torch": torch.__version__,
+              "dtype": dtype, "prompt_len": prompt_len, "new_tokens": new_tokens,
+              "hf_new_tokens": hf_new_tokens, "copy_bytes_per_s": copy_bandwidth(dev),
+              "models": {}}
+    try:
+        for preset in models:
+            path = _checkpoint(preset, root, dev, dtype)
+            hf = {} if skip_hf else transformers_ms_per_step(
+                path, batches, prompt_len=prompt_len, new_tokens=hf_new_tokens, device=dev,
+                dtype=torch_dtype)
+            entry = engine_decode(path, batches, prompt_len=prompt_len, new_tokens=new_tokens,
+                                  device=dev, dtype=torch_dtype, util=util,
+                                  bytes_per_s=result["copy_bytes_per_s"])
+            for row in entry["rows"]:
+                base = hf.get(row["batch"])
+                row["hf_ms_per_step"] = base["ms_per_step"] if base else None
+                row["speedup_vs_hf"] = base["ms_per_step"] / row["ms_per_step"] if base else None
+            entry["transformers"] = hf
+            result["models"][preset] = entry
+        if public:
+            path = _checkpoint(public_model, root, dev, dtype)
+            result["public"] = {"model": public_model, **public_workload(
+                path, num_seqs=public_seqs, lengths=public_lengths, device=dev,
+                dtype=torch_dtype, util=util)}
+            result["public"]["h200_scaled_reference_tokens_per_s"] = \
+                PUBLIC_A800_TOKENS_PER_S * H200_OVER_A800_BANDWIDTH
+    finally:
+        if own_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def render(result: dict, console) -> None:
+    """Print one table of decode steps and a line for the public workload."""
+    from rich.table import Table
+
+    table = Table(title=f"engine decode, {result['device']}, {result['dtype']}, "
+                        f"{result['prompt_len']}-token prompts, {result['new_tokens']} new tokens "
+                        f"(transformers timed over {result['hf_new_tokens']}); copy floor "
+                        f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    for col in ("model", "batch", "engine ms/step", "host ms", "tok/s", "floor ms", "x floor",
+                "HF ms/step", "x HF", "graphs", "graph pool"):
+        table.add_column(col, justify="right")
+    for preset, entry in result["models"].items():
+        for r in entry["rows"]:
+            hf = r["hf_ms_per_step"]
+            table.add_row(preset, str(r["batch"]), f"{r['ms_per_step']:.2f}",
+                          f"{r['host_ms_per_step']:.2f}", f"{r['tokens_per_s']:.0f}",
+                          f"{r['floor_ms']:.2f}", f"{r['over_floor']:.2f}",
+                          "-" if hf is None else f"{hf:.1f}",
+                          "-" if hf is None else f"{r['speedup_vs_hf']:.1f}",
+                          str(entry["graph_captures"]),
+                          f"{entry['graph_pool_bytes'] / 2**20:.0f} MiB")
+    width = console.width
+    console.width = max(width, 160)  # print(width=) can only narrow; logs default to 80 columns
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+    pub = result.get("public")
+    if pub:
+        console.print(
+            f"public workload ({pub['model']}, {pub['num_seqs']} seqs, lengths U{pub['lengths']}, "
+            f"T={pub['temperature']}): {pub['output_tokens']} tokens in {pub['wall_s']:.2f} s = "
+            f"[bold]{pub['tokens_per_s']:.0f} tok/s[/] ({pub['decode_steps']} decode steps, "
+            f"{pub['ms_per_step']:.2f} ms/step, host {pub['host_ms_per_step']:.2f} ms); "
+            f"reference ~{PUBLIC_A800_TOKENS_PER_S} tok/s on an A800 x "
+            f"{H200_OVER_A800_BANDWIDTH} bandwidth = {pub['h200_scaled_reference_tokens_per_s']:.0f}",
+            highlight=False, soft_wrap=True)

@@ -1,0 +1,167 @@
+"""Decode as CUDA graphs: the batch-size ladder, the static decode inputs, capture and replay.
+
+A decode step of n sequences runs at the smallest ladder size b >= n (1, 2, 4, 8, 16, 32, 48,
+64, ... max_num_seqs). Rows n..b are padding that writes nowhere that matters: token 0 at
+position 0, slot -1 (its K/V lands in the null block 0) and context length 0 (the attention
+kernel reads no key and writes zeros). The five inputs live in one static buffer per device:
+the host fills a pinned copy with numpy (no per-token Python), one H2D copy moves the used
+prefix, and the graph of size b (or the eager forward, same shapes) reads views of it.
+
+Graphs are captured once, at engine start, largest first into one shared memory pool, and
+only over memory whose addresses never move: the weights, KV and RoPE regions keep their
+virtual addresses across sleep/wake (handoff.memory), and the pool and static buffers are
+allocated outside every region, so a sleep unmaps none of them and nothing is recaptured.
+Everything here imports on CPU; only `DecodeGraphs.capture` needs CUDA.
+
+Shape legend: R = rows of the static buffers (max_num_seqs), B = rows of one step (padded),
+M = blocks per sequence (the full block-table width), E = hidden size.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Sequence as Seq
+
+import numpy as np
+import torch
+
+_ALIGN = 256  # bytes between fields of the staging buffer (Triton specializes on alignment)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The ladder: 1, 2, 4, 8, 16, 32, 48, ..., 128, then every 32, and max_num_seqs itself.
+
+    Padding costs little (weights are read once per step whatever the rows; padded rows read
+    no KV), so the steps widen where a few extra rows are cheapest.
+    """
+    assert max_num_seqs >= 1
+    ladder = [1, 2, 4, 8] + list(range(16, 129, 16)) + list(range(160, max_num_seqs, 32))
+    return sorted({s for s in ladder if s < max_num_seqs} | {max_num_seqs})
+
+
+def bucket(num_rows: int, sizes: Seq[int]) -> int | None:
+    """The smallest ladder size holding `num_rows` rows (None: larger than every size)."""
+    i = bisect.bisect_left(sizes, num_rows)
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeInputs:
+    """Static decode inputs: a pinned host staging buffer and its device twin, one copy a step.
+
+    Layout (bytes, each field 256-aligned): input_ids, positions, slot_mapping (int64 [R]),
+    context_lens (int32 [R]), block_tables (int32 [R, M]) last, so the first B rows of every
+    field are one contiguous prefix. Columns of a block-table row past what its context needs
+    keep stale values: the kernel reads only blocks below context_len, so they are never used.
+    On CPU the host buffer is the device buffer and `upload` copies nothing.
+    """
+
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device):
+        self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
+        self.device = device
+        fields = [("ids", 8, max_rows), ("pos", 8, max_rows), ("slots", 8, max_rows),
+                  ("ctx", 4, max_rows), ("tables", 4, max_rows * max_blocks)]
+        offsets, end = {}, 0
+        for name, size, count in fields:
+            end = -(-end // _ALIGN) * _ALIGN
+            offsets[name] = (end, end + size * count)
+            end += size * count
+        self._table_start = offsets["tables"][0]
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(end, dtype=torch.uint8, pin_memory=on_cuda)
+        self.dev = torch.zeros(end, dtype=torch.uint8, device=device) if on_cuda else self.host
+        raw = self.host.numpy()
+        np_types = {"ids": np.int64, "pos": np.int64, "slots": np.int64, "ctx": np.int32,
+                    "tables": np.int32}
+        torch_types = {np.int64: torch.int64, np.int32: torch.int32}
+        self.h = {k: raw[a:b].view(np_types[k]) for k, (a, b) in offsets.items()}
+        self.h["tables"] = self.h["tables"].reshape(max_rows, max_blocks)
+        self.d = {k: self.dev[a:b].view(torch_types[np_types[k]]) for k, (a, b) in offsets.items()}
+        self.d["tables"] = self.d["tables"].view(max_rows, max_blocks)
+        # The staging buffer is rewritten each step: wait until the last copy has read it.
+        self._copied = torch.cuda.Event() if on_cuda else None
+
+    def fill(self, rows: np.ndarray, lens: np.ndarray, last: np.ndarray, tables: np.ndarray,
+             padded_rows: int) -> int:
+        """Stage a step: sequences' block-table rows, lengths (incl. the new token), last tokens.
+
+        Rows len(rows)..padded_rows become padding. Returns the block-table width the real
+        rows need (columns past it may hold stale values).
+        """
+        n, bs = len(rows), self.block_size
+        assert 0 < n <= padded_rows <= self.max_rows, (n, padded_rows, self.max_rows)
+        if self._copied is not None:
+            self._copied.synchronize()
+        width = -(-int(lens.max()) // bs)
+        assert width <= self.max_blocks, (width, self.max_blocks)
+        h = self.h
+        tables_nw = tables[rows, :width]
+        h["tables"][:n, :width] = tables_nw
+        positions = lens - 1
+        h["ids"][:n] = last
+        h["pos"][:n] = positions
+        h["ctx"][:n] = lens
+        h["slots"][:n] = tables_nw[np.arange(n), positions // bs].astype(np.int64) * bs \
+            + positions % bs
+        h["ids"][n:padded_rows] = 0
+        h["pos"][n:padded_rows] = 0
+        h["ctx"][n:padded_rows] = 0
+        h["slots"][n:padded_rows] = -1
+        return width
+
+    def upload(self, rows: int) -> None:
+        """Copy the staged first `rows` rows of every field to the device (one copy)."""
+        if self._copied is None:
+            return
+        nbytes = self._table_start + rows * self.max_blocks * 4
+        self.dev[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
+        self._copied.record()
+
+    def views(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """(input_ids, positions, block_tables [rows, width], context_lens, slot_mapping)."""
+        d = self.d
+        return (d["ids"][:rows], d["pos"][:rows], d["tables"][:rows, :width], d["ctx"][:rows],
+                d["slots"][:rows])
+
+
+class DecodeGraphs:
+    """One CUDA graph per ladder size, captured once into one pool; counts its captures."""
+
+    def __init__(self, sizes: Seq[int]):
+        self.sizes = list(sizes)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_captures = 0
+        self.pool_bytes = 0    # growth of torch's reserved memory during capture
+        self.driver_bytes = 0  # drop of the driver's free memory (adds graph instantiation)
+
+    def capture(self, forward: Callable[[int], torch.Tensor], out_RE: torch.Tensor,
+                device: torch.device) -> None:
+        """Capture `out_RE[:b] = forward(b)` for every ladder size b (largest first).
+
+        forward(b) must read only static inputs (views of fixed buffers) so a replay after
+        refilling them computes the new step. Each size first runs eagerly on the capture
+        stream: Triton compiles and cuBLAS sets up there, never inside a capture.
+        """
+        assert not self.graphs, "decode graphs are captured once per engine"
+        assert out_RE.shape[0] >= max(self.sizes), (out_RE.shape, self.sizes)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for b in self.sizes:
+                out_RE[:b].copy_(forward(b))
+        stream.synchronize()
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(device)
+        free = torch.cuda.mem_get_info(device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.sizes, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out_RE[:b].copy_(forward(b))
+            self.graphs[b] = graph
+            self.num_captures += 1
+        torch.cuda.synchronize(device)
+        self.pool_bytes = max(torch.cuda.memory_reserved(device) - reserved, 0)
+        self.driver_bytes = max(free - torch.cuda.mem_get_info(device)[0], 0)
+
+    def replay(self, batch: int) -> None:
+        self.graphs[batch].replay()

@@ -1,0 +1,125 @@
+"""Host side of graph decode and packed prefill, on CPU: the ladder, bucket choice, the static
+decode inputs and their padding, padded decode end to end, and the packed prefill's layout
+(with a CPU stand-in for varlen_attn)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from handoff.rollout.engine import Engine
+from handoff.rollout.graphs import DecodeInputs, bucket, graph_batch_sizes
+from handoff.rollout.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, n=2, max_tokens=12)
+
+
+def test_ladder_covers_every_batch_with_the_smallest_bucket():
+    assert graph_batch_sizes(256) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192,
+                                      224, 256]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(1) == [1]
+    for max_num_seqs in (1, 3, 16, 50, 100, 129, 300):
+        sizes = graph_batch_sizes(max_num_seqs)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_num_seqs
+        for n in range(1, max_num_seqs + 1):
+            b = bucket(n, sizes)
+            assert b >= n and all(s < n for s in sizes if s < b)
+        assert bucket(max_num_seqs + 1, sizes) is None
+
+
+def _fill(inputs, tables, rows, lens, last, padded):
+    return inputs.fill(np.array(rows), np.array(lens), np.array(last), tables, padded)
+
+
+def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
+    rng = np.random.default_rng(0)
+    bs, max_rows, max_blocks = 4, 8, 6
+    tables = rng.integers(1, 100, (max_rows, max_blocks)).astype(np.int32)
+    inputs = DecodeInputs(max_rows, max_blocks, bs, torch.device("cpu"))
+    rows, lens, last = [5, 0, 3], [9, 1, 17], [11, 12, 13]
+    width = _fill(inputs, tables, rows, lens, last, padded=8)
+    assert width == 5  # 17 tokens in blocks of 4
+    ids, pos, tab, ctx, slots = inputs.views(8, width)
+    assert ids.tolist() == last + [0] * 5 and pos.tolist() == [8, 0, 16] + [0] * 5
+    assert ctx.dtype == torch.int32 and ctx.tolist() == lens + [0] * 5
+    assert slots.tolist()[3:] == [-1] * 5  # padding is stored into the null block
+    for i, (row, n) in enumerate(zip(rows, lens)):
+        block, offset = divmod(slots[i].item(), bs)
+        assert block == tables[row, (n - 1) // bs] and offset == (n - 1) % bs
+        assert tab[i, :-(-n // bs)].tolist() == tables[row, :-(-n // bs)].tolist()
+    assert tab.shape == (8, width) and tab.stride(0) == max_blocks
+    # A smaller next step overwrites the rows that were real before with padding.
+    _fill(inputs, tables, [2], [4], [7], padded=2)
+    ids, pos, _, ctx, slots = inputs.views(4, 1)
+    assert ids.tolist()[:2] == [7, 0] and ctx.tolist()[:2] == [4, 0]
+    assert slots.tolist()[:2] == [tables[2, 0] * bs + 3, -1] and pos.tolist()[:2] == [3, 0]
+    with pytest.raises(AssertionError):
+        _fill(inputs, tables, [0, 1], [1, 1], [0, 0], padded=1)
+
+
+def _tokens_and_logprobs(outs):
+    return ([s.token_ids for o in outs for s in o.outputs],
+            torch.tensor([lp for o in outs for s in o.outputs for lp in s.logprobs]))
+
+
+def test_padded_decode_matches_exact_batches_and_writes_only_the_null_block(qwen3_dir, ref):
+    """The CUDA decode path pads to the ladder at the full table width; run it on CPU."""
+    exact = Engine(str(qwen3_dir), ref.cfg())
+    padded = Engine(str(qwen3_dir), ref.cfg())
+    padded.runner.pad_decode = True
+    padded.runner.sizes = graph_batch_sizes(padded.cfg.max_num_seqs)
+    prompts = ref.mixed_prompts  # 5 prompts x 2 samples: 10 rows run as 16
+    want_tokens, want_logprobs = _tokens_and_logprobs(exact.generate(prompts, GREEDY))
+    got_tokens, got_logprobs = _tokens_and_logprobs(padded.generate(prompts, GREEDY))
+    assert got_tokens == want_tokens
+    assert torch.allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
+    assert padded.runner.kv_storage[:, :, 0].abs().sum() > 0  # padded rows' K/V went there
+    assert exact.runner.kv_storage[:, :, 0].abs().sum() == 0
+    stats = padded.stats()
+    assert stats["graph_captures"] == 0 and stats["graph_pool_bytes"] == 0
+    assert 0 < stats["host_ms_per_step"] <= stats["decode_ms_per_step"]
+
+
+def _varlen_on_cpu(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, *, scale):
+    """What varlen_attn computes (bottom-right causal per sequence), with SDPA on CPU."""
+    from handoff.rollout.attention import _causal_attention
+
+    out_THD = torch.empty_like(q_THD)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    assert max_q == max(b - a for a, b in zip(cq, cq[1:]))
+    assert max_k == max(b - a for a, b in zip(ck, ck[1:]))
+    for i in range(len(cq) - 1):
+        out_THD[cq[i]:cq[i + 1]] = _causal_attention(q_THD[cq[i]:cq[i + 1]],
+                                                      k_LKD[ck[i]:ck[i + 1]],
+                                                      v_LKD[ck[i]:ck[i + 1]], scale)
+    return out_THD
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_packed_prefill_layout_matches_the_reference_loop(qwen3_dir, ref, monkeypatch, kv_dtype):
+    """Key slots, cu_seqlens and the fresh-prompt shortcut, with prefix hits, vs the loop."""
+    import handoff.rollout.kernels.prefill as prefill
+
+    loop = Engine(str(qwen3_dir), ref.cfg(kv_dtype=kv_dtype))
+    packed = Engine(str(qwen3_dir), ref.cfg(kv_dtype=kv_dtype))
+    packed.runner.packed_prefill = True
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return _varlen_on_cpu(*args, **kwargs)
+
+    monkeypatch.setattr(prefill, "varlen_attention", fake)
+    prefix = list(range(60, 80))
+    fresh = SamplingParams(temperature=0.0, max_tokens=12)
+    rounds = [(ref.mixed_prompts, fresh),  # nothing cached: keys are the new tokens
+              (ref.mixed_prompts + [prefix + [1, 2], prefix + [3]], GREEDY)]  # prefix hits
+    for prompts, params in rounds:
+        want_tokens, want_logprobs = _tokens_and_logprobs(loop.generate(prompts, params))
+        got_tokens, got_logprobs = _tokens_and_logprobs(packed.generate(prompts, params))
+        assert got_tokens == want_tokens
+        assert torch.allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
+    assert packed.stats()["prefix_cache_hits"] > 0
+    assert len(calls) == packed.stats()["prefill_steps"] * packed.spec.num_layers

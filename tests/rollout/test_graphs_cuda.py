@@ -1,0 +1,167 @@
+"""CUDA-graph decode and packed prefill on a GPU: graphs equal eager, never recaptured across
+sleep/wake, their pool reported and reserved, fp8 KV with graphs, varlen prefill vs the loop.
+
+Run on the device: python3 -m pytest -q -m cuda tests/rollout/test_graphs_cuda.py
+Graphs off and on run the same padded shapes through the same kernels, so their greedy
+tokens must be identical, not merely close. Every engine sleeps at the end (its regions'
+memory would otherwise stay mapped for the rest of the process).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handoff.rollout.engine import Engine
+from handoff.rollout.graphs import graph_batch_sizes
+from handoff.rollout.models import iter_checkpoint
+from handoff.rollout.sampling import SamplingParams
+from handoff.rollout.sequence import Sequence
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def _cfg(ref, **kw):
+    return ref.cfg(**{"num_blocks": 1024, "block_size": 16, "max_num_seqs": 64, **kw})
+
+
+def _prompts(num: int) -> list[list[int]]:
+    return [[(7 * i + j) % 250 + 1 for j in range(3 + (5 * i) % 40)] for i in range(num)]
+
+
+def _outputs(outs):
+    tokens = [s.token_ids for o in outs for s in o.outputs]
+    return tokens, torch.tensor([lp for o in outs for s in o.outputs for lp in s.logprobs])
+
+
+def test_graph_decode_equals_eager(qwen3_dir, ref):
+    eager = Engine(str(qwen3_dir), _cfg(ref, cuda_graphs=False), dtype="bfloat16")
+    graph = Engine(str(qwen3_dir), _cfg(ref), dtype="bfloat16")
+    stats = graph.stats()
+    assert stats["graph_captures"] == len(graph_batch_sizes(64)) == len(stats["graph_batch_sizes"])
+    assert stats["graph_pool_bytes"] > 0 and eager.stats()["graph_captures"] == 0
+    prompts = _prompts(19)
+    # n=2 with different lengths: 38 rows (bucket 48) shrinking through 32, 16, 8, ... as
+    # sequences finish; sampled rows too, with prefix hits from the shared prompts.
+    for params in ([SamplingParams(temperature=0.0, n=2, max_tokens=4 + 3 * i) for i in range(19)],
+                   [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=20)
+                    for i in range(19)]):
+        want_tokens, want_logprobs = _outputs(eager.generate(prompts, params))
+        got_tokens, got_logprobs = _outputs(graph.generate(prompts, params))
+        assert got_tokens == want_tokens
+        assert torch.allclose(got_logprobs, want_logprobs, atol=1e-5, rtol=0)
+    stats = graph.stats()
+    assert 0 < stats["host_ms_per_step"] < stats["decode_ms_per_step"]
+    print(f"\ngraphs {stats['graph_batch_sizes']}: pool {stats['graph_pool_bytes'] / 2**20:.1f} "
+          f"MiB (driver {stats['graph_driver_bytes'] / 2**20:.1f} MiB); decode "
+          f"{stats['decode_ms_per_step']:.3f} ms/step, host {stats['host_ms_per_step']:.3f} ms; "
+          f"eager {eager.stats()['decode_ms_per_step']:.3f} ms/step")
+    eager.sleep(2)
+    graph.sleep(2)
+
+
+def test_graph_pool_is_reserved_before_the_kv_pool(qwen3_dir, ref):
+    util = 0.1
+    engine = Engine(str(qwen3_dir), _cfg(ref, num_blocks=None, gpu_memory_utilization=util,
+                                         max_model_len=512), dtype="bfloat16")
+    stats = engine.stats()
+    assert 0 < stats["graph_pool_bytes"] <= stats["graph_reserve_bytes"]
+    _, total = torch.cuda.mem_get_info()
+    own = engine.pool.region_bytes("weights") + engine.pool.region_bytes("buffers")
+    budget = util * total - own - stats["activation_peak_bytes"] - stats["graph_reserve_bytes"]
+    assert budget - stats["kv_block_bytes"] < stats["kv_cache_bytes"] <= budget
+    print(f"\ngraph pool {stats['graph_pool_bytes'] / 2**20:.1f} MiB measured, "
+          f"{stats['graph_reserve_bytes'] / 2**20:.1f} MiB reserved")
+    engine.sleep(2)
+
+
+def test_no_recapture_across_sleep_wake_with_new_weights(qwen3_dir, ref, tmp_path):
+    other = ref.write_checkpoint("tiny-qwen3", tmp_path / "other", seed=2)
+    weights = {p: list(iter_checkpoint(p)) for p in (qwen3_dir, other)}
+    cfg = _cfg(ref)
+    prompts = ref.mixed_prompts
+    expected = {}
+    for path in (qwen3_dir, other):
+        fresh = Engine(str(path), cfg, dtype="bfloat16")
+        expected[path] = _outputs(fresh.generate(prompts, GREEDY))[0]
+        fresh.sleep(2)
+    assert expected[qwen3_dir] != expected[other]
+    engine = Engine(str(qwen3_dir), cfg, dtype="bfloat16")
+    before = engine.stats()
+    graphs = dict(engine.runner.graphs.graphs)
+    kv_ptr = engine.runner.kv_storage.data_ptr()
+    for cycle in range(10):
+        path = other if cycle % 2 == 0 else qwen3_dir
+        engine.sleep(2)
+        engine.wake_up(["weights"])
+        engine.load_weights(weights[path])
+        engine.wake_up(["kv_cache"])
+        assert _outputs(engine.generate(prompts, GREEDY))[0] == expected[path], cycle
+    after = engine.stats()
+    assert after["graph_captures"] == before["graph_captures"] == len(graphs)
+    assert after["graph_pool_bytes"] == before["graph_pool_bytes"]
+    assert engine.runner.graphs.graphs == graphs and engine.runner.kv_storage.data_ptr() == kv_ptr
+    assert after["weights_version"] == before["weights_version"] + 10
+    engine.sleep(2)
+
+
+def _first_logprobs(outs) -> torch.Tensor:
+    return torch.tensor([s.logprobs[0] for o in outs for s in o.outputs])
+
+
+def test_fp8_kv_with_graphs(qwen3_dir, ref):
+    bf16 = Engine(str(qwen3_dir), _cfg(ref), dtype="bfloat16")
+    fp8 = Engine(str(qwen3_dir), _cfg(ref, kv_dtype="fp8"), dtype="bfloat16")
+    fp8_eager = Engine(str(qwen3_dir), _cfg(ref, kv_dtype="fp8", cuda_graphs=False),
+                       dtype="bfloat16")
+    assert fp8.stats()["graph_captures"] > 0 and fp8.stats()["kv_dtype"] == "float8_e4m3fn"
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=16)
+    prompts = ref.mixed_prompts
+    want = bf16.generate(prompts, params)
+    got = fp8.generate(prompts, params)
+    assert _outputs(fp8_eager.generate(prompts, params))[0] == _outputs(got)[0]
+    assert (_first_logprobs(got) - _first_logprobs(want)).abs().max() < 0.15
+    fp8.runner.kv_scales.fill_(3.0)  # must be reset, in place, where the graphs read it
+    fp8.sleep(2)
+    fp8.wake_up(["weights"])
+    fp8.load_weights(iter_checkpoint(qwen3_dir))
+    fp8.wake_up(["kv_cache"])
+    assert not fp8.runner.kv_storage.view(torch.uint8).any()
+    assert torch.equal(fp8.runner.kv_scales, torch.ones_like(fp8.runner.kv_scales))
+    assert _outputs(fp8.generate(prompts, params))[0] == _outputs(got)[0]
+    for engine in (bf16, fp8, fp8_eager):
+        engine.sleep(2)
+
+
+def test_graphs_need_the_triton_backend(qwen3_dir, ref):
+    with pytest.warns(UserWarning, match="cuda_graphs is ignored"):
+        engine = Engine(str(qwen3_dir), _cfg(ref), dtype="bfloat16", attention_backend="torch")
+    assert engine.stats()["graph_captures"] == 0
+    assert engine.generate(ref.mixed_prompts[:2], GREEDY)[0].outputs[0].token_ids
+    engine.sleep(2)
+
+
+@torch.inference_mode()
+def test_packed_prefill_matches_the_loop_with_prefix_hits(qwen3_dir, ref):
+    packed = Engine(str(qwen3_dir), _cfg(ref), dtype="bfloat16")
+    loop = Engine(str(qwen3_dir), _cfg(ref), dtype="bfloat16")
+    loop.runner.packed_prefill = False
+    assert packed.runner.packed_prefill and packed.stats()["packed_prefill"]
+    prefix = list(range(30, 130))  # 6 full blocks of 16, then a partial one
+    prompts = [prefix + [1, 2, 3], prefix[:40] + [9] * 50, list(range(200, 233)), prefix]
+    logits = []
+    for engine in (packed, loop):
+        engine.generate([prefix + [5]], SamplingParams(temperature=0.0, max_tokens=1))
+        seqs = [Sequence(i, p, GREEDY, request_index=i, sample_index=0, key=0,
+                         stop_ids=frozenset()) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            assert engine.blocks.allocate(seq)
+        assert [s.num_cached_tokens for s in seqs] == [96, 32, 0, 96]
+        logits.append(engine.runner._prefill(seqs).float().log_softmax(-1))
+        for seq in seqs:
+            engine.blocks.free_seq(seq)
+        engine.sleep(2)
+    assert (logits[0] - logits[1]).abs().max() < 0.05
