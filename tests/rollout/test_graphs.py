@@ -123,3 +123,36 @@ def test_packed_prefill_layout_matches_the_reference_loop(qwen3_dir, ref, monkey
         assert torch.allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
     assert packed.stats()["prefix_cache_hits"] > 0
     assert len(calls) == packed.stats()["prefill_steps"] * packed.spec.num_layers
+
+
+def test_varlen_self_check_rejects_a_misaligned_mask(monkeypatch):
+    """The start-up check that guards the packed prefill, with CPU stand-ins for varlen_attn."""
+    import handoff.rollout.kernels.prefill as prefill
+    from handoff.rollout.attention import _varlen_agrees
+
+    check = _varlen_agrees.__wrapped__  # uncached
+    monkeypatch.setattr(prefill, "varlen_attention", _varlen_on_cpu)
+    assert check(torch.device("cpu"), torch.float32)
+
+    def top_left(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, *, scale):
+        # Query i sees keys 0..i (FlashAttention 1's alignment): wrong when keys > queries.
+        from handoff.rollout.attention import _causal_attention
+
+        out_THD = torch.empty_like(q_THD)
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        for i in range(len(cq) - 1):
+            keys = slice(ck[i], ck[i] + cq[i + 1] - cq[i])
+            out_THD[cq[i]:cq[i + 1]] = _causal_attention(q_THD[cq[i]:cq[i + 1]], k_LKD[keys],
+                                                          v_LKD[keys], scale)
+        return out_THD
+
+    monkeypatch.setattr(prefill, "varlen_attention", top_left)
+    with pytest.warns(UserWarning, match="falls back"):
+        assert not check(torch.device("cpu"), torch.float32)
+
+    def broken(*args, **kwargs):
+        raise TypeError("unexpected keyword 'window_size'")
+
+    monkeypatch.setattr(prefill, "varlen_attention", broken)
+    with pytest.warns(UserWarning, match="TypeError"):
+        assert not check(torch.device("cpu"), torch.float32)

@@ -12,7 +12,9 @@ random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B
   ~80-130 ms a step, so it is timed over fewer tokens than the engine);
 * the HBM floor of a decode step: bytes it must read (every weight once, the embedding only
   as the LM head, plus the K/V of every token in context, averaged over the steps) / the
-  device-to-device copy rate measured in this run (bytes read + written).
+  device-to-device copy rate measured in this run (bytes read + written);
+* what one replay of the decode graph runs: kernel count and device ms (matrix products,
+  attention, the rest), so a gap to the floor can be told apart: launch-bound or not.
 Then the workload public engines publish: a Qwen3-0.6B shape, 256 sequences with prompt and
 output lengths uniform in [100, 1024], EOS ignored, temperature 0.6: output tokens / wall time
 of one generate call after a warm-up call.
@@ -21,7 +23,6 @@ of one generate call after a warm-up call.
 from __future__ import annotations
 
 import datetime
-import gc
 import shutil
 import tempfile
 import time
@@ -30,39 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from handoff.bench.baselines import (copy_bandwidth, free, graph_kernel_profile,
+                                     transformers_ms_per_step)
 from handoff.errors import HandoffError
 
 PUBLIC_A800_TOKENS_PER_S = 10_000  # a comparable engine's published figure (A800)
 H200_OVER_A800_BANDWIDTH = 2.4
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy rate in bytes/s, bytes read plus bytes written (median of 20)."""
-    nbytes = (2 << 30) if device.type == "cuda" else (64 << 20)
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(25):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    del src, dst
-    _free(device)
-    return 2 * nbytes / float(np.median(times[5:]))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 def decode_weight_bytes(model) -> int:
@@ -79,41 +53,6 @@ def floor_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, prompt_len:
     """HBM floor of the mean decode step (decode step j reads prompt_len + j tokens of K/V)."""
     mean_context = prompt_len + new_tokens / 2
     return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bytes_per_s
-
-
-def transformers_ms_per_step(path: Path, batches: list[int], *, prompt_len: int,
-                             new_tokens: int, device: torch.device, dtype: torch.dtype,
-                             seed: int = 0) -> dict[int, dict]:
-    """transformers `generate` (greedy, EOS suppressed) per decode step at each batch size."""
-    from transformers import AutoModelForCausalLM
-
-    from handoff.modelzoo import PAD_ID
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    gen = torch.Generator().manual_seed(seed)
-
-    def timed(ids: torch.Tensor, num: int) -> float:
-        _sync(device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=num, min_new_tokens=num, pad_token_id=PAD_ID)
-        _sync(device)
-        assert out.shape[1] == ids.shape[1] + num, (out.shape, num)
-        return time.perf_counter() - start
-
-    timed(torch.randint(0, 256, (1, 8), generator=gen).to(device), 2)  # warm-up
-    rows = {}
-    for batch in batches:
-        ids = torch.randint(0, 256, (batch, prompt_len), generator=gen).to(device)
-        one = timed(ids, 1)
-        more = timed(ids, 1 + new_tokens)
-        ms = 1e3 * max(more - one, 1e-9) / new_tokens
-        rows[batch] = {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms,
-                       "new_tokens_timed": new_tokens, "prefill_s": one}
-    del model
-    _free(device)
-    return rows
 
 
 def _engine(path: Path, *, max_num_seqs: int, max_model_len: int, device: torch.device,
@@ -173,13 +112,16 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
         lengths = {len(s.token_ids) for o in run.pop("outputs") for s in o.outputs}
         assert lengths == {new_tokens}, lengths
         floor = floor_ms(weights, kv_token, batch, prompt_len, new_tokens, bytes_per_s)
+        kernels = graph_kernel_profile(engine.runner, batch)
+        engine.reset_prefix_cache()  # the profile rewrote the last step's slots
         rows.append({"batch": batch, **run, "tokens_per_s": batch * 1e3 / run["ms_per_step"],
-                     "floor_ms": floor, "over_floor": run["ms_per_step"] / floor})
+                     "floor_ms": floor, "over_floor": run["ms_per_step"] / floor,
+                     "graph_kernels": kernels})
     result = {"build_s": build_s, "weight_bytes": weights, "kv_bytes_per_token": kv_token,
               **_engine_facts(engine), "rows": rows}
     engine.sleep(2)  # region memory lives as long as the process unless released
     del engine
-    _free(device)
+    free(device)
     return result
 
 
@@ -208,7 +150,7 @@ def public_workload(path: Path, *, num_seqs: int, lengths: tuple[int, int],
               "tokens_per_s": produced / run["wall_s"], **_engine_facts(engine)}
     engine.sleep(2)
     del engine
-    _free(device)
+    free(device)
     return result
 
 
@@ -216,7 +158,7 @@ def _checkpoint(preset: str, workdir: Path, device: torch.device, dtype: str) ->
     from handoff.modelzoo import init_model
 
     path = init_model(preset, workdir / preset, dtype=dtype, device=str(device))
-    _free(device)
+    free(device)
     return path
 
 
@@ -283,20 +225,22 @@ def render(result: dict, console) -> None:
                         f"(transformers timed over {result['hf_new_tokens']}); copy floor "
                         f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     for col in ("model", "batch", "engine ms/step", "host ms", "tok/s", "floor ms", "x floor",
-                "HF ms/step", "x HF", "graphs", "graph pool"):
+                "HF ms/step", "x HF", "kernels", "kernel ms (gemm/attn/other)", "graphs / pool"):
         table.add_column(col, justify="right")
     for preset, entry in result["models"].items():
         for r in entry["rows"]:
-            hf = r["hf_ms_per_step"]
+            hf, k = r["hf_ms_per_step"], r.get("graph_kernels") or {}
+            kernels = (f"{k['kernel_ms']:.2f} ({k['gemm_ms']:.2f}/{k['attention_ms']:.2f}/"
+                       f"{k['other_ms']:.2f})" if "kernel_ms" in k else k.get("error", "-")[:30])
             table.add_row(preset, str(r["batch"]), f"{r['ms_per_step']:.2f}",
                           f"{r['host_ms_per_step']:.2f}", f"{r['tokens_per_s']:.0f}",
                           f"{r['floor_ms']:.2f}", f"{r['over_floor']:.2f}",
                           "-" if hf is None else f"{hf:.1f}",
                           "-" if hf is None else f"{r['speedup_vs_hf']:.1f}",
-                          str(entry["graph_captures"]),
-                          f"{entry['graph_pool_bytes'] / 2**20:.0f} MiB")
+                          str(k.get("kernels", "-")), kernels,
+                          f"{entry['graph_captures']} / {entry['graph_pool_bytes'] / 2**20:.0f} MiB")
     width = console.width
-    console.width = max(width, 160)  # print(width=) can only narrow; logs default to 80 columns
+    console.width = max(width, 180)  # print(width=) can only narrow; logs default to 80 columns
     try:
         console.print(table)
     finally:

@@ -24,7 +24,9 @@ N = blocks in the pool, S = block size, M = blocks per sequence, L = keys attend
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -250,4 +252,35 @@ def packed_prefill_available(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     from handoff.rollout.kernels.prefill import varlen_available
 
-    return varlen_available()
+    return varlen_available() and _varlen_agrees(device, dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _varlen_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """Once per device: varlen_attn with more keys than queries (a prefix hit) equals SDPA.
+
+    Its causal alignment and keywords differ between torch releases; a mismatch falls back to
+    the per-sequence loop with a warning instead of generating from wrong attention.
+    """
+    from handoff.rollout.kernels.prefill import varlen_attention
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q_THD, k_LKD, v_LKD = (torch.randn(n, h, 64, generator=gen).to(device, dtype)
+                           for n, h in ((5, 4), (12, 2), (12, 2)))
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 4, 12], dtype=torch.int32, device=device)
+    try:
+        out_THD = varlen_attention(q_THD, k_LKD, v_LKD, cu_q, cu_k, 3, 8, scale=0.125)
+        q32, k32, v32 = q_THD.float(), k_LKD.float(), v_LKD.float()
+        ref_THD = torch.cat([_causal_attention(q32[a:b], k32[c:d], v32[c:d], 0.125)
+                             for a, b, c, d in ((0, 2, 0, 4), (2, 5, 4, 12))])
+        err = (out_THD.float() - ref_THD).abs().max().item()
+    except Exception as e:  # an API this code does not know: fall back, say why
+        err, why = float("inf"), f"{type(e).__name__}: {e}"
+    else:
+        why = f"max error {err:.3g} against SDPA"
+    if not err < 5e-2:  # bf16 rounding is ~1e-2 here; a misaligned mask is ~1
+        warnings.warn(f"varlen_attn disagrees with SDPA on a prefix-hit case ({why}): prefill "
+                      "falls back to the per-sequence SDPA loop (slower, correct)", stacklevel=3)
+        return False
+    return True

@@ -1,0 +1,121 @@
+"""What `handoff bench engine` compares the engine with, and where its decode step's time goes.
+
+* copy_bandwidth: the device-to-device copy rate (bytes read + written), the HBM floor's rate;
+* transformers_ms_per_step: transformers `generate` per decode step on the same checkpoint;
+* graph_kernel_profile: the kernels one replay of a captured decode graph runs (count and
+  device time: matrix products, attention, the rest), from the PyTorch profiler. A step's wall
+  time minus its kernel time is launch gaps and host work.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk", re.IGNORECASE)
+_ATTENTION = re.compile(r"paged_decode|merge_splits|flash|attention", re.IGNORECASE)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy rate in bytes/s, bytes read plus bytes written (median of 20)."""
+    nbytes = (2 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    free(device)
+    return 2 * nbytes / float(np.median(times[5:]))
+
+
+
+def transformers_ms_per_step(path: Path, batches: list[int], *, prompt_len: int,
+                             new_tokens: int, device: torch.device, dtype: torch.dtype,
+                             seed: int = 0) -> dict[int, dict]:
+    """transformers `generate` (greedy, EOS suppressed) per decode step at each batch size."""
+    from transformers import AutoModelForCausalLM
+
+    from handoff.modelzoo import PAD_ID
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    gen = torch.Generator().manual_seed(seed)
+
+    def timed(ids: torch.Tensor, num: int) -> float:
+        sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=num, min_new_tokens=num, pad_token_id=PAD_ID)
+        sync(device)
+        assert out.shape[1] == ids.shape[1] + num, (out.shape, num)
+        return time.perf_counter() - start
+
+    timed(torch.randint(0, 256, (1, 8), generator=gen).to(device), 2)  # warm-up
+    rows = {}
+    for batch in batches:
+        ids = torch.randint(0, 256, (batch, prompt_len), generator=gen).to(device)
+        one = timed(ids, 1)
+        more = timed(ids, 1 + new_tokens)
+        ms = 1e3 * max(more - one, 1e-9) / new_tokens
+        rows[batch] = {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms,
+                       "new_tokens_timed": new_tokens, "prefill_s": one}
+    del model
+    free(device)
+    return rows
+
+
+def graph_kernel_profile(runner, batch: int, repeats: int = 3) -> dict:
+    """Kernels per replay of the decode graph that serves `batch` rows, and their device ms.
+
+    Replays the last staged step again (it rewrites the same K/V into the same slots).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from handoff.rollout.graphs import bucket
+
+    rows = bucket(batch, runner.sizes)
+    if runner.graphs is None or rows is None:
+        return {}
+    runner.graphs.replay(rows)  # outside the profile: no first-replay upload in the numbers
+    torch.cuda.synchronize(runner.device)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                runner.graphs.replay(rows)
+            torch.cuda.synchronize(runner.device)
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    except Exception as e:  # no CUPTI on the machine: the rest of the bench still counts
+        return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+    ms = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    counts = dict.fromkeys(ms, 0)
+    for event in kernels:
+        kind = ("gemm" if _GEMM.search(event.name) else
+                "attention" if _ATTENTION.search(event.name) else "other")
+        ms[kind] += event.time_range.elapsed_us() / 1e3 / repeats
+        counts[kind] += 1
+    return {"graph_rows": rows, "kernels": len(kernels) // repeats,
+            "kernel_ms": sum(ms.values()), **{f"{k}_ms": v for k, v in ms.items()},
+            **{f"{k}_kernels": n // repeats for k, n in counts.items()}}
