@@ -108,8 +108,8 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
     dist.barrier()
     # per_thread_copy_ahead=0: copy each tensor to pageable memory and write it. The default
     # overlapping loader copies with non_blocking=True into pinned blocks that PyTorch's host
-    # allocator caches for good: a 4B actor's 56 GB on top of our 64 GB arena got the process
-    # OOM-killed on a 128 GiB host (seen on the device, 2026-12-02).
+    # allocator caches for good: a 4B actor's 56 GB on top of our 64 GB arena would not fit a
+    # 128 GiB host (the likely cause of the kill seen in the first h200-4b save, 2026-12-02).
     writer = dcp.FileSystemWriter(tmp, sync_files=True, per_thread_copy_ahead=0)
     dcp.save(_state(actor), storage_writer=writer)
     buf = _serialize(_rng_state(actor.device))
