@@ -114,7 +114,7 @@ class DecodeInputs:
             return
         nbytes = self._table_start + rows * self.max_blocks * 4
         self.dev[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))
 
     def views(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
         """(input_ids, positions, block_tables [rows, width], context_lens, slot_mapping)."""

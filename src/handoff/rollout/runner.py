@@ -153,7 +153,7 @@ class ModelRunner:
         tokens, logprobs = self._tokens_host[:num], self._logprobs_host[:num]
         tokens.copy_(tokens_B, non_blocking=True)
         logprobs.copy_(logprobs_B, non_blocking=True)
-        self._result_ready.record()
+        self._result_ready.record(torch.cuda.current_stream(self.device))
         start = time.perf_counter()
         self._result_ready.synchronize()
         self.wait_seconds += time.perf_counter() - start
