@@ -9,7 +9,7 @@ checksum-verified), so it checks the sync too.
 The model is tiny-qwen3 with unit-gain weights plus a constant feature in every embedding
 that favours digits and EOS: its answers to the arithmetic prompts are short numbers, so the
 rewards vary within groups (0, 0.1 for the format, 1 when right) and the loss and gradient
-are not zero.
+are not zero. The same comparison runs on two GPUs (NCCL) where a machine has them.
 """
 
 import json
@@ -66,17 +66,29 @@ def one_rank(model_dir, tmp_path_factory):
     return rows
 
 
-def torchrun_train(model_dir, out_dir, *extra) -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "handoff", "train",
-           "examples/cpu-tiny.yaml", *overrides(model_dir, out_dir, "parallel.gpus=2", *extra)]
+def run(cmd: list[str]) -> str:
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=180)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout
+
+
+def torchrun_train(model_dir, out_dir, *extra) -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "handoff",
+                "train", "examples/cpu-tiny.yaml",
+                *overrides(model_dir, out_dir, "parallel.gpus=2", *extra)])
+
+
+def assert_same_metrics(rows: list[dict], alone: list[dict]) -> None:
+    assert [r["step"] for r in rows] == [r["step"] for r in alone] == [1, 2]
+    for ours, theirs in zip(rows, alone):
+        for key in KEYS:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+        assert ours["sync/bytes"] == theirs["sync/bytes"]   # every rank gets every full tensor
 
 
 @pytest.mark.slow
@@ -84,12 +96,18 @@ def torchrun_train(model_dir, out_dir, *extra) -> str:
 def test_two_rank_train_logs_the_one_rank_metrics(model_dir, one_rank, tmp_path, tp):
     stdout = torchrun_train(model_dir, tmp_path, f"parallel.tp={tp}")
     assert stdout.count("step   2 ") == 1   # rank 0 prints, rank 1 is quiet
-    rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2]
-    for ours, alone in zip(rows, one_rank):
-        for key in KEYS:
-            assert ours[key] == pytest.approx(alone[key], rel=1e-4, abs=1e-6), key
-        assert ours["sync/bytes"] == alone["sync/bytes"]   # every rank gets every full tensor
+    assert_same_metrics(metrics(tmp_path), one_rank)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_gpu_train_logs_the_one_gpu_metrics(model_dir, tmp_path, tp):
+    """NCCL for the FSDP2 mesh and the TP engine; the model stays float32, so exact-ish."""
+    run([sys.executable, "-m", "handoff", "train", "examples/cpu-tiny.yaml",
+         *overrides(model_dir, tmp_path / "one", "run.device=cuda")])
+    torchrun_train(model_dir, tmp_path / "two", f"parallel.tp={tp}", "run.device=cuda")
+    assert_same_metrics(metrics(tmp_path / "two"), metrics(tmp_path / "one"))
 
 
 def test_parallel_gpus_must_match_the_processes(model_dir, tmp_path):

@@ -4,7 +4,7 @@
 (greedy, and seeded sampling on a model whose one KV head is replicated on both ranks with
 an untied head); a TP = 2 engine must sleep and wake its regions on every rank, take a
 verified weight sync on each, and refuse (on every rank, not hang) a call that differs
-between ranks.
+between ranks. The same engine job runs on two GPUs (NCCL) where a machine has them.
 """
 
 import json
@@ -87,40 +87,68 @@ def test_generate_tp2_replicated_kv_head_untied_head_sampled(qwen3_dir, tmp_path
     assert greedy[0]["token_ids"] == ref.greedy(model, prompt, 8)  # the MQA model is right
 
 
-@pytest.fixture(scope="module")
-def engine_job(qwen3_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp-job")
-    torchrun([str(HERE / "tp_engine_job.py"), str(qwen3_dir), str(out)])
+def run_engine_job(ckpt: Path, out: Path, device: str) -> list[dict]:
+    torchrun([str(HERE / "tp_engine_job.py"), str(ckpt), str(out), device])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_tp_engine_ranks_match_one_process(engine_job, qwen3_dir):
-    alone = Engine(str(qwen3_dir), RolloutConfig(**job.CFG), device="cpu", dtype=torch.float32)
+@pytest.fixture(scope="module")
+def engine_job(qwen3_dir, tmp_path_factory):
+    return run_engine_job(qwen3_dir, tmp_path_factory.mktemp("tp-job"), "cpu")
+
+
+def check_ranks_match_one_process(ranks: list[dict], ckpt: Path, device: str) -> None:
+    alone = Engine(str(ckpt), RolloutConfig(**job.CFG), device=device, dtype=torch.float32)
     greedy = job.tokens(alone.generate(job.PROMPTS, job.GREEDY))
     sampled = job.tokens(alone.generate(job.PROMPTS, job.SAMPLED))
-    for rank, r in enumerate(engine_job):
+    for rank, r in enumerate(ranks):
         assert (r["stats"]["tp_rank"], r["stats"]["tp_size"]) == (rank, 2)
         assert r["greedy"] == r["greedy_after_sync"] == greedy
         assert r["sampled"] == sampled
-    assert engine_job[0]["unseeded"] == engine_job[1]["unseeded"]  # one shared seed stream
+    assert ranks[0]["unseeded"] == ranks[1]["unseeded"]  # one shared seed stream
     # Each rank's pool holds its own KV head only: half the bytes per block of one process.
-    assert engine_job[0]["kv_shape"][-2] == 1 and alone.runner.kv_storage.shape[-2] == 2
-    assert engine_job[0]["stats"]["kv_block_bytes"] * 2 == alone.stats()["kv_block_bytes"]
+    assert ranks[0]["kv_shape"][-2] == 1 and alone.runner.kv_storage.shape[-2] == 2
+    assert ranks[0]["stats"]["kv_block_bytes"] * 2 == alone.stats()["kv_block_bytes"]
 
 
-def test_every_tp_rank_sleeps_wakes_and_verifies_its_shard(engine_job):
-    for r in engine_job:
+def check_every_rank_sleeps_wakes_and_verifies(ranks: list[dict]) -> None:
+    for r in ranks:
         s = r["states"]
-        assert s["awake"]["kv_bytes"] > 0 and s["awake"]["weight_bytes"] > 0
-        assert s["asleep"] == {"awake": {"weights": False, "kv_cache": False, "buffers": False},
-                               "kv_bytes": 0, "weight_bytes": 0}
-        assert s["weights_awake"]["weight_bytes"] == s["awake"]["weight_bytes"]
-        assert s["weights_awake"]["kv_bytes"] == 0
-        assert s["awake_again"] == s["awake"]
+        assert set(s["awake"]["awake"].values()) == {True}
+        assert set(s["asleep"]["awake"].values()) == {False}
+        assert s["weights_awake"]["awake"] == {"weights": True, "kv_cache": False, "buffers": True}
+        assert s["awake_again"]["awake"] == s["awake"]["awake"]
+        held = sum(s["awake"]["region_bytes"].values())
+        if s["awake"]["device_free"] is None:   # CPU: the storages themselves shrink
+            assert s["awake"]["kv_bytes"] > 0 and s["awake"]["weight_bytes"] > 0
+            assert s["asleep"]["kv_bytes"] == s["asleep"]["weight_bytes"] == 0
+            assert s["weights_awake"]["weight_bytes"] == s["awake"]["weight_bytes"]
+            assert s["weights_awake"]["kv_bytes"] == 0
+            assert s["awake_again"] == s["awake"]
+        else:                                   # CUDA: the pages go back to the driver
+            assert s["asleep"]["device_free"] - s["awake"]["device_free"] >= 0.9 * held
+            assert s["awake_again"]["device_free"] <= s["asleep"]["device_free"] - 0.9 * held
         assert "asleep" in r["asleep_error"]
         assert "checksum mismatch" in r["unsliced_verify_error"]
         assert r["sync"]["verified"] == r["sync"]["buckets"] > 1
         assert "different generate requests" in r["mismatch_error"]
+
+
+def test_tp_engine_ranks_match_one_process(engine_job, qwen3_dir):
+    check_ranks_match_one_process(engine_job, qwen3_dir, "cpu")
+
+
+def test_every_tp_rank_sleeps_wakes_and_verifies_its_shard(engine_job):
+    check_every_rank_sleeps_wakes_and_verifies(engine_job)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp_engine_on_two_gpus(qwen3_dir, tmp_path):
+    """NCCL, one GPU per rank, float32 (eager decode) so TP 2 and TP 1 agree exactly."""
+    ranks = run_engine_job(qwen3_dir, tmp_path, "cuda")
+    check_ranks_match_one_process(ranks, qwen3_dir, "cuda")
+    check_every_rank_sleeps_wakes_and_verifies(ranks)
 
 
 def test_tp_needs_as_many_processes():

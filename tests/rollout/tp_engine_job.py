@@ -1,10 +1,10 @@
 """One rank of the two-process tensor-parallel engine job behind test_tp.py.
 
-    torchrun --nproc-per-node 2 tests/rollout/tp_engine_job.py CKPT OUT
+    torchrun --nproc-per-node 2 tests/rollout/tp_engine_job.py CKPT OUT [cpu|cuda]
 
-Builds a TP = 2 engine on CPU (gloo), generates, sleeps, wakes and re-syncs every weight
-through `sync_weights` with the checksum readback, and writes what each rank saw (tokens,
-region states, KV shape, sync stats, the errors it raised) to OUT/rank<r>.json.
+Builds a float32 TP = 2 engine on CPU (gloo) or on one GPU per rank (NCCL), generates, sleeps, wakes and re-syncs every weight through
+`sync_weights` with the checksum readback, and writes what each rank saw (tokens, region
+states, KV shape, sync stats, the errors it raised) to OUT/rank<r>.json.
 """
 
 import json
@@ -19,7 +19,7 @@ from handoff.rollout.engine import Engine
 from handoff.rollout.models import iter_checkpoint
 from handoff.rollout.sampling import SamplingParams
 from handoff.sync.weights import sync_weights
-from handoff.train.dist import init_process_group
+from handoff.train.dist import init_process_group, resolve_device
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 9, [42]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -32,10 +32,16 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def regions(engine: Engine) -> dict:
-    """Which regions are awake and how many bytes this rank's weights and KV pool hold now."""
+    """Which regions are awake and what they hold now: storage bytes on CPU (a sleeping
+    region's storages shrink to 0), the driver's free bytes on CUDA (pages are unmapped)."""
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(engine.device)
     return {"awake": {t: engine.pool.is_awake(t) for t in ("weights", "kv_cache", "buffers")},
             "kv_bytes": engine.runner.kv_storage.untyped_storage().nbytes(),
-            "weight_bytes": sum(p.untyped_storage().nbytes() for p in engine.model.parameters())}
+            "weight_bytes": sum(p.untyped_storage().nbytes() for p in engine.model.parameters()),
+            "device_free": torch.cuda.mem_get_info(engine.device)[0] if cuda else None,
+            "region_bytes": {t: engine.pool.region_bytes(t) for t in ("weights", "kv_cache")}}
 
 
 def error_of(fn) -> str | None:
@@ -46,10 +52,11 @@ def error_of(fn) -> str | None:
     return None
 
 
-def main(ckpt: str, out: Path) -> None:
-    init_process_group(torch.device("cpu"))
+def main(ckpt: str, out: Path, device: str = "cpu") -> None:
+    dev = resolve_device(device)
+    init_process_group(dev)
     rank = torch.distributed.get_rank()
-    engine = Engine(ckpt, RolloutConfig(**CFG), device="cpu", dtype=torch.float32, tp=2)
+    engine = Engine(ckpt, RolloutConfig(**CFG), device=dev, dtype=torch.float32, tp=2)
     result = {"stats": engine.stats(), "kv_shape": list(engine.runner.kv_storage.shape),
               "greedy": tokens(engine.generate(PROMPTS, GREEDY)),
               "sampled": tokens(engine.generate(PROMPTS, SAMPLED)),
@@ -62,10 +69,10 @@ def main(ckpt: str, out: Path) -> None:
     states["weights_awake"] = regions(engine)
     # Checking the full tensors against what a rank holds must fail: it keeps a shard.
     result["unsliced_verify_error"] = error_of(lambda: sync_weights(
-        iter_checkpoint(ckpt), engine.load_weights, bucket_bytes=1 << 16, device="cpu",
+        iter_checkpoint(ckpt), engine.load_weights, bucket_bytes=1 << 16, device=dev,
         readback=engine.export_weight))
     stats = sync_weights(iter_checkpoint(ckpt), engine.load_weights, bucket_bytes=1 << 16,
-                         device="cpu", readback=engine.export_weight, select=engine.weight_shard)
+                         device=dev, readback=engine.export_weight, select=engine.weight_shard)
     result["sync"] = {"buckets": stats.num_buckets, "verified": stats.verified_buckets,
                       "tensors": stats.num_tensors}
     engine.wake_up(["kv_cache"])
@@ -78,4 +85,4 @@ def main(ckpt: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])
