@@ -25,6 +25,8 @@ from typing import Callable, Sequence as Seq
 import numpy as np
 import torch
 
+from handoff.errors import HandoffError
+
 _ALIGN = 256  # bytes between fields of the staging buffer (Triton specializes on alignment)
 
 
@@ -155,8 +157,14 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(self.sizes, reverse=True):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out_RE[:b].copy_(forward(b))
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out_RE[:b].copy_(forward(b))
+            except RuntimeError as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise HandoffError(f"capturing the decode graph of batch {b} failed ({first}): set "
+                                   "rollout.cuda_graphs=false to decode eagerly, and report it"
+                                   ) from e
             self.graphs[b] = graph
             self.num_captures += 1
         torch.cuda.synchronize(device)
