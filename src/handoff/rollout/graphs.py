@@ -51,8 +51,8 @@ class DecodeInputs:
     """Static decode inputs: a pinned host staging buffer and its device twin, one copy a step.
 
     Layout (bytes, each field 256-aligned): input_ids, positions, slot_mapping (int64 [R]),
-    context_lens (int32 [R]), block_tables (int32 [R, M]) last, so the first B rows of every
-    field are one contiguous prefix. Columns of a block-table row past what its context needs
+    context_lens (int32 [R]), block_tables (int32 [R, M]) last, so a step of B rows moves one
+    contiguous prefix: the small fields whole and B table rows. Columns of a block-table row past what its context needs
     keep stale values: the kernel reads only blocks below context_len, so they are never used.
     On CPU the host buffer is the device buffer and `upload` copies nothing.
     """
