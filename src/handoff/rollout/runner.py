@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 import torch
 
+from handoff.memory.regions import expandable_segments
 from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefill,
                                        packed_prefill_available, select_decode_backend)
 from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
@@ -125,7 +126,8 @@ class ModelRunner:
             self.hidden_out = torch.empty(max_rows, self.spec.hidden_size, dtype=self.dtype,
                                           device=self.device)
             self.graphs = DecodeGraphs(self.sizes)
-            with torch.inference_mode():
+            # Plain segments for the graph pool: it is resident, never grown after capture.
+            with torch.inference_mode(), expandable_segments(False):
                 self.graphs.capture(lambda b: self._forward_decode(b, max_blocks),
                                     self.hidden_out, self.device)
 
