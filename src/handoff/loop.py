@@ -69,6 +69,10 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "checkpoints"
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+        else:  # one voice per run: rank 0 prints, the others load their models quietly
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.task = build_task(cfg.data, seed=cfg.run.seed)
