@@ -50,9 +50,9 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
         outputs = Engine(model, cfg, device=device, tp=group).generate(token_lists, params)
     finally:
         if group.size > 1:
-            import torch.distributed as dist
+            from handoff.rollout.parallel import destroy_process_groups
 
-            dist.destroy_process_group()
+            destroy_process_groups()
     return [{"prompt": text, "token_ids": s.token_ids,
              "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
              "logprobs": s.logprobs, "finish_reason": s.finish_reason}

@@ -116,6 +116,13 @@ def init_tp_group(size: int) -> TPGroup:
     return mine
 
 
+def destroy_process_groups() -> None:
+    """Tear down the default group and forget the TP groups made over it."""
+    _GROUPS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def world_rank_size() -> tuple[int, int]:
     """(rank, world size) of the default group, or of torchrun's environment before it exists."""
     if dist.is_available() and dist.is_initialized():
