@@ -141,6 +141,7 @@ class RunConfig:
     seed: int = F(0, help="global seed", ge=0)
     device: str = F("auto", help="auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
     save_every: int = F(0, help="checkpoint every N steps (0: only at the end)", ge=0)
+    checkpoint: bool = F(True, help="write checkpoints (false: a benchmark run that keeps none)")
     resume: bool = F(False, help="resume from the last complete checkpoint in out_dir")
 
 

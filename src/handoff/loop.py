@@ -188,7 +188,8 @@ class Trainer:
             self.report.start(self.start_step)
         for step in range(self.start_step, cfg.run.steps):
             done = step + 1
-            save = done == cfg.run.steps or bool(cfg.run.save_every and done % cfg.run.save_every == 0)
+            save = cfg.run.checkpoint and (
+                done == cfg.run.steps or bool(cfg.run.save_every and done % cfg.run.save_every == 0))
             row = self.step(step, save=save)
             if self.report is not None:
                 self.report.log_step(row)
