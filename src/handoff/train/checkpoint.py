@@ -106,11 +106,14 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    # per_thread_copy_ahead=0: copy each tensor to pageable memory and write it. The default
-    # overlapping loader copies with non_blocking=True into pinned blocks that PyTorch's host
-    # allocator caches for good: a 4B actor's 56 GB on top of our 64 GB arena would not fit a
-    # 128 GiB host (the likely cause of the kill seen in the first h200-4b save, 2026-12-02).
-    writer = dcp.FileSystemWriter(tmp, sync_files=True, per_thread_copy_ahead=0)
+    # One file per tensor, copied through pageable memory: DCP keeps the host copy of every
+    # tensor of a file alive until that file is closed (torch's filesystem.py collects them
+    # for its safetensors mode), and its overlapping loader copies into pinned blocks that
+    # PyTorch's host allocator caches for good. With one file per rank, a 4B actor's 56 GB
+    # on top of our 64 GB pinned arena filled the device's 128 GiB host and the run was
+    # killed mid-save (2026-12-02); this way a save holds one tensor at a time on the host.
+    writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=False,
+                                  per_thread_copy_ahead=0)
     dcp.save(_state(actor), storage_writer=writer)
     buf = _serialize(_rng_state(actor.device))
     _write_durable(tmp / f"rng_rank{rank}.pt", buf)
