@@ -9,7 +9,7 @@ can split a batch by index).
     task = build_task(cfg.data, seed=cfg.run.seed)
     problems = task.sample(8)
     ids = task.encode_prompt(problems[0], tokenizer, chat=cfg.data.chat_template)
-    score = task.score(problems[0], "42")       # Score(reward=1.0, correct=True, formatted=True, ...)
+    score = task.score(problems[0], "42")  # Score(reward=1.0, correct=True, formatted=True, ..)
 """
 
 from __future__ import annotations
