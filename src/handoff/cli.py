@@ -276,7 +276,10 @@ def train_cmd(
     from handoff.config import load_config
     from handoff.preflight import preflight
 
+    from handoff.demo_model import resolve_model_path
+
     cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else []))
+    cfg.model.path = resolve_model_path(cfg.model.path)
     preflight(cfg)
     from handoff.loop import train
 

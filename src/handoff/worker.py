@@ -150,7 +150,11 @@ class HybridWorker:
 
     # ---------------------------------------------------------------- training phase
 
-    def old_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+    def old_log_probs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """The sampling policy's log-probs, or None with one update per step: the policy has
+        not moved, so the update's own (detached) forward gives them and a pass is saved."""
+        if self.cfg.actor.updates_per_step == 1:
+            return None
         logp, _ = self.actor.log_probs(batch, with_entropy=False)
         return logp
 
