@@ -72,6 +72,7 @@ def plan_cmd(
     config: Optional[str] = typer.Option(None, help="YAML config file"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
     markdown: bool = typer.Option(False, help="print Markdown tables"),
+    plot: Optional[str] = typer.Option(None, help="also draw the utilization sweep to this PNG"),
 ) -> None:
     """What moves at each switch, the KV-pool tax, and whether to colocate at all."""
     import json
@@ -90,6 +91,10 @@ def plan_cmd(
         typer.echo(render_markdown(report), nl=False)
     else:
         render_rich(report, console)
+    if plot:
+        from handoff.plan.plot import plot_utilization
+
+        err_console.print(f"wrote {plot_utilization(report, plot)}")
 
 
 @app.command("init-model")

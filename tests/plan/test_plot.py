@@ -1,0 +1,23 @@
+"""`handoff plan --plot`: the utilization sweep drawn from the same report as the tables."""
+
+from typer.testing import CliRunner
+
+from handoff.cli import app
+
+
+def test_plan_plot_writes_the_sweep(tmp_path):
+    out = tmp_path / "sweep.png"
+    result = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8",
+                                      "--hardware", "h100-sxm", "--util", "0.6", "--json",
+                                      "--plot", str(out)])
+    assert result.exit_code == 0, result.output
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plan_plot_is_not_drawn_for_a_plan_that_fails(tmp_path):
+    out = tmp_path / "sweep.png"
+    result = CliRunner().invoke(app, ["plan", "--model", "llama3-70b", "--gpus", "8",
+                                      "--hardware", "h100-sxm", "--plot", str(out)])
+    assert result.exit_code == 2
+    assert not out.exists()
