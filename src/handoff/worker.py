@@ -34,6 +34,7 @@ from handoff.config import Config
 from handoff.memory.meter import MemoryMeter
 from handoff.memory.regions import RegionPool, aggressive_empty_cache, expandable_segments
 from handoff.memory.staging import PinnedArena
+from handoff.plan.ledger import SWITCH_ACTIONS
 from handoff.rollout.engine import Engine
 from handoff.sync.weights import SyncStats, sync_weights
 from handoff.train.actor import Actor, build_actor, build_reference
@@ -130,7 +131,9 @@ class HybridWorker:
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.actions = {}
+        # Every ledger action starts at 0 s / 0 B, so one the config turns off (an offload,
+        # or the ref with kl_coef=0) still has its row: the step's metrics keep one shape.
+        self.actions = {a: {"seconds": 0.0, "bytes": 0} for a in SWITCH_ACTIONS}
 
     # ---------------------------------------------------------------- rollout phase
 

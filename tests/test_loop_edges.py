@@ -1,0 +1,32 @@
+"""The loop's edge cases on CPU: offloads and the ref off."""
+
+import pytest
+
+from handoff.config import load_config
+from handoff.loop import Trainer
+from handoff.modelzoo import init_model
+from handoff.plan.ledger import SWITCH_ACTIONS
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("tiny-qwen3", tmp_path_factory.mktemp("edges-model"), dtype="float32")
+
+
+def _cfg(model_dir, out_dir, *extra):
+    return load_config("examples/cpu-tiny.yaml", [f"model.path={model_dir}",
+                                                   f"run.out_dir={out_dir}", *extra])
+
+
+def test_offloads_and_ref_off_still_report_every_action(model_dir, tmp_path):
+    trainer = Trainer(_cfg(model_dir, tmp_path, "memory.param_offload=false",
+                           "memory.optimizer_offload=false", "memory.ref_offload=false",
+                           "actor.kl_coef=0"))
+    assert trainer.worker.ref is None
+    row = trainer.step(0)
+    for action in SWITCH_ACTIONS:
+        assert f"switch/{action}/seconds" in row and f"switch/{action}/bytes" in row
+    for action in ("params_d2h", "params_h2d", "optimizer_d2h", "optimizer_h2d",
+                   "ref_h2d", "ref_d2h"):
+        assert row[f"switch/{action}/bytes"] == 0
+    assert row["switch/engine_weights_sync/bytes"] > 0
