@@ -1,4 +1,6 @@
-"""The loop's edge cases on CPU: offloads and the ref off."""
+"""The loop's edge cases on CPU: a fresh start in a used out_dir, offloads and the ref off."""
+
+import json
 
 import pytest
 
@@ -16,6 +18,17 @@ def model_dir(tmp_path_factory):
 def _cfg(model_dir, out_dir, *extra):
     return load_config("examples/cpu-tiny.yaml", [f"model.path={model_dir}",
                                                    f"run.out_dir={out_dir}", *extra])
+
+
+@pytest.mark.parametrize("resume", ["false", "true"])
+def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, resume):
+    # An earlier run (no checkpoint published, e.g. run.checkpoint=false or killed in step 1)
+    # left rows; this run starts at step 0, so appending to them would count steps twice.
+    stale = "".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(stale)
+    trainer = Trainer(_cfg(model_dir, tmp_path, f"run.resume={resume}"))
+    assert trainer.start_step == 0
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_offloads_and_ref_off_still_report_every_action(model_dir, tmp_path):

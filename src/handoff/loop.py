@@ -83,23 +83,29 @@ class Trainer:
         self.pending_checkpoint: Path | None = None
         if cfg.run.resume:
             self._resume()
+        if self.rank == 0:
+            self._trim_metrics()
         self.report = RunReport(cfg, self.worker, self.out_dir) if self.rank == 0 else None
 
     # ---------------------------------------------------------------- checkpoints
 
     def _resume(self) -> None:
-        """Continue from the last complete checkpoint (a fresh start when there is none).
-
-        Metrics rows after the checkpoint's step came from a step that never completed its
-        checkpoint: they are dropped, so no step is lost or counted twice.
-        """
+        """Continue from the last complete checkpoint (a fresh start when there is none)."""
         if latest_checkpoint(self.ckpt_dir) is None:
             return
         state = self.worker.load_trainer_state(lambda actor: load_checkpoint(self.ckpt_dir, actor))
         self.start_step = int(state["step"])
         self.task.load_state_dict(state["extra"]["task"])
+
+    def _trim_metrics(self) -> None:
+        """Keep only the metrics rows of steps up to start_step (none on a fresh start).
+
+        Rows after a resumed checkpoint's step came from a step that never completed its
+        checkpoint, and rows in the out_dir of a fresh start belong to an earlier run: both
+        are dropped, so no step is lost or counted twice.
+        """
         metrics = self.out_dir / "metrics.jsonl"
-        if self.rank == 0 and metrics.is_file():
+        if metrics.is_file():
             kept = [line for line in metrics.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= self.start_step]
             metrics.write_text("".join(line + "\n" for line in kept))
