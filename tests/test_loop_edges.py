@@ -26,9 +26,12 @@ def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, resume):
     # left rows; this run starts at step 0, so appending to them would count steps twice.
     stale = "".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2, 3))
     (tmp_path / "metrics.jsonl").write_text(stale)
+    (tmp_path / "summary.json").write_text("{}")
     trainer = Trainer(_cfg(model_dir, tmp_path, f"run.resume={resume}"))
     assert trainer.start_step == 0
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+    # The earlier run's summary would make `handoff report` call this unfinished run done.
+    assert not (tmp_path / "summary.json").exists()
 
 
 def test_offloads_and_ref_off_still_report_every_action(model_dir, tmp_path):

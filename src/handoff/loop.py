@@ -84,7 +84,7 @@ class Trainer:
         if cfg.run.resume:
             self._resume()
         if self.rank == 0:
-            self._trim_metrics()
+            self._drop_stale_outputs()
         self.report = RunReport(cfg, self.worker, self.out_dir) if self.rank == 0 else None
 
     # ---------------------------------------------------------------- checkpoints
@@ -97,13 +97,16 @@ class Trainer:
         self.start_step = int(state["step"])
         self.task.load_state_dict(state["extra"]["task"])
 
-    def _trim_metrics(self) -> None:
+    def _drop_stale_outputs(self) -> None:
         """Keep only the metrics rows of steps up to start_step (none on a fresh start).
 
         Rows after a resumed checkpoint's step came from a step that never completed its
         checkpoint, and rows in the out_dir of a fresh start belong to an earlier run: both
-        are dropped, so no step is lost or counted twice.
+        are dropped, so no step is lost or counted twice. An earlier summary goes too: until
+        this run finishes, `handoff report` says it did not.
         """
+        for name in ("summary.json", "summary.md"):
+            (self.out_dir / name).unlink(missing_ok=True)
         metrics = self.out_dir / "metrics.jsonl"
         if metrics.is_file():
             kept = [line for line in metrics.read_text().splitlines()
