@@ -240,8 +240,11 @@ class Engine:
         if not prompt:
             raise HandoffError(f"prompt {index} is empty: give at least one token id")
         if len(prompt) >= self.max_model_len:
-            raise HandoffError(f"prompt {index} has {len(prompt)} tokens, max_model_len is "
-                               f"{self.max_model_len}: shorten it or raise rollout.max_model_len")
+            # Past the model's own context length, raising rollout.max_model_len changes nothing.
+            limit = (f"{self.max_model_len} (the model's max_position_embeddings): shorten it"
+                     if self.max_model_len < self.cfg.max_model_len
+                     else f"{self.max_model_len}: shorten it or raise rollout.max_model_len")
+            raise HandoffError(f"prompt {index} has {len(prompt)} tokens, max_model_len is {limit}")
         if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
             raise HandoffError(f"prompt {index} holds token ids outside [0, {self.spec.vocab_size}): "
                                "tokenize with the model's own tokenizer")
