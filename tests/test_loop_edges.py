@@ -21,7 +21,7 @@ def _cfg(model_dir, out_dir, *extra):
 
 
 @pytest.mark.parametrize("resume", ["false", "true"])
-def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, resume):
+def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, resume, capsys):
     # An earlier run (no checkpoint published, e.g. run.checkpoint=false or killed in step 1)
     # left rows; this run starts at step 0, so appending to them would count steps twice.
     stale = "".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2, 3))
@@ -32,6 +32,8 @@ def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, resume):
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     # The earlier run's summary would make `handoff report` call this unfinished run done.
     assert not (tmp_path / "summary.json").exists()
+    # A resume that finds nothing to resume from says so instead of silently restarting.
+    assert ("no complete checkpoint" in capsys.readouterr().out) == (resume == "true")
 
 
 def test_offloads_and_ref_off_still_report_every_action(model_dir, tmp_path):

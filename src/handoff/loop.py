@@ -27,7 +27,7 @@ from handoff.config import Config, to_dict
 from handoff.errors import HandoffError
 from handoff.rollout.parallel import world_rank_size
 from handoff.rollout.sampling import SamplingParams
-from handoff.run_report import RunReport
+from handoff.run_report import RunReport, console
 from handoff.tasks import build_task
 from handoff.train.batch import RolloutBatch
 from handoff.train.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
@@ -92,6 +92,9 @@ class Trainer:
     def _resume(self) -> None:
         """Continue from the last complete checkpoint (a fresh start when there is none)."""
         if latest_checkpoint(self.ckpt_dir) is None:
+            if self.rank == 0:  # said out loud: a killed run with no checkpoint restarts at 0
+                console.print(f"[yellow]resume: no complete checkpoint in {self.ckpt_dir}: "
+                              "starting at step 0[/]", highlight=False)
             return
         state = self.worker.load_trainer_state(lambda actor: load_checkpoint(self.ckpt_dir, actor))
         self.start_step = int(state["step"])
