@@ -25,6 +25,8 @@ def preflight(cfg: Config) -> dict | None:
     if cfg.data.prompts_per_step % cfg.parallel.gpus:
         raise HandoffError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not split "
                            f"over parallel.gpus={cfg.parallel.gpus} ranks: use a multiple of it")
+    if cfg.run.resume:
+        _check_resume(cfg)
     if cfg.hardware.name == "cpu":
         return None
     from handoff.plan.report import build_plan
@@ -37,3 +39,19 @@ def preflight(cfg: Config) -> dict | None:
                            f"--config CONFIG` for the full ledger and turn on offloads or lower "
                            "rollout.gpu_memory_utilization")
     return plan
+
+
+def _check_resume(cfg: Config) -> None:
+    """A resume whose checkpoint already reached run.steps fails now, not after loading."""
+    import json
+
+    from handoff.train.checkpoint import latest_checkpoint
+
+    ckpt_dir = Path(cfg.run.out_dir) / "checkpoints"
+    latest = latest_checkpoint(ckpt_dir)
+    if latest is None:
+        return
+    step = json.loads((latest / "meta.json").read_text())["step"]
+    if step >= cfg.run.steps:
+        raise HandoffError(f"the checkpoint in {ckpt_dir} is at step {step}, "
+                           f"run.steps={cfg.run.steps}: raise run.steps to train further")
