@@ -69,7 +69,14 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
         raise HandoffError(f"unknown preset {preset!r}: choose one of "
                            f"{', '.join([*PRESETS, SMOLLM2_PRESET])}")
     dtype = dtype or "bfloat16"
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise HandoffError(f"dtype={dtype!r} is not supported: use bfloat16, float16 or float32")
     import torch
+
+    kind = str(device).split(":")[0]
+    if kind not in ("cpu", "cuda") or (kind == "cuda" and not torch.cuda.is_available()):
+        raise HandoffError(f"device={device!r} is not available here: use cpu"
+                           + (" or cuda" if torch.cuda.is_available() else " (torch sees no GPU)"))
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
