@@ -81,10 +81,10 @@ def _check_launch(tp: int) -> None:
 def _join_tp_group(device: str | None, tp: int):
     """(device, TP group): the processes torchrun started form one engine of `tp` ranks."""
     from handoff.rollout.parallel import SINGLE, init_tp_group
-
-    if tp == 1:
-        return device, SINGLE
     from handoff.train.dist import init_process_group, resolve_device
+
+    if tp == 1:  # resolved here so a wrong --device is one line, not a traceback
+        return (resolve_device(device) if device else None), SINGLE
 
     dev = resolve_device(device or "auto")
     init_process_group(dev)

@@ -21,7 +21,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """'cpu' | 'cuda' | 'cuda:1' | 'auto' -> a concrete device (cuda -> this process's LOCAL_RANK)."""
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise HandoffError(f"device {str(device)!r} is not a device name: use cpu or cuda") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise HandoffError("device 'cuda' was asked for but torch sees no GPU: "
