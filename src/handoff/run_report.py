@@ -70,7 +70,9 @@ class RunReport:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            # Events of steps after first_step (an earlier run's, or a crashed step's that a
+            # resume repeats) are purged, as the trimmed metrics.jsonl drops their rows.
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=first_step + 1)
         except ImportError:  # tensorboard is optional: metrics.jsonl has everything
             console.print("[yellow]tensorboard is not installed: writing metrics.jsonl only[/]")
         self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
