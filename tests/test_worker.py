@@ -148,7 +148,40 @@ def test_killed_run_resumes_without_lost_or_repeated_steps(model_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     resumed, reference = _rows(broken), _rows(whole)
     assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert json.loads((broken / "summary.json").read_text())["steps"] == 3  # the whole run
     # Same seeds per (step, prompt) and the same restored state: the same run.
     for a, b in zip(resumed, reference):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_weights_wake_retries_after_the_optimizer_copy_when_the_card_is_full(model_dir, tmp_path):
+    from handoff.errors import HandoffError
+
+    trainer = Trainer(tiny_cfg(model_dir, tmp_path))
+    worker = trainer.worker
+    worker.engine.sleep(2)
+    calls = []
+    real_wake = worker.engine.wake_up
+
+    def full_once(tags):
+        calls.append(list(tags))
+        if len(calls) == 1:
+            raise HandoffError("cannot wake 'weights': not enough free memory")
+        real_wake(tags)
+
+    class Pending:
+        waited = False
+
+        def wait(self):
+            Pending.waited = True
+
+    worker.engine.wake_up = full_once
+    move = type("Move", (), {"transfers": {"optimizer": Pending()}})()
+    worker._wake_weights(move)
+    assert calls == [["weights"], ["weights"]] and Pending.waited
+    assert worker.pool.is_awake("weights")
+    with pytest.raises(HandoffError):
+        worker.engine.sleep(2)
+        calls.clear()
+        worker._wake_weights(None)  # nothing in flight to wait for: the error stands

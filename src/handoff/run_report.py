@@ -67,6 +67,11 @@ class RunReport:
         self._progress: Progress | None = None
 
     def start(self, first_step: int) -> None:
+        # A resumed run's summary covers the whole run: the loop has already trimmed
+        # metrics.jsonl to the steps before first_step.
+        if first_step > 0 and self.metrics_path.is_file():
+            self.rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines()
+                         if line.strip()]
         try:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -31,6 +31,7 @@ from typing import Callable, TypeVar
 import torch
 
 from handoff.config import Config
+from handoff.errors import HandoffError
 from handoff.memory.meter import MemoryMeter
 from handoff.memory.regions import RegionPool, aggressive_empty_cache, expandable_segments
 from handoff.memory.staging import PinnedArena
@@ -51,8 +52,9 @@ PROBES_TO_ROLLOUT = ("after update", "before resume weights", "after update_weig
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for the compute stream only: arena copies on their own streams run on."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 class HybridWorker:
@@ -184,15 +186,29 @@ class HybridWorker:
 
     # ---------------------------------------------------------------- the switch back
 
+    def _wake_weights(self, opt_move) -> None:
+        """Wake the engine's weights while the optimizer copy runs; if the card is too full
+        for that, wait for the copy to free the optimizer's memory and try once more."""
+        try:
+            self.engine.wake_up(["weights"])
+        except HandoffError:
+            if opt_move is None:
+                raise
+            for transfer in opt_move.transfers.values():
+                if transfer is not None:
+                    transfer.wait()
+            aggressive_empty_cache()
+            self.engine.wake_up(["weights"])
+
     def to_rollout(self) -> SyncStats:
         """Training -> generation in the brief's order (see the module docstring)."""
         mem = self.cfg.memory
         opt_move = self.actor.to("host", optimizer=True) if mem.optimizer_offload else None
-        aggressive_empty_cache()
+        aggressive_empty_cache(wait_for_copies=False)  # the optimizer copy keeps running
         self.probe("before resume weights")
         with expandable_segments(False):
             with self._timed("engine_weights_sync"):
-                self.engine.wake_up(["weights"])
+                self._wake_weights(opt_move)
                 self.last_sync = sync_weights(
                     self.actor.full_params(self.engine_dtype), self.engine.load_weights,
                     bucket_bytes=self.cfg.sync.bucket_mb << 20, device=self.device,

@@ -100,7 +100,7 @@ def sync_weights(params: WeightIter, load_weights: Callable[[WeightIter], None],
     stats = SyncStats()
     current = 0
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()  # not the copy streams
         base_allocated = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     buckets = [_Bucket(bucket_bytes, device), _Bucket(bucket_bytes, device)]
@@ -144,7 +144,7 @@ def sync_weights(params: WeightIter, load_weights: Callable[[WeightIter], None],
         buckets[current].add(name, tensor)
     flush(buckets[current].entries)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()  # not the copy streams
         stats.measured_peak_extra_bytes = torch.cuda.max_memory_allocated(device) - base_allocated
     stats.seconds = time.perf_counter() - start
     stats.bound_extra_bytes = 2 * bucket_bytes + stats.max_tensor_bytes
