@@ -11,8 +11,9 @@ with `summary.md` (planned vs measured per action), `memory_timeline.jsonl/.png`
 Under torchrun every rank runs this loop on its share of the step's prompts (data parallel);
 the trainer's FSDP2 group spans all ranks, rewards are averaged over ranks, and rank 0
 writes the files. With parallel.tp > 1 the ranks of a TP group share one engine: they
-generate their prompts together and each trains on its own share. Prompt i of a step is sampled with a seed from (run.seed, step, i), so a
-run gives the same samples on 1 or 2 ranks and after a resume.
+generate their prompts together and each trains on its own share. Prompt i of a step is
+sampled with a seed from (run.seed, step, i), so a run gives the same samples on 1 or 2 ranks
+and after a resume.
 """
 
 from __future__ import annotations
@@ -36,21 +37,19 @@ from handoff.train.dist import all_reduce_
 from handoff.worker import HybridWorker
 
 
-def _rank_world() -> tuple[int, int]:
-    # torchrun's environment answers before the worker creates the process group.
-    return world_rank_size()
-
-
 def _prompt_seed(seed: int, step: int, index: int) -> int:
     return (seed * 1_000_003 + step) * 1_000_033 + index
 
 
 def _mean_over_ranks(values: list[float]) -> tuple[float, float, int]:
     """(mean, std, count) of per-sample values gathered over every rank."""
-    device = torch.device("cpu")
+    _, world = world_rank_size()
+    # NCCL reduces device tensors only; gloo (CPU runs) host ones.
+    nccl = world > 1 and torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     t = torch.tensor([sum(values), sum(v * v for v in values), len(values)], dtype=torch.float64,
                      device=device)
-    if _rank_world()[1] > 1:
+    if world > 1:
         t = all_reduce_(t)
     total, sq, n = t.tolist()
     mean = total / max(n, 1)
@@ -64,7 +63,7 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
-        self.rank, self.world = _rank_world()
+        self.rank, self.world = world_rank_size()
         self.out_dir = Path(cfg.run.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         if self.rank == 0:

@@ -182,7 +182,12 @@ def load_checkpoint(root: str | Path, actor: Actor) -> dict | None:
     actor._require_on_device("params", "optimizer")
     meta = json.loads((path / "meta.json").read_text())
     state = _state(actor)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    except Exception as e:  # DCP reports a shape or key mismatch in many forms
+        raise HandoffError(f"checkpoint {path} does not fit this model ({type(e).__name__}): it "
+                           "was written by another model.path or dtype; point run.out_dir at a "
+                           "fresh directory or resume with the config that wrote it") from e
     actor.optimizer.step_count = meta["optimizer_step"]
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if meta["world_size"] == actor.world_size and rng_file.is_file():
