@@ -45,3 +45,4 @@ def test_missing_and_broken_files(tmp_path):
     bad.write_text("rollout: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+

@@ -54,6 +54,37 @@ def build_byte_tokenizer():
     return fast
 
 
+def _check_fits(preset: str, dtype: str, device: str) -> None:
+    """Refuse a random init that cannot fit where it would be built (host RAM or the GPU)."""
+    import torch
+
+    from handoff.plan.shapes import load_shape
+
+    need = load_shape(preset).num_params * (4 if dtype == "float32" else 2)
+    if str(device).startswith("cuda"):
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+        where = "free GPU memory"
+    else:
+        free = _host_available_bytes()
+        where = "available host RAM"
+    if free and need > free:
+        raise HandoffError(f"preset {preset} in {dtype} needs {need / 1e9:.1f} GB, more than the "
+                           f"{free / 1e9:.1f} GB of {where}: pick a smaller preset, or plan it "
+                           f"with `handoff plan --model {preset}` without building it")
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (0 where it cannot be read: then no check)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None = None,
                device: str = "cpu") -> Path:
     """Write a random-init checkpoint of `preset` to `out`; returns the directory.
@@ -77,6 +108,7 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
     if kind not in ("cpu", "cuda") or (kind == "cuda" and not torch.cuda.is_available()):
         raise HandoffError(f"device={device!r} is not available here: use cpu"
                            + (" or cuda" if torch.cuda.is_available() else " (torch sees no GPU)"))
+    _check_fits(preset, dtype, device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
