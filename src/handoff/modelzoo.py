@@ -65,24 +65,14 @@ def _check_fits(preset: str, dtype: str, device: str) -> None:
         free = torch.cuda.mem_get_info(torch.device(device))[0]
         where = "free GPU memory"
     else:
-        free = _host_available_bytes()
+        from handoff.memory.meter import host_memory
+
+        free = host_memory()[1]  # 0 where /proc cannot be read: then no check
         where = "available host RAM"
     if free and need > free:
         raise HandoffError(f"preset {preset} in {dtype} needs {need / 1e9:.1f} GB, more than the "
                            f"{free / 1e9:.1f} GB of {where}: pick a smaller preset, or plan it "
                            f"with `handoff plan --model {preset}` without building it")
-
-
-def _host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (0 where it cannot be read: then no check)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None = None,

@@ -43,7 +43,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _host_memory() -> tuple[int, int]:
+def host_memory() -> tuple[int, int]:
     """(MemTotal, MemAvailable) of this machine in bytes, or (0, 0) without /proc."""
     info = {}
     try:
@@ -89,7 +89,7 @@ class MemoryMeter:
             free, total = torch.cuda.mem_get_info(self.device)
         else:
             allocated = reserved = _rss_bytes()
-            total, free = _host_memory()
+            total, free = host_memory()
         regions, awake = {}, {}
         if self.pool is not None:
             for tag in self.pool.tags:

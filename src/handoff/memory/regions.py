@@ -316,15 +316,10 @@ class _CpuBackend:
         return tracked_bytes
 
     def free_bytes(self) -> int:
-        """MemAvailable from /proc/meminfo (what the kernel could still hand out)."""
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 1 << 62  # no /proc: never refuse
+        """MemAvailable (what the kernel could still hand out); no /proc: never refuse."""
+        from handoff.memory.meter import host_memory
+
+        return host_memory()[1] or 1 << 62
 
     def before_release(self) -> None:
         pass
