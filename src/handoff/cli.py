@@ -160,11 +160,16 @@ def bench_memory_cmd(
     device: str = typer.Option("auto", help="auto | cuda | cpu"),
 ) -> None:
     """Pinned copy floor, arena offload/onload, full duplex, region sleep/wake, level 1."""
-    import json
-
     from handoff.bench.memory import render, run_memory_bench
 
     result = run_memory_bench(size_gib=size_gib, kv_gib=kv_gib, repeats=repeats, device=device)
+    _show_and_save(result, out, render)
+
+
+def _show_and_save(result: dict, out: str, render: Callable) -> None:
+    """A bench's table on the console and its full result as JSON at `out`."""
+    import json
+
     render(result, console)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
@@ -192,18 +197,13 @@ def bench_kernel_cmd(
     prefill: bool = typer.Option(False, help="also time paged prefill (gather + varlen_attn)"),
 ) -> None:
     """Paged decode kernel alone vs SDPA on contiguous KV, in bytes/s (CUDA only)."""
-    import json
-
     from handoff.bench.kernel import parse_variants, render, run_kernel_bench
 
     result = run_kernel_bench(
         batches=_int_list(batches, "--batches"), contexts=_int_list(contexts, "--contexts"),
         block_sizes=_int_list(block_sizes, "--block-sizes"), variants=parse_variants(variants),
         kv_dtype=kv_dtype, timer=timer, prefill=prefill)
-    render(result, console)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    console.print(f"wrote {out}")
+    _show_and_save(result, out, render)
 
 
 @bench_app.command("engine")
@@ -227,8 +227,6 @@ def bench_engine_cmd(
     dtype: str = typer.Option("bfloat16", help="model dtype"),
 ) -> None:
     """Engine decode step vs transformers generate and the HBM floor; the public workload."""
-    import json
-
     from handoff.bench.engine import render, run_engine_bench
 
     result = run_engine_bench(
@@ -238,10 +236,7 @@ def bench_engine_cmd(
         public_model=public_model,
         public_lengths=tuple(_int_list(public_lengths, "--public-lengths")),
         util=util, device=device, dtype=dtype)
-    render(result, console)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    console.print(f"wrote {out}")
+    _show_and_save(result, out, render)
 
 
 @bench_app.command("trainer")
@@ -258,16 +253,11 @@ def bench_trainer_cmd(
     compare_fsdp: bool = typer.Option(False, help="also time an update with FSDP2 CPUOffloadPolicy"),
 ) -> None:
     """Actor/ref offload and onload per part, measured vs the ledger of `handoff plan`."""
-    import json
-
     from handoff.bench.trainer import render, run_trainer_bench
 
     result = run_trainer_bench(model, device=device, dtype=dtype, repeats=repeats, rows=rows,
                                seq_len=seq_len, hardware=hardware, compare_fsdp=compare_fsdp)
-    render(result, console)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    console.print(f"wrote {out}")
+    _show_and_save(result, out, render)
 
 
 @app.command("train", context_settings={"allow_extra_args": False})
