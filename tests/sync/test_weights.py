@@ -2,7 +2,13 @@ import pytest
 import torch
 
 from handoff.errors import HandoffError
-from handoff.sync.weights import checksum, iter_state_dict, sync_weights
+from handoff.sync.weights import checksum, sync_weights
+
+
+def iter_state_dict(state, dtype=None):
+    """(name, tensor) pairs from a plain state dict, cast to `dtype`: a trainer stand-in."""
+    for name, t in state.items():
+        yield name, (t.to(dtype) if dtype is not None else t)
 
 
 def _state(seed=0):

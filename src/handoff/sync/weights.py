@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
@@ -150,9 +150,3 @@ def sync_weights(params: WeightIter, load_weights: Callable[[WeightIter], None],
     stats.bound_extra_bytes = 2 * bucket_bytes + stats.max_tensor_bytes
     return stats
 
-
-def iter_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from a plain state dict, cast to `dtype`: a trainer-free source."""
-    for name, t in state.items():
-        yield name, (t.to(dtype) if dtype is not None else t)
