@@ -195,7 +195,8 @@ def prefill_attention_packed(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: to
 
 def attend(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: AttnMeta,
            layer: int, *, scale: float) -> torch.Tensor:
-    """Store this layer's new K/V, then attend: the single entry point the model calls."""
+    """Attend over the cache, which already holds this layer's new K/V (ops.qk_norm_rope_store
+    wrote them): the single attention entry point the model calls."""
     kv = meta.kv
     if kv is None:  # profiling forward before the pool exists: fresh prompts only
         out_THD, start = torch.empty_like(q_THD), 0
@@ -207,7 +208,6 @@ def attend(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: 
         return out_THD
     k_scale = kv.k_scale[layer] if kv.k_scale is not None else None
     v_scale = kv.v_scale[layer] if kv.v_scale is not None else None
-    store_kv(k_TKD, v_TKD, kv.k[layer], kv.v[layer], meta.slot_mapping_T, k_scale, v_scale)
     if meta.packed is not None:
         return prefill_attention_packed(q_THD, k_TKD, v_TKD, kv.k[layer], kv.v[layer],
                                         meta.packed, scale=scale, k_scale=k_scale,

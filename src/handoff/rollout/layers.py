@@ -1,4 +1,4 @@
-"""Engine-layout building blocks: tensor-parallel linears, embedding and head, RMSNorm, RoPE.
+"""Engine-layout building blocks: tensor-parallel linears, embedding and head, RMSNorm, RoPE tables.
 
 Parameters are created with `torch.empty` on the target device (no init cost: the checkpoint
 or the trainer fills them) so that building the model inside the memory pool's "weights"
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from handoff.errors import HandoffError
+from handoff.rollout import ops
 from handoff.rollout.parallel import ShardRule, TPGroup, even_split, vocab_split, whole
 
 
@@ -116,7 +117,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight, as the HF models do."""
+    """weight * RMSNorm(x) as the HF models compute it (see handoff.rollout.ops).
+
+    `add_and_norm` first adds the residual stream and returns (normed, x + residual): the
+    decoder keeps that stream apart so that the add and the norm are one fused kernel.
+    """
 
     def __init__(self, dim: int, eps: float, *, device=None, dtype=None):
         super().__init__()
@@ -125,14 +130,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            # One fused kernel (fp32 inside, output in x's dtype) instead of six small ones:
-            # a decode step launches this four times per layer.
-            return self.weight * torch.nn.functional.rms_norm(x, self.weight.shape, None, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * RMSNorm(x + residual), x + residual); no residual (first layer): x."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _rope_params(hf: dict) -> tuple[float, dict]:
@@ -169,9 +172,3 @@ def rope_table(inv_freq: torch.Tensor, max_len: int) -> torch.Tensor:
     """[max_len, D] fp32: cos of every position in the first half, sin in the second."""
     freqs_LD2 = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return torch.cat([freqs_LD2.cos(), freqs_LD2.sin()], dim=-1)
-
-
-def apply_rope(x_THD: torch.Tensor, cos_T1D2: torch.Tensor, sin_T1D2: torch.Tensor) -> torch.Tensor:
-    """Rotate halves (HF `rotate_half` convention) by the positions' angles."""
-    x1, x2 = x_THD.chunk(2, dim=-1)
-    return torch.cat([x1 * cos_T1D2 - x2 * sin_T1D2, x2 * cos_T1D2 + x1 * sin_T1D2], dim=-1)

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from handoff.errors import HandoffError
 from handoff.rollout.attention import AttnMeta, attend
+from handoff.rollout import ops
 from handoff.rollout.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
-                                    RowParallelLinear, VocabParallelEmbedding, apply_rope,
-                                    shard_rules)
+                                    RowParallelLinear, VocabParallelEmbedding, shard_rules)
 from handoff.rollout.parallel import SINGLE, ShardRule, TPGroup, even_split, kv_head_split
 
 # HF projection name -> (engine module name, part index inside the fused weight)
@@ -92,17 +91,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, spec.rms_norm_eps, **kw) if spec.qk_norm else None
         self.scale = d ** -0.5
 
-    def forward(self, x_TE: torch.Tensor, cos_T1D2: torch.Tensor, sin_T1D2: torch.Tensor,
+    def forward(self, x_TE: torch.Tensor, positions_T: torch.Tensor, rope_LD: torch.Tensor,
                 meta: AttnMeta) -> torch.Tensor:
         num_tokens = x_TE.shape[0]
-        q_TX, k_TX, v_TX = self.qkv_proj(x_TE).split(self.qkv_proj.shard_sizes, dim=-1)
-        q_THD = q_TX.view(num_tokens, self.num_heads, self.head_dim)
-        k_TKD = k_TX.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v_TKD = v_TX.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q_THD, k_TKD = self.q_norm(q_THD), self.k_norm(k_TKD)
-        q_THD = apply_rope(q_THD, cos_T1D2, sin_T1D2)
-        k_TKD = apply_rope(k_TKD, cos_T1D2, sin_T1D2)
+        q_norm = self.q_norm.weight if self.q_norm is not None else None
+        k_norm = self.k_norm.weight if self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q_THD, k_TKD, v_TKD = ops.qk_norm_rope_store(
+            self.qkv_proj(x_TE), self.num_heads, self.num_kv_heads, self.head_dim, positions_T,
+            rope_LD, q_norm, k_norm, eps, meta, self.layer_index)
         o_THD = attend(q_THD, k_TKD, v_TKD, meta, self.layer_index, scale=self.scale)
         return self.o_proj(o_THD.reshape(num_tokens, -1))
 
@@ -118,8 +115,7 @@ class MLP(nn.Module):
                                            **kw)
 
     def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
-        gate_TI, up_TI = self.gate_up_proj(x_TE).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate_TI) * up_TI)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x_TE)))
 
 
 class DecoderLayer(nn.Module):
@@ -130,9 +126,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.mlp = MLP(spec, tp, **kw)
 
-    def forward(self, x_TE, cos_T1D2, sin_T1D2, meta):
-        x_TE = x_TE + self.self_attn(self.input_layernorm(x_TE), cos_T1D2, sin_T1D2, meta)
-        return x_TE + self.mlp(self.post_attention_layernorm(x_TE))
+    def forward(self, x_TE, residual_TE, positions_T, rope_LD, meta):
+        """(this layer's output, the residual stream before it): the next norm adds them."""
+        h_TE, residual_TE = self.input_layernorm.add_and_norm(x_TE, residual_TE)
+        h_TE = self.self_attn(h_TE, positions_T, rope_LD, meta)
+        h_TE, residual_TE = self.post_attention_layernorm.add_and_norm(h_TE, residual_TE)
+        return self.mlp(h_TE), residual_TE
 
 
 class Backbone(nn.Module):
@@ -163,12 +162,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
                 meta: AttnMeta) -> torch.Tensor:
         """Final hidden states [T, E] of the packed tokens."""
-        x_TE = self.model.embed_tokens(input_ids_T)
-        cos_sin_TD = self.rope_cos_sin[positions_T].to(x_TE.dtype)
-        cos_T1D2, sin_T1D2 = cos_sin_TD[:, None, :].chunk(2, dim=-1)
+        x_TE, residual_TE = self.model.embed_tokens(input_ids_T), None
         for layer in self.model.layers:
-            x_TE = layer(x_TE, cos_T1D2, sin_T1D2, meta)
-        return self.model.norm(x_TE)
+            x_TE, residual_TE = layer(x_TE, residual_TE, positions_T, self.rope_cos_sin, meta)
+        return self.model.norm.add_and_norm(x_TE, residual_TE)[0]
 
     def compute_logits(self, hidden_BE: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [B, V], the same on every TP rank."""

@@ -1,0 +1,109 @@
+"""The elementwise ops between a decoder layer's matrix products, in one place.
+
+Each op has the plain-torch reference (any device, any dtype) and, for bf16/fp16 tensors on
+CUDA, one fused Triton kernel (kernels/fused.py) that rounds where the reference rounds.
+HANDOFF_FUSED=0 in the environment forces the reference everywhere (A/B benches).
+
+Shape legend: T = tokens, E = hidden size, H = query heads, K = KV heads, D = head dim,
+I = intermediate size, L = RoPE table positions.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from handoff.rollout.attention import AttnMeta, store_kv
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_available() -> bool:
+    if os.environ.get("HANDOFF_FUSED", "1") == "0":
+        return False
+    try:
+        import handoff.rollout.kernels.fused  # noqa: F401  (needs triton)
+    except ImportError:
+        return False
+    return True
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether `x` takes the fused kernels: CUDA, half precision, triton importable."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _fused_available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * RMSNorm(x), computed in fp32 and cast back before the weight (as HF does)."""
+    if x.is_cuda:  # one fused kernel for the norm itself
+        return weight * F.rms_norm(x, weight.shape, None, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * RMSNorm(x + residual), x + residual); without a residual the sum is x."""
+    if use_fused(x_TE):
+        from handoff.rollout.kernels.fused import add_rms_norm as fused
+
+        return fused(x_TE, residual_TE, weight_E, eps)
+    summed = x_TE if residual_TE is None else x_TE + residual_TE
+    return rms_norm(summed, weight_E, eps), summed
+
+
+def silu_mul(gate_up_T2I: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up over the fused gate_up output [T, 2I] -> [T, I]."""
+    if use_fused(gate_up_T2I):
+        from handoff.rollout.kernels.fused import silu_mul as fused
+
+        return fused(gate_up_T2I)
+    gate_TI, up_TI = gate_up_T2I.chunk(2, dim=-1)
+    return F.silu(gate_TI) * up_TI
+
+
+def apply_rope(x_THD: torch.Tensor, cos_T1D2: torch.Tensor, sin_T1D2: torch.Tensor) -> torch.Tensor:
+    """Rotate halves (HF `rotate_half` convention) by the positions' angles."""
+    x1, x2 = x_THD.chunk(2, dim=-1)
+    return torch.cat([x1 * cos_T1D2 - x2 * sin_T1D2, x2 * cos_T1D2 + x1 * sin_T1D2], dim=-1)
+
+
+def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                       positions_T: torch.Tensor, rope_LD: torch.Tensor,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                       meta: AttnMeta, layer: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused qkv output into q [T, H, D], k, v [T, K, D]; norm q and k per head (when
+    weights are given: Qwen3), rotate them, and write the new K/V into the layer's cache
+    (when meta has one). The fused path works in place in qkv and returns views of it."""
+    tokens = qkv_TX.shape[0]
+    kv = meta.kv
+    k_scale = kv.k_scale[layer] if kv is not None and kv.k_scale is not None else None
+    v_scale = kv.v_scale[layer] if kv is not None and kv.v_scale is not None else None
+    if use_fused(qkv_TX):
+        from handoff.rollout.kernels.fused import qk_norm_rope_store as fused
+
+        fused(qkv_TX, num_heads, num_kv_heads, head_dim, positions_T, rope_LD, q_weight,
+              k_weight, eps, *((kv.k[layer], kv.v[layer], meta.slot_mapping_T) if kv is not None else ()),
+              k_scale=k_scale, v_scale=v_scale)
+        q_TX, k_TX, v_TX = qkv_TX.split([num_heads * head_dim, num_kv_heads * head_dim,
+                                         num_kv_heads * head_dim], dim=-1)
+        return (q_TX.view(tokens, num_heads, head_dim), k_TX.view(tokens, num_kv_heads, head_dim),
+                v_TX.view(tokens, num_kv_heads, head_dim))
+    q_TX, k_TX, v_TX = qkv_TX.split([num_heads * head_dim, num_kv_heads * head_dim,
+                                     num_kv_heads * head_dim], dim=-1)
+    q_THD = q_TX.reshape(tokens, num_heads, head_dim)
+    k_TKD = k_TX.reshape(tokens, num_kv_heads, head_dim)
+    v_TKD = v_TX.reshape(tokens, num_kv_heads, head_dim)
+    if q_weight is not None:
+        q_THD, k_TKD = rms_norm(q_THD, q_weight, eps), rms_norm(k_TKD, k_weight, eps)
+    cos_sin_TD = rope_LD[positions_T].to(qkv_TX.dtype)
+    cos_T1D2, sin_T1D2 = cos_sin_TD[:, None, :].chunk(2, dim=-1)
+    q_THD = apply_rope(q_THD, cos_T1D2, sin_T1D2)
+    k_TKD = apply_rope(k_TKD, cos_T1D2, sin_T1D2)
+    if kv is not None:
+        store_kv(k_TKD, v_TKD, kv.k[layer], kv.v[layer], meta.slot_mapping_T, k_scale, v_scale)
+    return q_THD, k_TKD, v_TKD
