@@ -48,6 +48,24 @@ def test_level1_restores_exact_contents():
         assert torch.equal(v, before[k]), k
 
 
+def test_level1_backs_up_every_view_of_a_shared_storage():
+    """The engine's weights are views of one buffer: level 1 must keep all of it, not the
+    first view that track() met."""
+    pool = RegionPool("cpu")
+    flat = torch.zeros(64, dtype=torch.float32)
+    views = [flat[:16].view(4, 4), flat[16:48], flat[48:]]
+    for i, v in enumerate(views):
+        v.copy_(torch.arange(v.numel(), dtype=torch.float32).view(v.shape) + 100 * i)
+    before = [v.clone() for v in views]
+    pool.track("weights", views)
+    assert pool.tracked_bytes("weights") == 64 * 4  # one storage, counted once
+    pool.sleep("weights", level=1)
+    assert pool.arena.set_bytes("region:weights") == 64 * 4  # the whole buffer went to host
+    pool.wake_up("weights")
+    for v, b in zip(views, before):
+        assert torch.equal(v, b)
+
+
 def test_region_bytes_is_tracked_storage_bytes():
     pool, model = _pool_with_model()
     expected = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
