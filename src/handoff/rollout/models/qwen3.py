@@ -40,6 +40,7 @@ from handoff.rollout.parallel import SINGLE, ShardRule, TPGroup, even_split, kv_
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_COPY_BATCH_BYTES = 256 << 20  # load_weights: copies queued before one _foreach_copy_
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ class CausalLM(nn.Module):
                         else ParallelLMHead(spec.vocab_size, spec.hidden_size, tp=tp, **kw))
         self.rope_cos_sin: torch.Tensor | None = None  # [max_len, D] fp32, outside the weights
         self._target_cache: dict | None = None
+        self._load_plan: dict[str, tuple | None] = {}
 
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
                 meta: AttnMeta) -> torch.Tensor:
@@ -220,20 +222,44 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy this rank's part of HF-named full tensors into the engine layout; returns the
-        keys touched."""
+        keys touched.
+
+        The copies go out in batches (one `_foreach_copy_` per ~256 MiB), and each name's
+        destination is looked up once per engine: a sync of a few hundred tensors is bound
+        by the host's per-tensor work, not by the copies.
+        """
         touched: set[str] = set()
+        dests, srcs, pending = [], [], 0
         for hf_name, tensor in weights:
-            found = self.locate(hf_name)
-            if found is None:
+            target = self._load_target(hf_name)
+            if target is None:
                 continue
-            param, rule, key = found
-            expected = rule.full_shape(param)
+            dest, rule, key, expected = target
             if tuple(tensor.shape) != expected:
                 raise HandoffError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, the engine "
                                    f"expects {expected}: the checkpoint and config.json disagree")
-            rule.dest(param).copy_(rule.src(tensor))
+            dests.append(dest)
+            srcs.append(rule.src(tensor))
             touched.add(key)
+            pending += dest.numel() * dest.element_size()
+            if pending >= _COPY_BATCH_BYTES:
+                torch._foreach_copy_(dests, srcs)
+                dests, srcs, pending = [], [], 0
+        if dests:
+            torch._foreach_copy_(dests, srcs)
         return touched
+
+    def _load_target(self, hf_name: str):
+        """(destination view, rule, coverage key, expected full shape) of `hf_name`, or None
+        for a tensor the engine ignores; computed once per name."""
+        if hf_name not in self._load_plan:
+            found = self.locate(hf_name)
+            if found is not None:
+                param, rule, key = found
+                dest = rule.dest(param)
+                found = (dest, rule, key, rule.full_shape(dest))
+            self._load_plan[hf_name] = found
+        return self._load_plan[hf_name]
 
     def weight_keys(self) -> set[str]:
         """What `load_weights` must touch for a complete model (fused parts as `name[i]`)."""
