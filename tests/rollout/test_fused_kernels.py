@@ -77,9 +77,12 @@ def _compare_qkv(fused_fn, ref_fn, case, dtype, device, seed) -> dict:
         for name in ("k", "v"):
             g = getattr(meta_got.kv, name)[0].float().cpu().flatten(0, 1)
             r = getattr(meta_ref.kv, name)[0].float().flatten(0, 1)
-            if g.dtype == torch.float8_e4m3fn or meta_ref.kv.k_scale is not None:
-                # e4m3 has 3 mantissa bits: count stored values that differ at all.
-                out[f"{name}_cache_mismatch"] = (g[slots] != r[slots]).float().mean().item()
+            if meta_ref.kv.k_scale is not None:
+                # e4m3 keeps 3 mantissa bits: a 1-ulp bf16 difference upstream may move a value
+                # one e4m3 step; count the values further apart than that.
+                step = torch.exp2(r[slots].abs().clamp(min=2 ** -6).log2().floor() - 3)
+                far = (g[slots] - r[slots]).abs() > step * 1.01
+                out[f"{name}_cache_mismatch"] = far.float().mean().item()
             else:
                 out[f"{name}_cache"] = _rel(g[slots], r[slots])
             # Rows that no token owns (and the null block) stay untouched (NaN).
@@ -136,7 +139,7 @@ def _interpreter_main() -> None:
 
 def _check(results: dict, tol: float, fp8_mismatch: float) -> None:
     """Relative errors within `tol` (an ulp or so of the model dtype); at most a fraction
-    `fp8_mismatch` of fp8 cache values differing."""
+    `fp8_mismatch` of fp8 cache values more than one e4m3 step from the reference."""
     for name, r in results.items():
         for key, value in r.items():
             if key.endswith("_untouched"):
@@ -180,7 +183,7 @@ def test_fused_kernels_equal_reference_on_cuda():
 
     # bf16 on the GPU: ops dispatches to the kernels; the reference runs on CPU copies.
     results = run_cases("cuda", torch.bfloat16, ops.qk_norm_rope_store, fused_norm, ops.silu_mul)
-    _check(results, tol=1e-2, fp8_mismatch=0.005)  # an ulp or so of bf16
+    _check(results, tol=1e-2, fp8_mismatch=0.0)  # an ulp or so of bf16
 
 
 if __name__ == "__main__":
