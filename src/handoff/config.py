@@ -54,9 +54,12 @@ class HardwareConfig:
                                   ge=0)
     train_activation_gb: float | None = F(None, help="trainer activation peak per card, GB", ge=0)
     d2d_gbps: float | None = F(None, help="device copy GB/s, read + write", gt=0)
-    remap_gbps: float | None = F(None, help="cuMemMap/unmap rate of a sleeping region, GB/s", gt=0)
+    map_gbps: float | None = F(None, help="cuMemMap rate of a waking region, GB/s", gt=0)
+    unmap_gbps: float | None = F(None, help="cuMemUnmap rate of a sleeping region, GB/s", gt=0)
     sync_bucket_ms: float | None = F(None, help="weight-sync overhead per bucket (IPC, ACK), ms",
                                      ge=0)
+    sync_tensor_us: float | None = F(None, help="host work per tensor of an in-process weight "
+                                     "sync, us", ge=0)
 
 
 @dataclass

@@ -11,8 +11,13 @@ Where the numbers come from:
   per direction); its 8B utilization table implies a ~2 GB activation peak, ~2.0 TB/s
   effective decode bandwidth and ~6 GB that even an exclusive card never gives the engine.
 * h200: measured on this project's device (139 GiB usable HBM, pinned 55 GB/s each way,
-  101 GB/s both directions at once, device copy 4.2 TB/s read + write, torch_memory_saver
-  pause of 30 GiB in 12 ms); decode bandwidth scaled from the H100's 60% of peak.
+  101 GB/s both directions at once, device copy 4.2 TB/s read + write); torch_memory_saver
+  unmaps at ~2 TB/s at every size (8 GiB 4.2 ms, 100 GiB 58 ms) but maps in a time that is
+  not linear in size (8 GiB 0.5 ms; 100-112 GiB anywhere from 4 to 281 ms): map_bps is the 4B
+  run's 108 GiB KV wake (79 ms), and a run measures both rates at its own KV pool's size
+  (handoff.memory.calibrate); ~40 us of host work per tensor of an in-process weight sync
+  (Qwen3-1.7B: 310 tensors, 3.2 GB in 30 ms); decode bandwidth scaled from the H100's 60%
+  of peak.
 * a100-80g: PCIe Gen4 and NVLink3 figures, decode bandwidth at 60% of the 2.0 TB/s peak.
 * cpu: the CPU demo, where "HBM" is host memory and every link is a memcpy.
 """
@@ -39,12 +44,14 @@ class HardwareProfile:
     nvlink_bps: float              # per card, per direction (the all-gather of weight sync)
     decode_bw_bps: float           # effective HBM bandwidth of a decode step
     d2d_bps: float                 # device copy rate, bytes read + written per second
-    remap_bps: float               # cuMemMap / cuMemUnmap of a region, bytes per second
+    map_bps: float                 # cuMemMap of a sleeping region (wake), bytes per second
+    unmap_bps: float               # cuMemUnmap of an awake region (sleep), bytes per second
     activation_peak_bytes: float   # engine activation peak (profiled)
     graph_pool_bytes: float        # engine CUDA graph pool (resident)
     resident_bytes: float          # CUDA contexts, NCCL buffers, allocator residue: nobody's
     train_activation_bytes: float  # trainer activation peak per card (after recompute)
-    sync_bucket_seconds: float     # per weight-sync bucket: IPC open, load_weights, ACK
+    sync_bucket_seconds: float     # per weight-sync bucket over CUDA IPC: open, load, ACK
+    sync_tensor_seconds: float     # host work per tensor of an in-process weight sync
     host_ram_bytes: float          # host RAM per node
     gpus_per_node: int
 
@@ -55,28 +62,28 @@ class HardwareProfile:
 PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": HardwareProfile(
         name="h100-sxm", hbm_bytes=80 * GB, pinned_pcie_bps=25 * GB, nvlink_bps=450 * GB,
-        decode_bw_bps=2000 * GB, d2d_bps=2800 * GB, remap_bps=300 * GB,
+        decode_bw_bps=2000 * GB, d2d_bps=2800 * GB, map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
-        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, host_ram_bytes=2048 * GB,
-        gpus_per_node=8),
+        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
+        host_ram_bytes=2048 * GB, gpus_per_node=8),
     "h200": HardwareProfile(
         name="h200", hbm_bytes=139 * GIB, pinned_pcie_bps=55 * GB, nvlink_bps=450 * GB,
-        decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, remap_bps=2500 * GB,
+        decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, map_bps=1500 * GB, unmap_bps=2000 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
-        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, host_ram_bytes=2048 * GB,
-        gpus_per_node=8),
+        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
+        host_ram_bytes=2048 * GB, gpus_per_node=8),
     "a100-80g": HardwareProfile(
         name="a100-80g", hbm_bytes=80 * GB, pinned_pcie_bps=20 * GB, nvlink_bps=300 * GB,
-        decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, remap_bps=300 * GB,
+        decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
-        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, host_ram_bytes=1024 * GB,
-        gpus_per_node=8),
+        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
+        host_ram_bytes=1024 * GB, gpus_per_node=8),
     "cpu": HardwareProfile(
         name="cpu", hbm_bytes=16 * GB, pinned_pcie_bps=5 * GB, nvlink_bps=5 * GB,
-        decode_bw_bps=20 * GB, d2d_bps=10 * GB, remap_bps=50 * GB,
+        decode_bw_bps=20 * GB, d2d_bps=10 * GB, map_bps=50 * GB, unmap_bps=50 * GB,
         activation_peak_bytes=0.25 * GB, graph_pool_bytes=0.0, resident_bytes=0.5 * GB,
-        train_activation_bytes=0.5 * GB, sync_bucket_seconds=0.001, host_ram_bytes=32 * GB,
-        gpus_per_node=1),
+        train_activation_bytes=0.5 * GB, sync_bucket_seconds=0.001, sync_tensor_seconds=20e-6,
+        host_ram_bytes=32 * GB, gpus_per_node=1),
 }
 
 # config field -> (profile field, factor from the config's unit to SI)
@@ -86,12 +93,14 @@ _OVERRIDES = {
     "nvlink_gbps": ("nvlink_bps", GB),
     "decode_bw_tbps": ("decode_bw_bps", 1e12),
     "d2d_gbps": ("d2d_bps", GB),
-    "remap_gbps": ("remap_bps", GB),
+    "map_gbps": ("map_bps", GB),
+    "unmap_gbps": ("unmap_bps", GB),
     "activation_peak_gb": ("activation_peak_bytes", GB),
     "graph_pool_gb": ("graph_pool_bytes", GB),
     "resident_gb": ("resident_bytes", GB),
     "train_activation_gb": ("train_activation_bytes", GB),
     "sync_bucket_ms": ("sync_bucket_seconds", 1e-3),
+    "sync_tensor_us": ("sync_tensor_seconds", 1e-6),
     "host_ram_gb": ("host_ram_bytes", GB),
 }
 

@@ -9,7 +9,10 @@ generation holds the engine weights 2N/TP, the KV pool, the activation peak, the
 pool. The switch moves, per direction: 12N/n (optimizer offload) + 2N/n (param offload) +
 2N/n (ref) over pinned PCIe; grads are freed, not moved, unless `grad_offload` (the source's
 quick formula 16N/n + 2N/n counts them). Bytes are exact functions of N and the dtype sizes,
-so the runtime can assert measured == planned; seconds = bytes / the link's rate.
+so the runtime can assert measured == planned; seconds = bytes / the link's rate. The two
+remaps have their own rates (mapping is slower than unmapping and not linear in size): the
+KV wake maps the pool (pool / map_bps, plus a zeroing pass for fp8 KV), the engine sleep
+unmaps weights and pool ((weights + pool) / unmap_bps); weight_sync_seconds prices the sync.
 
 `SWITCH_ACTIONS` is a contract with the runtime: the hybrid worker times its actions under
 exactly these names, in this order (training -> generation, then generation -> training).
@@ -90,23 +93,45 @@ def trainer_bytes(shape: ModelShape, shard: int, dtypes: Dtypes, *, ref: bool = 
             "reference": per_card(dtypes.param_bytes) if ref else 0}
 
 
+def is_in_process(parallel: ParallelConfig, in_process: bool | None = None) -> bool:
+    """The sync's transport: in-process (no IPC) by default for a shard group of one."""
+    return shard_size(parallel) == 1 if in_process is None else in_process
+
+
 def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: HardwareProfile,
-                        dtypes: Dtypes, bucket_bytes: int) -> float:
-    """All-gather every full tensor over NVLink, copy it through a bucket into the engine's
-    shard, and pay a fixed overhead per bucket (IPC handle, load_weights, ACK)."""
+                        dtypes: Dtypes, bucket_bytes: int, *, in_process: bool | None = None,
+                        weights_map_bps: float | None = None) -> float:
+    """Seconds to push the trainer's full weights into the engine (see is_in_process).
+
+    Both paths all-gather each full tensor over NVLink (nothing with a shard group of one)
+    and copy it into a bucket and out of it into the engine's shard (read + write each).
+    Gathered over CUDA IPC (the brief's engine in its own process): a fixed overhead per
+    bucket (IPC handle, load_weights, ACK). In-process (our worker): no IPC, but the engine's
+    weights region is mapped inside the timed action, every tensor costs host work (bucket
+    slot, copy launches, load_weights' lookup), and a shard group of one hands over a copy
+    of each parameter (the trainer's gather copies its local shard: one more read + write).
+    The weights map at `weights_map_bps` when it was measured at their size (mapping time
+    is not linear in size), else at hw.map_bps.
+    """
     full = shape.num_params * dtypes.param_bytes
     group = shard_size(parallel)
     gather = full * (group - 1) / group / hw.nvlink_bps
     written = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
     copies = 2 * (full + written) / hw.d2d_bps  # read + write, into the bucket and out of it
-    return gather + copies + math.ceil(full / bucket_bytes) * hw.sync_bucket_seconds
+    if not is_in_process(parallel, in_process):
+        return gather + copies + math.ceil(full / bucket_bytes) * hw.sync_bucket_seconds
+    local_copy = 2 * full / hw.d2d_bps if group == 1 else 0.0
+    return (gather + written / (weights_map_bps or hw.map_bps) + copies + local_copy
+            + shape.num_tensors * hw.sync_tensor_seconds)
 
 
 def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
                    hw: HardwareProfile, *, kv_pool_bytes: float, dtypes: Dtypes = Dtypes(),
                    ref: bool = True, grad_offload: bool = False,
-                   bucket_bytes: int = 512 * 2 ** 20) -> list[SwitchAction]:
-    """The nine actions of one step's two switches, in SWITCH_ACTIONS order."""
+                   bucket_bytes: int = 512 * 2 ** 20, in_process: bool | None = None,
+                   weights_map_bps: float | None = None) -> list[SwitchAction]:
+    """The nine actions of one step's two switches, in SWITCH_ACTIONS order (in_process,
+    weights_map_bps: how the sync is priced, see weight_sync_seconds)."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
     opt_on = memory.optimizer_offload
@@ -125,8 +150,10 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     pool = max(int(kv_pool_bytes), 0)
     full_gb = shape.num_params * dtypes.param_bytes / GB
     gathered = shard_size(parallel) > 1
-    sync_link = "NVLink all-gather + CUDA IPC" if gathered else "in-card copy"
-    kv_seconds = pool / hw.remap_bps + (pool / hw.d2d_bps if dtypes.kv_bytes == 1 else 0.0)
+    local = is_in_process(parallel, in_process)
+    sync_link = ("NVLink all-gather + " if gathered else "") + (
+        ("in-process copy" if gathered else "in-card copy") if local else "CUDA IPC")
+    kv_seconds = pool / hw.map_bps + (pool / hw.d2d_bps if dtypes.kv_bytes == 1 else 0.0)
     no_ref = "no reference model" if not ref else "off: the reference stays on the card"
     return [
         move("optimizer_d2h", "D2H", opt_on, opt,
@@ -136,12 +163,14 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
              "off: bf16 params stay on the card"),
         move("ref_d2h", "D2H", ref_on, owners["reference"], "", no_ref),
         SwitchAction("engine_weights_sync", "D2D", weights, sync_link,
-                     weight_sync_seconds(shape, parallel, hw, dtypes, bucket_bytes),
+                     weight_sync_seconds(shape, parallel, hw, dtypes, bucket_bytes,
+                                         in_process=in_process,
+                                         weights_map_bps=weights_map_bps),
                      f"the whole model ({full_gb:.1f} GB) flows through every card"),
         SwitchAction("kv_cache_wake", "map", pool, "cuMemMap, no copy", kv_seconds,
                      "prefix cache emptied" + ("; fp8 KV zeroed, scales reset to 1"
                                                if dtypes.kv_bytes == 1 else "")),
-        SwitchAction("engine_sleep", "unmap", 0, "cuMemUnmap", (weights + pool) / hw.remap_bps,
+        SwitchAction("engine_sleep", "unmap", 0, "cuMemUnmap", (weights + pool) / hw.unmap_bps,
                      "weights and KV discarded; addresses kept, CUDA graphs not recaptured"),
         move("params_h2d", "H2D", param_on, owners["params"], "before old_log_prob",
              "off: bf16 params stay on the card"),

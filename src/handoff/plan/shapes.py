@@ -125,6 +125,7 @@ class ModelShape:
     num_experts_per_tok: int = 0
     num_active_params: int = 0      # params one token touches (0: same as num_params)
     kv_latent_dim: int = 0          # MLA: cached latent width per layer (0: plain K/V heads)
+    num_tensors: int = 0            # parameter tensors (tied ones once): what a sync sends
 
     @property
     def is_moe(self) -> bool:
@@ -208,6 +209,35 @@ def _count(cfg: dict, active: bool) -> int:
     return layers * per_layer_fixed + mlps + embed + h
 
 
+def count_tensors(cfg: dict) -> int:
+    """Parameter tensors of the model (tied weights once), as an HF checkpoint names them.
+
+    A dense layer has q, k, v, o, gate, up, down and two norms (+ q/k norms for Qwen3, q/k/v
+    biases for Qwen2 or attention_bias, MLP biases for mlp_bias); MLA and MoE layers count
+    their own projections and one gate/up/down per expert; plus the embedding, the final
+    norm and the LM head unless it is tied. The weight sync pays host work per tensor.
+    """
+    layers = cfg["num_hidden_layers"]
+    if cfg.get("kv_lora_rank"):  # MLA: q (or q_a, q_a norm, q_b), kv_a, kv_a norm, kv_b, o
+        attn = (3 if cfg.get("q_lora_rank") else 1) + 4
+    else:
+        attn = 4
+        if cfg.get("model_type") == "qwen2":
+            attn += 3
+        elif cfg.get("attention_bias"):
+            attn += 4
+        if cfg.get("model_type") in ("qwen3", "qwen3_moe"):
+            attn += 2
+    dense_mlp = 3 * (2 if cfg.get("mlp_bias") else 1)
+    moe_mlp = 3 * _num_experts(cfg) + 1  # experts + the router
+    if cfg.get("n_shared_experts"):
+        moe_mlp += 3
+    if cfg.get("shared_expert_intermediate_size"):
+        moe_mlp += 4  # the shared expert and its gate
+    mlps = sum(moe_mlp if _is_moe_layer(cfg, i) else dense_mlp for i in range(layers))
+    return layers * (attn + 2) + mlps + 2 + (0 if cfg.get("tie_word_embeddings") else 1)
+
+
 def count_params(cfg: dict) -> int:
     """Decoder parameter count from HF config fields: dense, MoE and MLA layouts."""
     return _count(cfg, active=False)
@@ -231,7 +261,8 @@ def shape_from_config(cfg: dict, name: str = "custom") -> ModelShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             num_experts=_num_experts(cfg),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-            num_active_params=count_active_params(cfg), kv_latent_dim=latent)
+            num_active_params=count_active_params(cfg), kv_latent_dim=latent,
+            num_tensors=count_tensors(cfg))
     except KeyError as e:
         raise HandoffError(f"model config {name!r} lacks field {e.args[0]!r}: pass a complete HF "
                            "config.json or a preset") from None

@@ -1,0 +1,112 @@
+"""The ledger's remaps and weight sync: map vs unmap rates, in-process vs gathered sync."""
+
+from dataclasses import replace
+
+import pytest
+
+from handoff.config import HardwareConfig, MemoryConfig, ParallelConfig
+from handoff.plan.hardware import GB, hardware_profile
+from handoff.plan.kvpool import engine_weight_bytes
+from handoff.plan.ledger import Dtypes, switch_actions, weight_sync_seconds
+from handoff.plan.shapes import PRESETS, count_tensors, load_shape
+
+H200 = hardware_profile("h200")
+D = Dtypes()
+BUCKET = 512 << 20
+
+
+def _acts(shape, hw, parallel=ParallelConfig(gpus=1), pool=100 * GB, **kw):
+    return {a.name: a for a in switch_actions(shape, parallel, MemoryConfig(), hw,
+                                              kv_pool_bytes=pool, **kw)}
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama", "qwen3-8b", "llama3-8b",
+                                  "qwen2.5-7b"])
+def test_tensor_count_is_what_transformers_builds(name):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    fields = dict(PRESETS[name])
+    small = {"num_hidden_layers": 2, "vocab_size": 300, "hidden_size": 64,
+             "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "bos_token_id": 0, "eos_token_id": 1}
+    if "head_dim" in fields:
+        small["head_dim"] = 16
+    fields.update(small)
+    model_type = fields.pop("model_type")
+    fields.pop("architectures", None)
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert count_tensors({**fields, "model_type": model_type}) == len(list(model.parameters()))
+
+
+def test_qwen3_1p7b_sends_310_tensors():
+    # 28 layers x (q, k, v, o, q_norm, k_norm, gate, up, down, 2 norms) + embed + final norm,
+    # the LM head tied: the count the device's sync reported.
+    assert load_shape("qwen3-1.7b").num_tensors == 310
+
+
+def test_kv_wake_maps_and_sleep_unmaps_at_their_own_rates():
+    shape = load_shape("qwen3-4b")
+    pool = 116e9
+    base = _acts(shape, H200, pool=pool)
+    weights = engine_weight_bytes(shape, 1)
+    assert base["kv_cache_wake"].seconds == pytest.approx(pool / H200.map_bps)
+    assert base["engine_sleep"].seconds == pytest.approx((weights + pool) / H200.unmap_bps)
+    slow_map = _acts(shape, replace(H200, map_bps=H200.map_bps / 4), pool=pool)
+    assert slow_map["kv_cache_wake"].seconds == pytest.approx(4 * base["kv_cache_wake"].seconds)
+    assert slow_map["engine_sleep"].seconds == base["engine_sleep"].seconds
+    fp8 = _acts(shape, H200, pool=pool, dtypes=Dtypes(kv_bytes=1))
+    assert fp8["kv_cache_wake"].seconds == pytest.approx(pool / H200.map_bps + pool / H200.d2d_bps)
+
+
+def test_in_process_sync_maps_copies_and_pays_per_tensor_not_per_bucket():
+    shape = load_shape("qwen3-4b")
+    one = ParallelConfig(gpus=1)
+    full = shape.num_params * 2
+    in_proc = weight_sync_seconds(shape, one, H200, D, BUCKET)
+    expected = (full / H200.map_bps                     # wake the engine's weights region
+                + 2 * (full + full) / H200.d2d_bps      # into the bucket and out of it
+                + 2 * full / H200.d2d_bps               # the trainer's copy of its shard
+                + shape.num_tensors * H200.sync_tensor_seconds)
+    assert in_proc == pytest.approx(expected)
+    # No IPC: the per-bucket overhead does not appear, the per-tensor cost does.
+    no_buckets = replace(H200, sync_bucket_seconds=1.0)
+    assert weight_sync_seconds(shape, one, no_buckets, D, BUCKET) == pytest.approx(in_proc)
+    slower_host = replace(H200, sync_tensor_seconds=H200.sync_tensor_seconds + 1e-4)
+    assert weight_sync_seconds(shape, one, slower_host, D, BUCKET) == pytest.approx(
+        in_proc + 1e-4 * shape.num_tensors)
+    # Mapping is not linear in size: a rate measured at the weights' size replaces map_bps.
+    fast = weight_sync_seconds(shape, one, H200, D, BUCKET, weights_map_bps=10 * H200.map_bps)
+    assert fast == pytest.approx(in_proc - 0.9 * full / H200.map_bps)
+    # The same card through the brief's CUDA IPC path pays per bucket instead.
+    ipc = weight_sync_seconds(shape, one, H200, D, BUCKET, in_process=False)
+    assert ipc == pytest.approx(2 * 2 * full / H200.d2d_bps
+                                + -(-full // BUCKET) * H200.sync_bucket_seconds)
+    assert _acts(shape, H200)["engine_weights_sync"].link == "in-card copy"
+
+
+def test_gathered_sync_is_the_ipc_path_unless_told_in_process():
+    shape = load_shape("qwen3-32b")
+    eight = ParallelConfig(gpus=8, tp=8)
+    full = shape.num_params * 2
+    gather = full * 7 / 8 / H200.nvlink_bps
+    written = engine_weight_bytes(shape, 8)
+    ipc = weight_sync_seconds(shape, eight, H200, D, BUCKET)
+    assert ipc == pytest.approx(gather + 2 * (full + written) / H200.d2d_bps
+                                + -(-full // BUCKET) * H200.sync_bucket_seconds)
+    local = weight_sync_seconds(shape, eight, H200, D, BUCKET, in_process=True)
+    assert local == pytest.approx(gather + written / H200.map_bps
+                                  + 2 * (full + written) / H200.d2d_bps
+                                  + shape.num_tensors * H200.sync_tensor_seconds)
+    links = {p: _acts(shape, H200, eight, in_process=p)["engine_weights_sync"].link
+             for p in (None, True)}
+    assert links == {None: "NVLink all-gather + CUDA IPC",
+                     True: "NVLink all-gather + in-process copy"}
+
+
+def test_config_overrides_the_remap_and_per_tensor_rates():
+    hw = hardware_profile("h200", HardwareConfig(map_gbps=100, unmap_gbps=200,
+                                                 sync_tensor_us=25))
+    assert (hw.map_bps, hw.unmap_bps) == (100 * GB, 200 * GB)
+    assert hw.sync_tensor_seconds == pytest.approx(25e-6)
