@@ -1,20 +1,23 @@
 """preflight: the checks `handoff train` makes before loading anything."""
 
 import json
+import shutil
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
 
 from handoff.config import load_config
 from handoff.errors import HandoffError
-from handoff.preflight import preflight
+from handoff.plan.shapes import PRESETS, load_shape
+from handoff.preflight import checkpoint_bytes, preflight
 
 
 @pytest.fixture
 def cfg(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(json.dumps(PRESETS["tiny-qwen3"]))
     (model / "tokenizer.json").write_text("{}")
     return load_config("examples/cpu-tiny.yaml", [f"model.path={model}",
                                                    f"run.out_dir={tmp_path / 'run'}",
@@ -39,3 +42,58 @@ def test_resume_with_steps_left_or_nothing_to_resume_passes(cfg):
     assert preflight(cfg) is None  # no checkpoint yet: a fresh start
     _checkpoint(cfg, 2)
     assert preflight(cfg) is None
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def _with(cfg, *overrides):
+    return load_config("examples/cpu-tiny.yaml", [f"model.path={cfg.model.path}",
+                                                   f"run.out_dir={cfg.run.out_dir}",
+                                                   "run.resume=true", *overrides])
+
+
+def _free_disk(monkeypatch, free):
+    seen = []
+
+    def usage(path):
+        seen.append(Path(path))
+        return Usage(10 * free, 9 * free, free)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    return seen
+
+
+def test_checkpoint_bytes_are_params_master_and_adam(cfg):
+    n = load_shape(cfg.model.path).num_params
+    assert checkpoint_bytes(cfg) == 12 * n  # cpu-tiny is fp32: its params are their own master
+    # bf16 params 2 + fp32 master 4 + Adam 8: a 4B model's checkpoint is ~56 GB.
+    assert checkpoint_bytes(_with(cfg, "model.dtype=bfloat16")) == 14 * n
+
+
+def test_a_run_whose_checkpoints_cannot_fit_the_disk_is_refused(cfg, monkeypatch):
+    # run.steps=3 saving every step: the third save is written while the last two are kept.
+    saving = _with(cfg, "run.steps=3", "run.save_every=1", "run.resume=false")
+    one = checkpoint_bytes(saving)
+    seen = _free_disk(monkeypatch, 3 * one - 1)
+    with pytest.raises(HandoffError, match=r"checkpoints need .* MB on the filesystem of "
+                                           r"run.out_dir.*run.checkpoint=false"):
+        preflight(saving)
+    assert seen and seen[0].exists()  # out_dir does not exist yet: its nearest parent is asked
+    _free_disk(monkeypatch, 3 * one)
+    assert preflight(saving) is None
+    _free_disk(monkeypatch, 0)
+    off = _with(cfg, "run.checkpoint=false")
+    assert preflight(off) is None  # nothing to write, nothing to check
+
+
+def test_checkpoints_already_on_disk_make_room_as_they_are_replaced(cfg, monkeypatch):
+    _checkpoint(cfg, 1)
+    _checkpoint(cfg, 2)
+    resumed = _with(cfg, "run.steps=6", "run.save_every=1")
+    one = checkpoint_bytes(resumed)
+    _free_disk(monkeypatch, one)      # the two kept ones leave as new ones arrive: one more
+    assert preflight(resumed) is None
+    _free_disk(monkeypatch, one - 1)
+    with pytest.raises(HandoffError, match="checkpoints need"):
+        preflight(resumed)

@@ -7,6 +7,8 @@ worker.to_train -> old and ref log-probs -> worker.update -> worker.to_rollout (
 and the weight sync). Every step appends one JSON object to `metrics.jsonl` (and TensorBoard
 scalars), with `switch/<action>/seconds` and `/bytes` for each ledger action; the run ends
 with `summary.md` (planned vs measured per action), `memory_timeline.jsonl/.png`.
+`timing_s/step` includes a checkpoint save, which `timing_s/checkpoint` reports on its own
+(0 on a step that saves nothing).
 
 Under torchrun every rank runs this loop on its share of the step's prompts (data parallel);
 the trainer's FSDP2 group spans all ranks, rewards are averaged over ranks, and rank 0
@@ -165,7 +167,9 @@ class Trainer:
         batch.ref_logprobs = worker.ref_log_probs(batch)
         update = worker.update(batch)
         train_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.pending_checkpoint = self._save(step + 1) if save else None
+        checkpoint_seconds = time.perf_counter() - t0 if save else 0.0
         sync = worker.to_rollout()
         step_seconds = time.perf_counter() - t_step
         reward_mean, reward_std, _ = _mean_over_ranks(rewards)
@@ -175,7 +179,8 @@ class Trainer:
             "step": step + 1, "reward_mean": reward_mean, "reward_std": reward_std,
             "response_length": length_mean, **{k: float(v) for k, v in update.items()},
             "timing_s/gen": gen_seconds, "timing_s/train": train_seconds,
-            "timing_s/step": step_seconds, "tokens_per_s": tokens * self.world / gen_seconds,
+            "timing_s/step": step_seconds, "timing_s/checkpoint": checkpoint_seconds,
+            "tokens_per_s": tokens * self.world / gen_seconds,
             "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
             "sync/bound_extra_bytes": sync.bound_extra_bytes,
         }

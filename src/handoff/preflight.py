@@ -1,11 +1,13 @@
 """Checks `handoff train` makes before any work: is the model there, does the plan fit.
 
 A run that cannot fit should fail in a second with the planner's reasons, not after minutes
-of loading with an out-of-memory error on the first wake.
+of loading with an out-of-memory error on the first wake; nor should a run train for an
+hour and then die writing a checkpoint its disk cannot hold.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from handoff.config import Config
@@ -27,6 +29,8 @@ def preflight(cfg: Config) -> dict | None:
                            f"over parallel.gpus={cfg.parallel.gpus} ranks: use a multiple of it")
     if cfg.run.resume:
         _check_resume(cfg)
+    if cfg.run.checkpoint:
+        _check_checkpoint_room(cfg)
     if cfg.hardware.name == "cpu":
         return None
     from handoff.plan.report import build_plan
@@ -55,3 +59,60 @@ def _check_resume(cfg: Config) -> None:
     if step >= cfg.run.steps:
         raise HandoffError(f"the checkpoint in {ckpt_dir} is at step {step}, "
                            f"run.steps={cfg.run.steps}: raise run.steps to train further")
+
+
+def _start_step(ckpt_dir: Path) -> int:
+    import json
+
+    from handoff.train.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(ckpt_dir)
+    return json.loads((latest / "meta.json").read_text())["step"] if latest else 0
+
+
+def checkpoint_bytes(cfg: Config) -> int:
+    """Bytes of one checkpoint: the params in model.dtype plus, as the trainer keeps them,
+    the fp32 master copy (none for fp32 params) and Adam's two fp32 moments."""
+    from handoff.plan.ledger import Dtypes
+    from handoff.plan.shapes import load_shape
+
+    d = Dtypes.for_model(cfg.model.dtype)
+    return load_shape(cfg.model.path).num_params * (d.param_bytes + d.master_bytes
+                                                    + d.optimizer_bytes)
+
+
+def _check_checkpoint_room(cfg: Config) -> None:
+    """Refuse a run whose checkpoints cannot fit on out_dir's filesystem.
+
+    A save writes a new checkpoint next to those kept (KEEP_LAST after each publish), so
+    the disk holds at most KEEP_LAST + 1 at once; the checkpoints already there are on the
+    disk (not free) and leave as new ones replace them.
+    """
+    from handoff.train.checkpoint import KEEP_LAST
+
+    run = cfg.run
+    ckpt_dir = Path(run.out_dir) / "checkpoints"
+    start = _start_step(ckpt_dir) if run.resume else 0
+    saves = sum(1 for done in range(start + 1, run.steps + 1)
+                if done == run.steps or (run.save_every and done % run.save_every == 0))
+    if saves == 0:
+        return
+    kept = sum(1 for p in ckpt_dir.glob("step_*") if (p / "meta.json").is_file())
+    # During save i the disk holds what the last publish kept plus the one being written.
+    peak = max(kept + 1, min(kept + saves - 1, KEEP_LAST) + 1)
+    one = checkpoint_bytes(cfg)
+    need = (peak - kept) * one
+    where = ckpt_dir
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise HandoffError(
+            f"checkpoints need {_size(need)} on the filesystem of run.out_dir={run.out_dir!r} "
+            f"({peak - kept} new of {_size(one)}: params + fp32 master + Adam moments, the last "
+            f"{KEEP_LAST} kept) but only {_size(free)} are free: set run.checkpoint=false or "
+            "point run.out_dir at a filesystem with room")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"

@@ -35,6 +35,7 @@ from handoff.errors import HandoffError
 from handoff.train.actor import Actor
 
 LATEST = "latest"
+KEEP_LAST = 2  # complete checkpoints kept after a publish (preflight counts the disk by it)
 
 
 def _state(actor: Actor) -> dict:
@@ -88,7 +89,7 @@ def _broadcast(obj: object) -> object:
 
 
 def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | None = None,
-                    keep: int = 2, publish: bool = True) -> Path:
+                    keep: int = KEEP_LAST, publish: bool = True) -> Path:
     """Write a complete checkpoint (collective: every rank calls it); returns its directory.
 
     With publish=False the checkpoint is complete on disk but `latest` still names the
@@ -131,7 +132,7 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
     return final
 
 
-def publish_checkpoint(path: str | Path, *, keep: int = 2) -> None:
+def publish_checkpoint(path: str | Path, *, keep: int = KEEP_LAST) -> None:
     """Point `latest` at the complete checkpoint `path` (atomic; rank 0 only writes)."""
     path = Path(path)
     if dist.is_initialized() and dist.get_rank() != 0:
