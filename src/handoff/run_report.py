@@ -6,8 +6,9 @@
     summary = report.finish()      # summary.md, memory_timeline.{jsonl,png}, a rich table
 
 The planned column is the ledger (handoff.plan.ledger) for this model and these offloads,
-fed with link rates measured at the start of this run (handoff.memory.calibrate), so the
-gap between the columns is the runtime's own.
+fed with rates measured in this run (handoff.memory.calibrate): the links at the start, the
+map / unmap rates by the worker before its engine took the KV pool, the host work per synced
+tensor; so the gap between the columns is the runtime's own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from handoff.config import Config
-from handoff.memory.calibrate import measure_link_rates
+from handoff.memory.calibrate import measure_link_rates, measure_tensor_host_seconds
 from handoff.memory.meter import plot_timeline
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
@@ -31,17 +32,26 @@ from handoff.plan.shapes import load_shape
 console = Console()
 
 
+# rates key (handoff.memory.calibrate) -> the profile field it replaces
+_MEASURED = {"d2h_bps": "pinned_pcie_bps", "d2d_bps": "d2d_bps", "map_bps": "map_bps",
+             "unmap_bps": "unmap_bps", "tensor_host_s": "sync_tensor_seconds"}
+
+
 def planned_actions(cfg: Config, rates: dict, kv_pool_bytes: int) -> dict[str, dict]:
-    """The ledger's nine actions for this run, priced with the measured rates."""
+    """The ledger's nine actions for this run, priced with the rates measured in it (a rate
+    missing from `rates` keeps the hardware profile's). The worker's sync is in-process on
+    every rank (no IPC), whatever the shard group."""
     shape = load_shape(cfg.model.path)
     base = cfg.hardware.name if cfg.hardware.name else "cpu"
     hw = hardware_profile(base, cfg.hardware)
-    hw = dataclasses.replace(hw, pinned_pcie_bps=rates["d2h_bps"], d2d_bps=rates["d2d_bps"])
+    hw = dataclasses.replace(hw, **{field: rates[key] for key, field in _MEASURED.items()
+                                    if key in rates})
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
     parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
     actions = switch_actions(shape, parallel, cfg.memory, hw, kv_pool_bytes=kv_pool_bytes,
                              dtypes=dtypes, ref=cfg.actor.kl_coef > 0,
-                             bucket_bytes=cfg.sync.bucket_mb << 20)
+                             bucket_bytes=cfg.sync.bucket_mb << 20, in_process=True,
+                             weights_map_bps=rates.get("weights_map_bps"))
     out = {}
     for a in actions:
         seconds = a.seconds
@@ -59,7 +69,8 @@ class RunReport:
         self.worker = worker
         self.out_dir = out_dir
         self.rows: list[dict] = []
-        self.rates = measure_link_rates(worker.device)
+        self.rates = {**measure_link_rates(worker.device), **getattr(worker, "remap_rates", {}),
+                      "tensor_host_s": measure_tensor_host_seconds(worker.device)}
         kv_bytes = worker.engine.stats()["kv_cache_bytes"]
         self.planned = planned_actions(cfg, self.rates, kv_bytes)
         self.metrics_path = out_dir / "metrics.jsonl"
@@ -172,7 +183,7 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
         f"# Run summary: {model}", "",
         f"{s['steps']} steps on {device}; link rates measured at start: "
         f"D2H {r['d2h_bps'] / 1e9:.1f} GB/s, H2D {r['h2d_bps'] / 1e9:.1f} GB/s, "
-        f"device copy {r['d2d_bps'] / 1e9:.1f} GB/s.", "",
+        f"device copy {r['d2d_bps'] / 1e9:.1f} GB/s{_remap_text(r)}.", "",
         "| action | planned bytes | measured bytes | planned s | measured s | measured/planned |",
         "|---|---|---|---|---|---|",
     ]
@@ -187,6 +198,20 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
               f"Mean reward: {s['reward_first']:.3f} over the first quarter of steps, "
               f"{s['reward_last']:.3f} over the last.", ""]
     return "\n".join(lines)
+
+
+def _remap_text(r: dict) -> str:
+    """The remap rates and the per-tensor sync cost of a summary's rates (older runs lack them)."""
+    text = ""
+    if "map_bps" in r:
+        text += (f", map {r['map_bps'] / 1e9:.0f} GB/s and unmap {r['unmap_bps'] / 1e9:.0f} GB/s "
+                 f"(a {_fmt_bytes(r['remap_bytes'])} region)")
+    if "weights_map_bps" in r:
+        text += (f", map {r['weights_map_bps'] / 1e9:.0f} GB/s at the weights' "
+                 f"{_fmt_bytes(r['weights_remap_bytes'])}")
+    if "tensor_host_s" in r:
+        text += f", {r['tensor_host_s'] * 1e6:.1f} us of host work per synced tensor"
+    return text
 
 
 def _fmt_bytes(n: int) -> str:

@@ -32,11 +32,15 @@ import torch
 
 from handoff.config import Config
 from handoff.errors import HandoffError
-from handoff.memory.meter import MemoryMeter
+from handoff.memory.calibrate import measure_remap_rates
+from handoff.memory.meter import MemoryMeter, host_memory
 from handoff.memory.regions import RegionPool, aggressive_empty_cache, expandable_segments
 from handoff.memory.staging import PinnedArena
-from handoff.plan.ledger import SWITCH_ACTIONS
-from handoff.rollout.engine import Engine
+from handoff.plan.hardware import hardware_profile
+from handoff.plan.kvpool import engine_weight_bytes, kv_bytes_per_token_per_card
+from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes
+from handoff.plan.shapes import load_shape
+from handoff.rollout.engine import CPU_DEFAULT_KV_BYTES, Engine
 from handoff.sync.weights import SyncStats, sync_weights
 from handoff.train.actor import Actor, build_actor, build_reference
 from handoff.train.batch import RolloutBatch
@@ -49,6 +53,33 @@ T = TypeVar("T")
 PROBES_TO_TRAIN = ("after generate", "after engine sleep", "after params onload")
 PROBES_TO_ROLLOUT = ("after update", "before resume weights", "after update_weights",
                      "after params offload", "after resume kv_cache")
+
+
+def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int]:
+    """(KV pool, weights) bytes the engine is about to allocate: the pool sized as
+    Engine._num_blocks does, with the planner's activation peak and graph pool for the ones
+    it profiles; each at most what is free now less the wake margin and 1 GiB of slack."""
+    shape = load_shape(cfg.model.path)
+    dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
+    ro, tp = cfg.rollout, cfg.parallel.tp
+    weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
+    block = int(kv_bytes_per_token_per_card(shape, tp, dtypes.kv_bytes)) * ro.block_size
+    needed = -(-ro.max_model_len // ro.block_size) + 1
+    if pool.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(pool.device)
+    else:
+        free, total = host_memory()[1] or 1 << 62, 0
+    if ro.num_blocks is not None:
+        want = ro.num_blocks * block
+    elif pool.device.type == "cuda":
+        hw = hardware_profile(cfg.hardware.name, cfg.hardware)
+        want = (ro.gpu_memory_utilization * total - hw.activation_peak_bytes - hw.graph_pool_bytes
+                - weights)
+    else:
+        want = max(needed, min(ro.max_num_seqs * (needed - 1) + 1,
+                               CPU_DEFAULT_KV_BYTES // block)) * block
+    room = free - pool.wake_margin_bytes - (1 << 30)
+    return int(max(min(want, room), block)), int(max(min(weights, room), 1))
 
 
 def _sync(device: torch.device) -> None:
@@ -81,6 +112,16 @@ class HybridWorker:
         self._move_actor("host", params=cfg.memory.param_offload,
                          optimizer=cfg.memory.optimizer_offload, record=False)
         aggressive_empty_cache()
+        # The ledger's map/unmap rates, measured on the memory the engine is about to take
+        # at the two sizes a step maps (mapping time is not linear in size): the KV pool and
+        # the weights. The regions stay asleep for good (no physical memory behind them;
+        # torch_memory_saver keeps their addresses until the process ends).
+        kv_bytes, weight_bytes = _bytes_to_calibrate(cfg, self.pool)
+        self.remap_rates = measure_remap_rates(self.device, kv_bytes, pool=self.pool)
+        weights = measure_remap_rates(self.device, weight_bytes, pool=self.pool,
+                                      tag="calibrate_weights")
+        self.remap_rates.update(weights_map_bps=weights["map_bps"],
+                                weights_remap_bytes=weights["remap_bytes"])
         self.engine = Engine(cfg.model.path, cfg.rollout, device=self.device,
                              dtype=cfg.model.dtype, pool=self.pool,
                              tp=init_tp_group(cfg.parallel.tp))

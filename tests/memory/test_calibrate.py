@@ -1,0 +1,47 @@
+"""The rates a run measures for its ledger: remap (map / unmap) and per-tensor sync host work."""
+
+import pytest
+import torch
+
+from handoff.memory.calibrate import measure_remap_rates, measure_tensor_host_seconds
+from handoff.memory.regions import RegionPool
+
+
+def test_remap_rates_on_cpu_are_positive_and_leave_the_region_asleep():
+    pool = RegionPool("cpu")
+    nbytes = 8 << 20
+    rates = measure_remap_rates(torch.device("cpu"), nbytes, pool=pool)
+    assert rates["remap_bytes"] == nbytes
+    assert rates["map_bps"] > 0 and rates["unmap_bps"] > 0
+    # Asleep: the pool holds the region's bytes as a sleeping region, no memory behind it.
+    assert pool.tags == ["calibrate"] and not pool.is_awake("calibrate")
+    assert pool.region_bytes("calibrate") == nbytes
+
+
+def test_remap_rates_without_a_pool_build_their_own():
+    rates = measure_remap_rates(torch.device("cpu"), 1 << 20, repeats=1, tag="other")
+    assert rates["remap_bytes"] == 1 << 20 and rates["map_bps"] > 0
+
+
+def test_tensor_host_seconds_is_a_host_cost_per_tensor():
+    per_tensor = measure_tensor_host_seconds(torch.device("cpu"), tensors=64)
+    # Three tiny copies and a few views: microseconds, not nothing and not milliseconds.
+    assert 1e-7 < per_tensor < 1e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_remap_rates_on_cuda_give_the_memory_back():
+    """On the device: both rates positive, the region left asleep, its pages back to the driver."""
+    from handoff.memory.regions import aggressive_empty_cache
+
+    aggressive_empty_cache()
+    device = torch.device("cuda", torch.cuda.current_device())
+    free_before = torch.cuda.mem_get_info(device)[0]
+    pool = RegionPool(device)
+    rates = measure_remap_rates(device, 4 << 30, pool=pool)
+    assert rates["remap_bytes"] >= 4 << 30
+    assert rates["map_bps"] > 1e9 and rates["unmap_bps"] > 1e9
+    assert not pool.is_awake("calibrate")
+    assert torch.cuda.mem_get_info(device)[0] > free_before - (64 << 20)
+    assert measure_tensor_host_seconds(device) < 1e-3
