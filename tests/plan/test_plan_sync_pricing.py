@@ -67,7 +67,6 @@ def test_in_process_sync_maps_copies_and_pays_per_tensor_not_per_bucket():
     in_proc = weight_sync_seconds(shape, one, H200, D, BUCKET)
     expected = (full / H200.map_bps                     # wake the engine's weights region
                 + 2 * (full + full) / H200.d2d_bps      # into the bucket and out of it
-                + 2 * full / H200.d2d_bps               # the trainer's copy of its shard
                 + shape.num_tensors * H200.sync_tensor_seconds)
     assert in_proc == pytest.approx(expected)
     # No IPC: the per-bucket overhead does not appear, the per-tensor cost does.

@@ -107,9 +107,8 @@ def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: Hardwar
     and copy it into a bucket and out of it into the engine's shard (read + write each).
     Gathered over CUDA IPC (the brief's engine in its own process): a fixed overhead per
     bucket (IPC handle, load_weights, ACK). In-process (our worker): no IPC, but the engine's
-    weights region is mapped inside the timed action, every tensor costs host work (bucket
-    slot, copy launches, load_weights' lookup), and a shard group of one hands over a copy
-    of each parameter (the trainer's gather copies its local shard: one more read + write).
+    weights region is mapped inside the timed action and every tensor costs host work
+    (bucket slot, copy launches, load_weights' lookup).
     The weights map at `weights_map_bps` when it was measured at their size (mapping time
     is not linear in size), else at hw.map_bps.
     """
@@ -120,8 +119,7 @@ def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: Hardwar
     copies = 2 * (full + written) / hw.d2d_bps  # read + write, into the bucket and out of it
     if not is_in_process(parallel, in_process):
         return gather + copies + math.ceil(full / bucket_bytes) * hw.sync_bucket_seconds
-    local_copy = 2 * full / hw.d2d_bps if group == 1 else 0.0
-    return (gather + written / (weights_map_bps or hw.map_bps) + copies + local_copy
+    return (gather + written / (weights_map_bps or hw.map_bps) + copies
             + shape.num_tensors * hw.sync_tensor_seconds)
 
 

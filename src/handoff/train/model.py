@@ -260,8 +260,8 @@ class ShardedModel:
 
     def _gather(self, p: torch.Tensor) -> torch.Tensor:
         shard = local_shard(p.detach())
-        if self.world_size == 1:
-            return shard.to(self.device, copy=True)
+        if self.world_size == 1:  # the shard is the full tensor: hand it over, no copy
+            return shard.to(self.device)
         if shard.device != self.device:   # CPUOffloadPolicy keeps shards on the host
             p = DTensor.from_local(shard.to(self.device), p.device_mesh, p.placements,
                                    run_check=False, shape=p.shape, stride=p.stride())
