@@ -38,7 +38,7 @@ from handoff.memory.regions import RegionPool, aggressive_empty_cache, expandabl
 from handoff.memory.staging import PinnedArena
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.kvpool import engine_weight_bytes, kv_bytes_per_token_per_card
-from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes
+from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, shard_size, trainer_bytes
 from handoff.plan.shapes import load_shape
 from handoff.rollout.engine import CPU_DEFAULT_KV_BYTES, Engine
 from handoff.sync.weights import SyncStats, sync_weights
@@ -55,10 +55,12 @@ PROBES_TO_ROLLOUT = ("after update", "before resume weights", "after update_weig
                      "after params offload", "after resume kv_cache")
 
 
-def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int]:
-    """(KV pool, weights) bytes the engine is about to allocate: the pool sized as
-    Engine._num_blocks does, with the planner's activation peak and graph pool for the ones
-    it profiles; each at most what is free now less the wake margin and 1 GiB of slack."""
+def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int, int]:
+    """(KV pool, weights, freed before the KV wake) bytes: the pool and weights the engine is
+    about to allocate (the pool sized as Engine._num_blocks does, with the planner's
+    activation peak and graph pool for the ones it profiles), each at most what is free now
+    less the wake margin and 1 GiB of slack; and what a switch hands back to the driver
+    right before it maps the pool (offloaded optimizer and params, the sync's two buckets)."""
     shape = load_shape(cfg.model.path)
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
     ro, tp = cfg.rollout, cfg.parallel.tp
@@ -79,7 +81,11 @@ def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int]:
         want = max(needed, min(ro.max_num_seqs * (needed - 1) + 1,
                                CPU_DEFAULT_KV_BYTES // block)) * block
     room = free - pool.wake_margin_bytes - (1 << 30)
-    return int(max(min(want, room), block)), int(max(min(weights, room), 1))
+    weights = int(max(min(weights, room), 1))
+    owners = trainer_bytes(shape, shard_size(cfg.parallel), dtypes, ref=False)
+    freed = ((owners["optimizer"] if cfg.memory.optimizer_offload else 0)
+             + (owners["params"] if cfg.memory.param_offload else 0) + 2 * (cfg.sync.bucket_mb << 20))
+    return int(max(min(want, room), block)), weights, int(max(min(freed, room - weights), 0))
 
 
 def _sync(device: torch.device) -> None:
@@ -116,8 +122,14 @@ class HybridWorker:
         # at the two sizes a step maps (mapping time is not linear in size): the KV pool and
         # the weights. The regions stay asleep for good (no physical memory behind them;
         # torch_memory_saver keeps their addresses until the process ends).
-        kv_bytes, weight_bytes = _bytes_to_calibrate(cfg, self.pool)
-        self.remap_rates = measure_remap_rates(self.device, kv_bytes, pool=self.pool)
+        # The KV map is measured as the switch does it: weights mapped, the trainer's
+        # offloaded state just handed back, the pool's own pages released long enough ago
+        # for the driver to have cleared them (it cleared ~260 GB/s on the H200).
+        kv_bytes, weight_bytes, freed = _bytes_to_calibrate(cfg, self.pool)
+        on_cuda = self.device.type == "cuda"
+        self.remap_rates = measure_remap_rates(
+            self.device, kv_bytes, pool=self.pool, held_during_wake=weight_bytes,
+            freed_before_wake=freed, settle_s=min(kv_bytes / 200e9, 1.0) if on_cuda else 0.0)
         weights = measure_remap_rates(self.device, weight_bytes, pool=self.pool,
                                       tag="calibrate_weights")
         self.remap_rates.update(weights_map_bps=weights["map_bps"],

@@ -53,8 +53,14 @@ def _wait(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _touched(nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """`nbytes` of written memory (None for 0)."""
+    return torch.ones(int(nbytes), dtype=torch.uint8, device=device) if nbytes > 0 else None
+
+
 def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, pool=None,
-                        tag: str = "calibrate") -> dict:
+                        tag: str = "calibrate", held_during_wake: int = 0,
+                        freed_before_wake: int = 0, settle_s: float = 0.0) -> dict:
     """Bytes/s of waking (map) and level-2 sleeping (unmap) one region of one `nbytes` tensor.
 
     Returns medians over `repeats` sleep/wake pairs after one warm-up pair:
@@ -63,8 +69,15 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
     torch_memory_saver never returns a region's virtual reservation (its pools live as
     long as the process), which costs address space only. Pass the run's RegionPool as
     `pool` so its meter accounts for the region (asleep, it shows as nobody's bytes).
+
+    A wake can be measured in the state a switch wakes in: `held_during_wake` bytes in use
+    elsewhere, `freed_before_wake` bytes of touched memory handed back to the driver just
+    before, and the region's own pages given `settle_s` after its sleep. It matters: the
+    driver seems to clear freed pages before mapping them again (on the H200, mapping 100
+    GiB right after unmapping it took 281 ms, 32 GiB 1.3 ms; the 4B run's KV wake, which
+    follows the optimizer's 48 GB going back, 79 ms).
     """
-    from handoff.memory.regions import RegionPool
+    from handoff.memory.regions import RegionPool, aggressive_empty_cache
 
     pool = pool if pool is not None else RegionPool(device)
     with pool.region(tag):
@@ -79,12 +92,19 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
         t0 = time.perf_counter()
         pool.sleep([tag], level=2)
         _wait(pool.device)
+        sleeps.append(time.perf_counter() - t0)
+        time.sleep(settle_s)
+        held = _touched(held_during_wake, pool.device)
+        freed = _touched(freed_before_wake, pool.device)
+        del freed
+        aggressive_empty_cache()  # the freed bytes go back to the driver, as in the switch
         t1 = time.perf_counter()
         pool.wake_up([tag])
         _wait(pool.device)
-        sleeps.append(t1 - t0)
         wakes.append(time.perf_counter() - t1)
+        del held
     pool.sleep([tag], level=2)
+    aggressive_empty_cache()
     tiny = 1e-9  # a CPU resize can be below the clock's resolution
     return {"map_bps": remap_bytes / max(statistics.median(wakes[1:]), tiny),
             "unmap_bps": remap_bytes / max(statistics.median(sleeps[1:]), tiny),
