@@ -185,3 +185,40 @@ def test_weights_wake_retries_after_the_optimizer_copy_when_the_card_is_full(mod
         worker.engine.sleep(2)
         calls.clear()
         worker._wake_weights(None)  # nothing in flight to wait for: the error stands
+
+
+def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path, monkeypatch):
+    """torch's empty_cache waits on the events of blocks freed under record_stream, so an
+    empty-cache between starting the optimizer D2H and waiting for it would serialise the
+    copy with the weights wake and sync: to_rollout empties only after the wait."""
+    import handoff.worker as worker_module
+
+    trainer = Trainer(tiny_cfg(model_dir, tmp_path))
+    worker = trainer.worker
+    worker.begin_step(0)
+    worker.to_train()
+    worker._move_actor("device", optimizer=True, record=False)
+    log = []
+    real_to, real_empty = worker.actor.to, worker_module.aggressive_empty_cache
+
+    def to(where, **parts):
+        handle = real_to(where, **parts)
+        if parts.get("optimizer"):
+            log.append("optimizer copy started")
+            real_wait = handle.wait
+
+            def wait():
+                log.append("optimizer copy waited")
+                return real_wait()
+
+            handle.wait = wait
+        return handle
+
+    monkeypatch.setattr(worker.actor, "to", to)
+    monkeypatch.setattr(worker_module, "aggressive_empty_cache",
+                        lambda **kw: (log.append("empty cache"), real_empty(**kw))[1])
+    worker.to_rollout()
+    started = log.index("optimizer copy started")
+    waited = log.index("optimizer copy waited")
+    assert "empty cache" not in log[started:waited], log
+    assert "empty cache" in log[waited:]  # before the KV pool is mapped

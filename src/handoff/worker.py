@@ -9,8 +9,8 @@
     worker.to_rollout()                              # the brief's switch order, below
 
 `to_rollout()` runs the order of BRIEF.md ("The switch order"), which sets the peak:
-optimizer D2H (started first, overlapped with what follows), empty the caching allocator,
-expandable_segments off, wake the engine's weights region, stream the actor's full params
+optimizer D2H (started first, overlapped with what follows), empty the caching allocator
+(skipped while that copy runs: emptying would wait for it), expandable_segments off, wake the engine's weights region, stream the actor's full params
 into it, actor params D2H, wait for the optimizer copy, empty cache, wake the KV pool (the
 largest, so last), expandable_segments back on, reset the prefix cache. Every point is a
 meter probe under the brief's names, and every action is timed under the ledger's name
@@ -24,6 +24,7 @@ sleeps, wakes and loads its own shard; every rank sends its engine all full para
 
 from __future__ import annotations
 
+import gc
 import time
 from contextlib import contextmanager
 from typing import Callable, TypeVar
@@ -257,7 +258,13 @@ class HybridWorker:
         """Training -> generation in the brief's order (see the module docstring)."""
         mem = self.cfg.memory
         opt_move = self.actor.to("host", optimizer=True) if mem.optimizer_offload else None
-        aggressive_empty_cache(wait_for_copies=False)  # the optimizer copy keeps running
+        if opt_move is None:
+            aggressive_empty_cache()
+        else:
+            # Emptying the cache now would wait for the optimizer copy (torch's empty_cache
+            # waits on the events of record_stream'd blocks): the weights wake tries without
+            # it, and _wake_weights waits, empties and retries if the card is too full.
+            gc.collect()
         self.probe("before resume weights")
         with expandable_segments(False):
             with self._timed("engine_weights_sync"):

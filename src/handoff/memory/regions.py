@@ -45,20 +45,17 @@ def _fmt(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def aggressive_empty_cache(*, wait_for_copies: bool = True) -> None:
+def aggressive_empty_cache() -> None:
     """Collect garbage, wait for the device, and hand PyTorch's unused cached blocks back.
 
     Run it before waking a region: segments cached by the caching allocator are free to
     PyTorch but not to the driver, and a wake is checked against the driver's free memory.
-    wait_for_copies=False waits for the current stream only, so an arena copy in flight on
-    its own stream keeps running (its blocks come back once it is done: record_stream).
+    It waits for every copy in flight: torch's empty_cache itself waits on the events of
+    blocks freed under record_stream (an arena offload), so with a copy running, skip it.
     """
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        if wait_for_copies:
-            torch.cuda.synchronize()
-        else:
-            torch.cuda.current_stream().synchronize()
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
