@@ -10,8 +10,9 @@
 
 `to_rollout()` runs the order of BRIEF.md ("The switch order"), which sets the peak:
 optimizer D2H (started first, overlapped with what follows), empty the caching allocator
-(skipped while that copy runs: emptying would wait for it), expandable_segments off, wake the engine's weights region, stream the actor's full params
-into it, actor params D2H, wait for the optimizer copy, empty cache, wake the KV pool (the
+(skipped while that copy runs: emptying would wait for it), expandable_segments off, wake
+the engine's weights region, stream the actor's full params into it, wait for the
+optimizer copy and empty the cache, actor params D2H, empty cache, wake the KV pool (the
 largest, so last), expandable_segments back on, reset the prefix cache. Every point is a
 meter probe under the brief's names, and every action is timed under the ledger's name
 (handoff.plan.ledger.SWITCH_ACTIONS) with the bytes it moved, so a run prints planned vs
@@ -276,10 +277,15 @@ class HybridWorker:
                     select=self.engine.weight_shard)
             self.actions["engine_weights_sync"]["bytes"] += self.last_sync.bytes
             self.probe("after update_weights")
-            self._move_actor("host", params=mem.param_offload)
             if opt_move is not None:
+                # The optimizer's memory goes back to the driver as soon as its copy ends,
+                # while the params copy (on the same D2H stream, so no later) runs: the
+                # driver clears freed pages before it maps them again, and the KV pool next
+                # maps most of the card.
                 r = opt_move.wait()["optimizer"]
                 self._record("optimizer_d2h", r["seconds"], int(r["bytes"]))
+                aggressive_empty_cache()
+            self._move_actor("host", params=mem.param_offload)
             aggressive_empty_cache()
             self.probe("after params offload")
             # Mapped, not copied: the ledger counts the pool's bytes for this action too.
