@@ -57,12 +57,13 @@ PROBES_TO_ROLLOUT = ("after update", "before resume weights", "after update_weig
                      "after params offload", "after resume kv_cache")
 
 
-def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int, int]:
-    """(KV pool, weights, freed before the KV wake) bytes: the pool and weights the engine is
-    about to allocate (the pool sized as Engine._num_blocks does, with the planner's
-    activation peak and graph pool for the ones it profiles), each at most what is free now
-    less the wake margin and 1 GiB of slack; and what a switch hands back to the driver
-    right before it maps the pool (offloaded optimizer and params, the sync's two buckets)."""
+def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int, list]:
+    """(KV pool, weights) bytes the engine is about to allocate (the pool sized as
+    Engine._num_blocks does, with the planner's activation peak and graph pool for the ones
+    it profiles), each at most what is free now less the wake margin and 1 GiB of slack;
+    and [(bytes, seconds before the KV wake)] that to_rollout hands back to the driver: the
+    optimizer once its copy ends (the params copy still to go), then the params and the
+    sync's two buckets right before the wake."""
     shape = load_shape(cfg.model.path)
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
     ro, tp = cfg.rollout, cfg.parallel.tp
@@ -85,9 +86,13 @@ def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int, int]:
     room = free - pool.wake_margin_bytes - (1 << 30)
     weights = int(max(min(weights, room), 1))
     owners = trainer_bytes(shape, shard_size(cfg.parallel), dtypes, ref=False)
-    freed = ((owners["optimizer"] if cfg.memory.optimizer_offload else 0)
-             + (owners["params"] if cfg.memory.param_offload else 0) + 2 * (cfg.sync.bucket_mb << 20))
-    return int(max(min(want, room), block)), weights, int(max(min(freed, room - weights), 0))
+    params = owners["params"] if cfg.memory.param_offload else 0
+    late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)
+    early = owners["optimizer"] if cfg.memory.optimizer_offload else 0
+    early = min(early, room - weights - late)
+    pcie = hardware_profile(cfg.hardware.name, cfg.hardware).pinned_pcie_bps
+    freed = [(int(late), 0.0)] + ([(int(early), params / pcie)] if early > 0 else [])
+    return int(max(min(want, room), block)), weights, freed
 
 
 def _sync(device: torch.device) -> None:
@@ -125,13 +130,14 @@ class HybridWorker:
         # the weights. The regions stay asleep for good (no physical memory behind them;
         # torch_memory_saver keeps their addresses until the process ends).
         # The KV map is measured as the switch does it: weights mapped, the trainer's
-        # offloaded state just handed back, the pool's own pages released long enough ago
-        # for the driver to have cleared them (it cleared ~260 GB/s on the H200).
+        # offloaded state handed back when to_rollout hands it back, the pool's own pages
+        # released seconds before (a step trains in between; a 0.6 s settle measured the
+        # 4B pool's map 3x slower than its steps did).
         kv_bytes, weight_bytes, freed = _bytes_to_calibrate(cfg, self.pool)
         on_cuda = self.device.type == "cuda"
         self.remap_rates = measure_remap_rates(
-            self.device, kv_bytes, pool=self.pool, held_during_wake=weight_bytes,
-            freed_before_wake=freed, settle_s=min(kv_bytes / 200e9, 1.0) if on_cuda else 0.0)
+            self.device, kv_bytes, pool=self.pool, repeats=2, held_during_wake=weight_bytes,
+            freed_before_wake=freed, settle_s=2.0 if on_cuda else 0.0)
         weights = measure_remap_rates(self.device, weight_bytes, pool=self.pool,
                                       tag="calibrate_weights")
         self.remap_rates.update(weights_map_bps=weights["map_bps"],

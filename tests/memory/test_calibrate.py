@@ -43,13 +43,15 @@ def test_a_wake_is_measured_with_memory_held_and_just_freed(monkeypatch):
     real_wake = pool.wake_up
 
     def wake_up(tags=None):
-        seen.append([(n, ref() is not None) for n, ref in made[-2:]])
+        seen.append([(n, ref() is not None) for n, ref in made[-3:]])
         real_wake(tags)
 
     monkeypatch.setattr(pool, "wake_up", wake_up)
     measure_remap_rates(torch.device("cpu"), 1 << 20, pool=pool, repeats=2,
-                        held_during_wake=3 << 20, freed_before_wake=5 << 20)
-    assert seen == [[(3 << 20, True), (5 << 20, False)]] * 3  # warm-up + 2 timed wakes
+                        held_during_wake=3 << 20, freed_before_wake=[(2 << 20, 0.0),
+                                                                     (5 << 20, 0.01)])
+    # Per wake (warm-up + 2 timed): held alive; both freed, the earlier one allocated first.
+    assert seen == [[(3 << 20, True), (5 << 20, False), (2 << 20, False)]] * 3
     assert all(ref() is None for _, ref in made)  # nothing outlives the measurement
 
 

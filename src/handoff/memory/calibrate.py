@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Sequence
 
 import torch
 
@@ -60,7 +61,8 @@ def _touched(nbytes: int, device: torch.device) -> torch.Tensor | None:
 
 def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, pool=None,
                         tag: str = "calibrate", held_during_wake: int = 0,
-                        freed_before_wake: int = 0, settle_s: float = 0.0) -> dict:
+                        freed_before_wake: Sequence[tuple[int, float]] = (),
+                        settle_s: float = 0.0) -> dict:
     """Bytes/s of waking (map) and level-2 sleeping (unmap) one region of one `nbytes` tensor.
 
     Returns medians over `repeats` sleep/wake pairs after one warm-up pair:
@@ -71,8 +73,9 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
     `pool` so its meter accounts for the region (asleep, it shows as nobody's bytes).
 
     A wake can be measured in the state a switch wakes in: `held_during_wake` bytes in use
-    elsewhere, `freed_before_wake` bytes of touched memory handed back to the driver just
-    before, and the region's own pages given `settle_s` after its sleep. It matters: the
+    elsewhere, `freed_before_wake` = [(bytes, seconds before the wake)] of touched memory
+    handed back to the driver at those times, and the region's own pages given `settle_s`
+    after its sleep. It matters: the
     driver seems to clear freed pages before mapping them again (on the H200, mapping 100
     GiB right after unmapping it took 281 ms, 32 GiB 1.3 ms; the 4B run's KV wake, which
     follows the optimizer's 48 GB going back, 79 ms).
@@ -95,9 +98,12 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
         sleeps.append(time.perf_counter() - t0)
         time.sleep(settle_s)
         held = _touched(held_during_wake, pool.device)
-        freed = _touched(freed_before_wake, pool.device)
-        del freed
-        aggressive_empty_cache()  # the freed bytes go back to the driver, as in the switch
+        releases = sorted(freed_before_wake, key=lambda r: -r[1])  # the earliest first
+        blocks = [_touched(n, pool.device) for n, _ in releases]
+        for i, (_, lead) in enumerate(releases):
+            blocks[i] = None
+            aggressive_empty_cache()  # the bytes go back to the driver, as in the switch
+            time.sleep(max(lead - (releases[i + 1][1] if i + 1 < len(releases) else 0.0), 0.0))
         t1 = time.perf_counter()
         pool.wake_up([tag])
         _wait(pool.device)
