@@ -27,7 +27,7 @@ from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefi
                                        packed_prefill_available, select_decode_backend)
 from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
 from handoff.rollout.models.qwen3 import CausalLM
-from handoff.rollout.sampling import SamplingBatch, sample, uniforms
+from handoff.rollout.sampling import SamplingBatch, sample, to_device, uniforms
 from handoff.rollout.sequence import Sequence
 
 
@@ -241,7 +241,7 @@ class ModelRunner:
             uniform=uniforms(keys, steps))
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
-        return _to_device(array, self.device)
+        return to_device(array, self.device)
 
     # ---------------------------------------------------------------- sizing
 
@@ -304,10 +304,6 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.empty_cache()
         return int(2 * peak + (64 << 20))
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
 
 def decode_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
