@@ -277,8 +277,12 @@ def train_cmd(
     cfg.model.path = resolve_model_path(cfg.model.path)
     preflight(cfg)
     from handoff.loop import train
+    from handoff.rollout.parallel import destroy_process_groups
 
     train(cfg)
+    # Every rank tears its groups down on a normal exit (gloo's worker threads can otherwise
+    # outlive the interpreter). Not after an error: the other ranks may sit in a collective.
+    destroy_process_groups()
 
 
 @app.command("report")
