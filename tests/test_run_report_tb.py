@@ -12,7 +12,7 @@ from handoff.run_report import RunReport
 def _report(tmp_path):
     cfg = load_config("examples/cpu-tiny.yaml", ["model.path=tiny-qwen3",
                                                  f"run.out_dir={tmp_path}", "run.steps=3"])
-    worker = SimpleNamespace(device=torch.device("cpu"),
+    worker = SimpleNamespace(device=torch.device("cpu"), remap_rates={},
                              engine=SimpleNamespace(stats=lambda: {"kv_cache_bytes": 0}))
     return RunReport(cfg, worker, tmp_path)
 

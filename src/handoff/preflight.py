@@ -47,21 +47,15 @@ def preflight(cfg: Config) -> dict | None:
 
 def _check_resume(cfg: Config) -> None:
     """A resume whose checkpoint already reached run.steps fails now, not after loading."""
-    import json
-
-    from handoff.train.checkpoint import latest_checkpoint
-
     ckpt_dir = Path(cfg.run.out_dir) / "checkpoints"
-    latest = latest_checkpoint(ckpt_dir)
-    if latest is None:
-        return
-    step = json.loads((latest / "meta.json").read_text())["step"]
+    step = _start_step(ckpt_dir)
     if step >= cfg.run.steps:
         raise HandoffError(f"the checkpoint in {ckpt_dir} is at step {step}, "
                            f"run.steps={cfg.run.steps}: raise run.steps to train further")
 
 
 def _start_step(ckpt_dir: Path) -> int:
+    """The step of the latest complete checkpoint (0 when there is none)."""
     import json
 
     from handoff.train.checkpoint import latest_checkpoint

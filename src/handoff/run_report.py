@@ -69,7 +69,7 @@ class RunReport:
         self.worker = worker
         self.out_dir = out_dir
         self.rows: list[dict] = []
-        self.rates = {**measure_link_rates(worker.device), **getattr(worker, "remap_rates", {}),
+        self.rates = {**measure_link_rates(worker.device), **worker.remap_rates,
                       "tensor_host_s": measure_tensor_host_seconds(worker.device)}
         kv_bytes = worker.engine.stats()["kv_cache_bytes"]
         self.planned = planned_actions(cfg, self.rates, kv_bytes)

@@ -67,6 +67,7 @@ def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int, list]:
     shape = load_shape(cfg.model.path)
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
     ro, tp = cfg.rollout, cfg.parallel.tp
+    hw = hardware_profile(cfg.hardware.name, cfg.hardware)
     weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
     block = int(kv_bytes_per_token_per_card(shape, tp, dtypes.kv_bytes)) * ro.block_size
     needed = -(-ro.max_model_len // ro.block_size) + 1
@@ -77,7 +78,6 @@ def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int, list]:
     if ro.num_blocks is not None:
         want = ro.num_blocks * block
     elif pool.device.type == "cuda":
-        hw = hardware_profile(cfg.hardware.name, cfg.hardware)
         want = (ro.gpu_memory_utilization * total - hw.activation_peak_bytes - hw.graph_pool_bytes
                 - weights)
     else:
@@ -90,8 +90,7 @@ def _bytes_to_calibrate(cfg: Config, pool: RegionPool) -> tuple[int, int, list]:
     late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)
     early = owners["optimizer"] if cfg.memory.optimizer_offload else 0
     early = min(early, room - weights - late)
-    pcie = hardware_profile(cfg.hardware.name, cfg.hardware).pinned_pcie_bps
-    freed = [(int(late), 0.0)] + ([(int(early), params / pcie)] if early > 0 else [])
+    freed = [(int(late), 0.0)] + ([(int(early), params / hw.pinned_pcie_bps)] if early > 0 else [])
     return int(max(min(want, room), block)), weights, freed
 
 

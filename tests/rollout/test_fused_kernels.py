@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from triton_interpreter import results_under_interpreter
 
 # name: (tokens, heads, kv heads, head_dim, qk norm, kv cache dtype or None, slots)
 QKV_CASES = {
@@ -152,13 +151,7 @@ def _check(results: dict, tol: float, fp8_mismatch: float) -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+    return results_under_interpreter(__file__)
 
 
 def test_fused_kernels_equal_reference_under_interpreter(interpreter_results):
@@ -177,15 +170,11 @@ def test_fused_kernels_equal_reference_on_cuda():
     from handoff.rollout import ops
 
     assert ops.use_fused(torch.empty(1, device="cuda", dtype=torch.bfloat16))
-
-    def fused_norm(x, r, w, eps):
-        return ops.add_rms_norm(x, r, w, eps)
-
     # bf16 on the GPU: ops dispatches to the kernels; the reference runs on CPU copies.
-    results = run_cases("cuda", torch.bfloat16, ops.qk_norm_rope_store, fused_norm, ops.silu_mul)
+    results = run_cases("cuda", torch.bfloat16, ops.qk_norm_rope_store, ops.add_rms_norm,
+                        ops.silu_mul)
     _check(results, tol=1e-2, fp8_mismatch=0.0)  # an ulp or so of bf16
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(__file__))
     _interpreter_main()

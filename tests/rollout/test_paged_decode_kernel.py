@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from paged_attention_oracles import check, flex_paged_decode, make_case, reference, run_kernel
+from triton_interpreter import results_under_interpreter
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -95,13 +94,7 @@ def _bench_smoke() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+    return results_under_interpreter(__file__)
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))

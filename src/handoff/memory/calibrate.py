@@ -20,17 +20,20 @@ from typing import Sequence
 import torch
 
 
+def _wait(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _timed(fn, device: torch.device, repeats: int) -> float:
     """Median wall seconds of `fn` over `repeats` runs after one warm-up."""
     fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _wait(device)
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _wait(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -47,11 +50,6 @@ def measure_link_rates(device: torch.device, nbytes: int = 256 << 20, repeats: i
     del dev, host, other
     return {"d2h_bps": nbytes / d2h, "h2d_bps": nbytes / h2d, "d2d_bps": 2 * nbytes / d2d,
             "bytes": nbytes}
-
-
-def _wait(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _touched(nbytes: int, device: torch.device) -> torch.Tensor | None:
@@ -75,10 +73,9 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
     A wake can be measured in the state a switch wakes in: `held_during_wake` bytes in use
     elsewhere, `freed_before_wake` = [(bytes, seconds before the wake)] of touched memory
     handed back to the driver at those times, and the region's own pages given `settle_s`
-    after its sleep. It matters: the
-    driver seems to clear freed pages before mapping them again (on the H200, mapping 100
-    GiB right after unmapping it took 281 ms, 32 GiB 1.3 ms; the 4B run's KV wake, which
-    follows the optimizer's 48 GB going back, 79 ms).
+    after its sleep. It matters: the driver seems to clear freed pages before mapping them
+    again (on the H200, mapping 100 GiB right after unmapping it took 281 ms, 32 GiB 1.3 ms;
+    the 4B run's KV wake, which follows the optimizer's 48 GB going back, 79 ms).
     """
     from handoff.memory.regions import RegionPool, aggressive_empty_cache
 

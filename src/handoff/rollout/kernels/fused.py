@@ -27,6 +27,9 @@ import triton.language as tl
 from handoff.rollout.attention import FP8_MAX
 
 
+FP8_MAX_F = tl.constexpr(FP8_MAX)  # a global a kernel reads must be a constexpr
+
+
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                          stride_x, stride_res, stride_out, stride_res_out,
@@ -113,9 +116,6 @@ def _store_cache(cache_ptr, slot, stride_slot, heads, halves, mask, lo, hi, scal
         hi = tl.minimum(tl.maximum(hi.to(tl.float32) * inv, -FP8_MAX_F), FP8_MAX_F)
     tl.store(row, lo.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(row + HALF, hi.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-FP8_MAX_F = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
