@@ -13,7 +13,7 @@ Where the numbers come from:
 * h200: measured on this project's device (139 GiB usable HBM, pinned 55 GB/s each way,
   101 GB/s both directions at once, device copy 4.2 TB/s read + write); torch_memory_saver
   unmaps at ~2 TB/s at every size (8 GiB 4.2 ms, 100 GiB 58 ms) but maps in a time that is
-  not linear in size (8 GiB 0.5 ms; 100-112 GiB anywhere from 4 to 281 ms): map_bps is the 4B
+  not linear in size (8 GiB 0.5 ms; 100-112 GiB anywhere from 4 to 355 ms): map_bps is the 4B
   run's 108 GiB KV wake (79 ms), and a run measures both rates at its own KV pool's size
   (handoff.memory.calibrate); ~40 us of host work per tensor of an in-process weight sync
   (Qwen3-1.7B: 310 tensors, 3.2 GB in 30 ms); decode bandwidth scaled from the H100's 60%
