@@ -28,6 +28,7 @@ import torch
 
 from handoff.config import Config, to_dict
 from handoff.errors import HandoffError
+from handoff.memory import frozen_gc_heap
 from handoff.rollout.parallel import world_rank_size
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_report import RunReport, console
@@ -202,15 +203,16 @@ class Trainer:
                                f"run.steps={cfg.run.steps}: raise run.steps to train further")
         if self.report is not None:
             self.report.start(self.start_step)
-        for step in range(self.start_step, cfg.run.steps):
-            done = step + 1
-            save = cfg.run.checkpoint and (
-                done == cfg.run.steps or bool(cfg.run.save_every and done % cfg.run.save_every == 0))
-            row = self.step(step, save=save)
-            if self.report is not None:
-                self.report.log_step(row)
-            if self.pending_checkpoint is not None:
-                publish_checkpoint(self.pending_checkpoint)
+        with frozen_gc_heap():   # the switch's gc.collect() calls skip the setup's objects
+            for step in range(self.start_step, cfg.run.steps):
+                done = step + 1
+                save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
+                    cfg.run.save_every and done % cfg.run.save_every == 0))
+                row = self.step(step, save=save)
+                if self.report is not None:
+                    self.report.log_step(row)
+                if self.pending_checkpoint is not None:
+                    publish_checkpoint(self.pending_checkpoint)
         return self.report.finish() if self.report is not None else {}
 
 

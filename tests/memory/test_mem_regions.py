@@ -1,10 +1,13 @@
 """CPU contract of RegionPool: levels, no-op sleeps, unknown tags, hooks, wake refusal."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from handoff.errors import HandoffError
-from handoff.memory import RegionPool, aggressive_empty_cache, expandable_segments
+from handoff.memory import RegionPool, aggressive_empty_cache, expandable_segments, frozen_gc_heap
 from handoff.memory.regions import expandable_segments_enabled
 
 
@@ -188,3 +191,22 @@ def test_expandable_segments_switch_and_restore():
         assert expandable_segments_enabled() is (not start)
     assert expandable_segments_enabled() is start
     aggressive_empty_cache()
+
+
+def test_frozen_gc_heap_collects_setup_garbage_then_unfreezes_even_on_error():
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.self = cycle           # garbage only a collection can free
+    alive = [Node()]
+    gone = weakref.ref(cycle)
+    del cycle
+    with pytest.raises(RuntimeError):
+        with frozen_gc_heap():
+            assert gc.get_freeze_count() > 0
+            tracked = {id(o) for o in gc.get_objects()}
+            assert id(alive) not in tracked and gone() is None
+            raise RuntimeError("a step failed")
+    assert gc.get_freeze_count() == 0
+    assert id(alive) in {id(o) for o in gc.get_objects()}

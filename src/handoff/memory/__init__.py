@@ -5,8 +5,8 @@
 
 from handoff.memory.meter import MemoryMeter
 from handoff.memory.regions import (RegionPool, aggressive_empty_cache, expandable_segments,
-                                    set_expandable_segments)
+                                    frozen_gc_heap, set_expandable_segments)
 from handoff.memory.staging import PinnedArena, Transfer
 
 __all__ = ["MemoryMeter", "RegionPool", "PinnedArena", "Transfer", "aggressive_empty_cache",
-           "expandable_segments", "set_expandable_segments"]
+           "expandable_segments", "frozen_gc_heap", "set_expandable_segments"]
