@@ -46,13 +46,11 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                             max_tokens=max_tokens)
     device, group = _join_tp_group(device, tp)
-    try:
-        outputs = Engine(model, cfg, device=device, tp=group).generate(token_lists, params)
-    finally:
-        if group.size > 1:
-            from handoff.rollout.parallel import destroy_process_groups
+    outputs = Engine(model, cfg, device=device, tp=group).generate(token_lists, params)
+    if group.size > 1:   # not after an error: another rank may still sit in a collective
+        from handoff.rollout.parallel import destroy_process_groups
 
-            destroy_process_groups()
+        destroy_process_groups()
     return [{"prompt": text, "token_ids": s.token_ids,
              "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
              "logprobs": s.logprobs, "finish_reason": s.finish_reason}
