@@ -29,8 +29,8 @@ def test_ladder_covers_every_batch_with_the_smallest_bucket():
         assert bucket(max_num_seqs + 1, sizes) is None
 
 
-def _fill(inputs, tables, rows, lens, last, padded):
-    return inputs.fill(np.array(rows), np.array(lens), np.array(last), tables, padded)
+def _fill(inputs, tables, rows, lens, padded):
+    return inputs.fill(np.array(rows), np.array(lens), tables, padded)
 
 
 def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
@@ -38,11 +38,12 @@ def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
     bs, max_rows, max_blocks = 4, 8, 6
     tables = rng.integers(1, 100, (max_rows, max_blocks)).astype(np.int32)
     inputs = DecodeInputs(max_rows, max_blocks, bs, torch.device("cpu"))
-    rows, lens, last = [5, 0, 3], [9, 1, 17], [11, 12, 13]
-    width = _fill(inputs, tables, rows, lens, last, padded=8)
+    rows, lens = [5, 0, 3], [9, 1, 17]
+    width = _fill(inputs, tables, rows, lens, padded=8)
     assert width == 5  # 17 tokens in blocks of 4
-    ids, pos, tab, ctx, slots = inputs.views(8, width)
-    assert ids.tolist() == last + [0] * 5 and pos.tolist() == [8, 0, 16] + [0] * 5
+    staged_rows, pos, tab, ctx, slots = inputs.views(8, width)
+    # Padding rows name the spare token row (max_rows), whose next token is always 0.
+    assert staged_rows.tolist() == rows + [max_rows] * 5 and pos.tolist() == [8, 0, 16] + [0] * 5
     assert ctx.dtype == torch.int32 and ctx.tolist() == lens + [0] * 5
     assert slots.tolist()[3:] == [-1] * 5  # padding is stored into the null block
     for i, (row, n) in enumerate(zip(rows, lens)):
@@ -51,12 +52,12 @@ def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
         assert tab[i, :-(-n // bs)].tolist() == tables[row, :-(-n // bs)].tolist()
     assert tab.shape == (8, width) and tab.stride(0) == max_blocks
     # A smaller next step overwrites the rows that were real before with padding.
-    _fill(inputs, tables, [2], [4], [7], padded=2)
-    ids, pos, _, ctx, slots = inputs.views(4, 1)
-    assert ids.tolist()[:2] == [7, 0] and ctx.tolist()[:2] == [4, 0]
+    _fill(inputs, tables, [2], [4], padded=2)
+    staged_rows, pos, _, ctx, slots = inputs.views(4, 1)
+    assert staged_rows.tolist()[:2] == [2, max_rows] and ctx.tolist()[:2] == [4, 0]
     assert slots.tolist()[:2] == [tables[2, 0] * bs + 3, -1] and pos.tolist()[:2] == [3, 0]
     with pytest.raises(AssertionError):
-        _fill(inputs, tables, [0, 1], [1, 1], [0, 0], padded=1)
+        _fill(inputs, tables, [0, 1], [1, 1], padded=1)
 
 
 def _tokens_and_logprobs(outs):

@@ -160,7 +160,7 @@ def test_packed_prefill_matches_the_loop_with_prefix_hits(qwen3_dir, ref):
         for seq in seqs:
             assert engine.blocks.allocate(seq)
         assert [s.num_cached_tokens for s in seqs] == [96, 32, 0, 96]
-        logits.append(engine.runner._prefill(seqs).float().log_softmax(-1))
+        logits.append(engine.runner._prefill(seqs)[0].float().log_softmax(-1))
         for seq in seqs:
             engine.blocks.free_seq(seq)
         engine.sleep(2)

@@ -79,14 +79,18 @@ def test_collision_guard_compares_tokens():
     assert b.num_cached_tokens == 0
 
 
-def test_decode_slot_registers_full_blocks_and_refuses_when_full():
+def test_full_blocks_are_hashed_after_their_store_and_slots_refused_when_full():
     m = _manager(num_blocks=3, rows=2)  # blocks 1 and 2 usable
     s = _seq([1, 2, 3])
     m.allocate(s)
     s.append(4, 0.0)  # 4 tokens: the decode step writes token 3 and fills block 0
     assert m.reserve_decode_slot(s)
+    assert m.hashes[s.block_table[0]] == -1  # not before that step's KV is stored
+    m.register_filled_block(s)  # postprocess of that step, before its token is appended
     h = m.hashes[s.block_table[0]]
     assert h == block_hash([1, 2, 3, 4], 0) and m.hash_to_block[h] == s.block_table[0]
+    # A step staged ahead reserves room for the token still being sampled.
+    assert m.reserve_decode_slot(s, ahead=1) and len(s.block_table) == 2
     s.append(5, 0.0)
     assert m.reserve_decode_slot(s) and len(s.block_table) == 2
     for t in (6, 7, 8, 9):

@@ -176,6 +176,38 @@ def test_stop_ids_and_length_limits(qwen3_dir, ref):
     assert len(out.token_ids) == 32 - 13 and out.finish_reason == "length"
 
 
+def test_steps_staged_ahead_drop_tokens_of_stopped_sequences(qwen3_dir, ref):
+    """Decode steps are launched before the previous step's tokens are known: a sequence
+    that stops in step n is in step n+1 too, and that token must vanish without a trace
+    (outputs, counters, blocks), while the others go on as if each ran alone."""
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    prompts = ref.mixed_prompts[:4]
+    full = [ref.greedy(qwen3_dir, p, 12) for p in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[f[k]])
+              for f, k in zip(full, (2, 5, 8, 11))]
+    before = engine.stats()
+    outs = engine.generate(prompts, params)
+    after = engine.stats()
+    for f, p, out in zip(full, params, outs):
+        cut = f.index(p.stop_token_ids[0])
+        assert out.outputs[0].token_ids == f[:cut + 1]
+        assert out.outputs[0].finish_reason == "stop"
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert after["generated_tokens"] - before["generated_tokens"] == generated
+    assert after["decode_steps_staged"] > before["decode_steps_staged"]  # it did stage
+    assert after["free_blocks"] == engine.blocks.num_blocks - 1  # nothing leaked
+    # Blocks filled by decode steps were hashed once stored (at postprocess): a prompt that
+    # continues the last sequence's text finds every full block of it, and the cached KV
+    # gives the same tokens as before.
+    last = prompts[3] + outs[3].outputs[0].token_ids[:9]
+    hits = engine.stats()["prefix_cache_hits"]
+    cont = engine.generate([last], SamplingParams(temperature=0.0, max_tokens=3,
+                                                  ignore_eos=True))[0].outputs[0]
+    bs = engine.blocks.block_size
+    assert engine.stats()["prefix_cache_hits"] - hits == (len(last) - 1) // bs * bs
+    assert cont.token_ids == ref.greedy(qwen3_dir, last, 3)
+
+
 def test_fp8_kv_cache_runs_and_resets_on_wake(qwen3_dir, ref):
     exact = Engine(str(qwen3_dir), ref.cfg())
     fp8 = Engine(str(qwen3_dir), ref.cfg(kv_dtype="fp8"))
@@ -225,7 +257,7 @@ def test_profiling_forward_without_cache_equals_the_paged_prefill(qwen3_dir, ref
     for seq in seqs:
         assert engine.blocks.allocate(seq)
     with torch.inference_mode():
-        paged = engine.runner._prefill(seqs)
+        paged, _ = engine.runner._prefill(seqs)
         ids = torch.tensor([t for p in prompts for t in p])
         positions = torch.cat([torch.arange(len(p)) for p in prompts])
         meta = AttnMeta(is_prefill=True, kv=None, query_lens=[len(p) for p in prompts])

@@ -116,14 +116,14 @@ class BlockManager:
         self.prefix_hits += seq.num_cached_tokens
         return True
 
-    def reserve_decode_slot(self, seq: Sequence) -> bool:
-        """Make room for the KV of `seq`'s last token (written by the coming decode step).
+    def reserve_decode_slot(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Make room for the KV of `seq`'s last token (written by the coming decode step), or
+        with ahead=1 of the token the step in flight is sampling (a step staged early).
 
-        Returns False, changing nothing, when a new block is needed and none is free. When the
-        step fills a block, the block is hashed now, so a preempted or later sequence can reuse it.
+        Returns False, changing nothing, when a new block is needed and none is free.
         """
         bs = self.block_size
-        n = seq.num_tokens
+        n = seq.num_tokens + ahead
         table = seq.block_table
         if len(table) * bs < n:
             if not self.free:
@@ -131,10 +131,21 @@ class BlockManager:
             block = self._take_fresh()
             self.tables[seq.row, len(table)] = block
             table.append(block)
-        if n % bs == 0:
-            parent = self.hashes[table[-2]] if len(table) > 1 else 0
-            self._register(table[-1], seq.token_ids[n - bs:n], parent)
         return True
+
+    def register_filled_block(self, seq: Sequence) -> None:
+        """After a step stored the KV of `seq`'s last token: hash the block that store
+        filled, so a preempted or later sequence can reuse it. Only now: a hash names KV
+        that is in the cache (a step staged early may still be writing the next block)."""
+        bs = self.block_size
+        n = seq.num_tokens
+        if n == 0 or n % bs:
+            return
+        i = n // bs - 1
+        block = seq.block_table[i]
+        if self.hashes[block] == -1:  # prompt blocks were hashed when allocated
+            parent = self.hashes[seq.block_table[i - 1]] if i > 0 else 0
+            self._register(block, seq.token_ids[n - bs:n], parent)
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks keep their hashes (revivable) until reused."""

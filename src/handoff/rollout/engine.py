@@ -6,7 +6,9 @@
     engine.wake_up(["weights"]); engine.load_weights(trainer_named_tensors)
     engine.wake_up(["kv_cache"])                             # KV zeroed, prefix cache empty
 
-One step is `scheduler.schedule()` -> `runner.run()` -> `scheduler.postprocess()`. Memory lives
+One step is `scheduler.schedule()` -> `runner.launch()` -> `runner.collect()` ->
+`scheduler.postprocess()`; in a run of decode steps the next one is launched before the
+current one is collected (`step`). Memory lives
 in `handoff.memory` regions: "weights" (parameters), "kv_cache" (the paged pool and fp8
 scales) and "buffers" (RoPE tables: not weights, so a level-2 sleep keeps a CPU copy and the
 wake copies it back). Sleep levels: 0 pauses generation only; 1 backs the weights up to pinned
@@ -39,7 +41,7 @@ from handoff.rollout.parallel import TPGroup, init_tp_group
 from handoff.rollout.runner import ModelRunner
 from handoff.rollout.sampling import SamplingParams, sample_key
 from handoff.rollout.scheduler import Scheduler
-from handoff.rollout.sequence import RequestOutput, SampleOutput, Sequence
+from handoff.rollout.sequence import RequestOutput, SampleOutput, Sequence, Status
 
 TAGS = ("weights", "kv_cache")
 CPU_DEFAULT_KV_BYTES = 256 << 20  # a CPU pool without num_blocks is capped here
@@ -118,7 +120,10 @@ class Engine:
         self._paused = False
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(self.tp.shared_seed(self.device))  # same on TP ranks
-        self._counters = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0}
+        # decode_steps_staged: decode steps launched before the previous step's tokens
+        # reached the host (the device had the next step queued while the host worked).
+        self._counters = {"prefill_steps": 0, "decode_steps": 0, "decode_steps_staged": 0,
+                          "generated_tokens": 0}
         self._decode_seconds = 0.0
         self._decode_wait_seconds = 0.0
 
@@ -205,8 +210,9 @@ class Engine:
             self.scheduler.add(seq)
         bar = _progress_bar(len(seqs)) if progress else None
         try:
-            while self.scheduler.has_work:
-                finished = self.step()
+            staged = None
+            while self.scheduler.has_work or staged is not None:
+                finished, staged = self.step(staged)
                 if bar is not None:
                     bar.update(len(finished))
         except BaseException:
@@ -223,18 +229,32 @@ class Engine:
                 finish_reason=seq.finish_reason))
         return outputs
 
-    def step(self) -> list[Sequence]:
-        """Run one scheduled step; returns the sequences that finished in it."""
+    def step(self, staged=None) -> tuple[list[Sequence], tuple | None]:
+        """Run one step; returns (the sequences that finished in it, the step staged next).
+
+        `staged` is a decode step already launched (None: schedule one now). Before waiting
+        for this step's tokens, the next decode step is launched when the scheduler can
+        name its batch without them (reserve_ahead), so the device never waits for the
+        host's postprocess and scheduling in between.
+        """
         start, waited = time.perf_counter(), self.runner.wait_seconds
-        seqs, is_prefill = self.scheduler.schedule()
-        token_ids, logprobs = self.runner.run(seqs, is_prefill)
+        if staged is None:
+            seqs, is_prefill = self.scheduler.schedule()
+            staged = (seqs, is_prefill, self.runner.launch(seqs, is_prefill))
+        seqs, is_prefill, launched = staged
+        ahead = None if is_prefill else self.scheduler.reserve_ahead()
+        following = None
+        if ahead is not None:
+            following = (ahead, False, self.runner.launch(ahead, False, ahead=1))
+            self._counters["decode_steps_staged"] += 1
+        token_ids, logprobs = self.runner.collect(launched)
         self._counters["prefill_steps" if is_prefill else "decode_steps"] += 1
-        self._counters["generated_tokens"] += len(seqs)
+        self._counters["generated_tokens"] += sum(s.status is Status.RUNNING for s in seqs)
         finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
         if not is_prefill:
             self._decode_seconds += time.perf_counter() - start
             self._decode_wait_seconds += self.runner.wait_seconds - waited
-        return finished
+        return finished, following
 
     def _check_prompt(self, index: int, prompt: list[int]) -> None:
         if not prompt:

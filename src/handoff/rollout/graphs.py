@@ -1,11 +1,14 @@
 """Decode as CUDA graphs: the batch-size ladder, the static decode inputs, capture and replay.
 
 A decode step of n sequences runs at the smallest ladder size b >= n (1, 2, 4, 8, 16, 32, 48,
-64, ... max_num_seqs). Rows n..b are padding that writes nowhere that matters: token 0 at
-position 0, slot -1 (its K/V lands in the null block 0) and context length 0 (the attention
-kernel reads no key and writes zeros). The five inputs live in one static buffer per device:
-the host fills a pinned copy with numpy (no per-token Python), one H2D copy moves the used
-prefix, and the graph of size b (or the eager forward, same shapes) reads views of it.
+64, ... max_num_seqs). Rows n..b are padding that writes nowhere that matters: the spare
+token row R (token 0), position 0, slot -1 (its K/V would land in the null block 0; the
+kernels skip it) and context length 0 (the attention kernel reads no key and writes zeros).
+The five inputs live in one static buffer per device: the host fills a pinned copy with numpy
+(no per-token Python), one H2D copy moves the used prefix, and the graph of size b (or the
+eager forward, same shapes) reads views of it. Token ids are not among them: each sequence's
+block-table row names its slot in the runner's device buffer of next tokens, which the
+sampler writes, so a step can be staged before the previous step's tokens reach the host.
 
 Graphs are captured once, at engine start, largest first into one shared memory pool, and
 only over memory whose addresses never move: the weights, KV and RoPE regions keep their
@@ -50,7 +53,7 @@ def bucket(num_rows: int, sizes: Seq[int]) -> int | None:
 class DecodeInputs:
     """Static decode inputs: a pinned host staging buffer and its device twin, one copy a step.
 
-    Layout (bytes, each field 256-aligned): input_ids, positions, slot_mapping (int64 [R]),
+    Layout (bytes, each field 256-aligned): rows, positions, slot_mapping (int64 [R]),
     context_lens (int32 [R]), block_tables (int32 [R, M]) last, so a step of B rows moves one
     contiguous prefix: the small fields whole and B table rows. Columns of a block-table row past what its context needs
     keep stale values: the kernel reads only blocks below context_len, so they are never used.
@@ -60,7 +63,7 @@ class DecodeInputs:
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device):
         self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
         self.device = device
-        fields = [("ids", 8, max_rows), ("pos", 8, max_rows), ("slots", 8, max_rows),
+        fields = [("rows", 8, max_rows), ("pos", 8, max_rows), ("slots", 8, max_rows),
                   ("ctx", 4, max_rows), ("tables", 4, max_rows * max_blocks)]
         offsets, end = {}, 0
         for name, size, count in fields:
@@ -72,7 +75,7 @@ class DecodeInputs:
         self.host = torch.zeros(end, dtype=torch.uint8, pin_memory=on_cuda)
         self.dev = torch.zeros(end, dtype=torch.uint8, device=device) if on_cuda else self.host
         raw = self.host.numpy()
-        np_types = {"ids": np.int64, "pos": np.int64, "slots": np.int64, "ctx": np.int32,
+        np_types = {"rows": np.int64, "pos": np.int64, "slots": np.int64, "ctx": np.int32,
                     "tables": np.int32}
         torch_types = {np.int64: torch.int64, np.int32: torch.int32}
         self.h = {k: raw[a:b].view(np_types[k]) for k, (a, b) in offsets.items()}
@@ -82,12 +85,13 @@ class DecodeInputs:
         # The staging buffer is rewritten each step: wait until the last copy has read it.
         self._copied = torch.cuda.Event() if on_cuda else None
 
-    def fill(self, rows: np.ndarray, lens: np.ndarray, last: np.ndarray, tables: np.ndarray,
+    def fill(self, rows: np.ndarray, lens: np.ndarray, tables: np.ndarray,
              padded_rows: int) -> int:
-        """Stage a step: sequences' block-table rows, lengths (incl. the new token), last tokens.
+        """Stage a step: sequences' block-table rows and lengths (incl. the new token).
 
-        Rows len(rows)..padded_rows become padding. Returns the block-table width the real
-        rows need (columns past it may hold stale values).
+        Rows len(rows)..padded_rows become padding (row index max_rows: the spare token
+        row). Returns the block-table width the real rows need (columns past it may hold
+        stale values).
         """
         n, bs = len(rows), self.block_size
         assert 0 < n <= padded_rows <= self.max_rows, (n, padded_rows, self.max_rows)
@@ -99,12 +103,12 @@ class DecodeInputs:
         tables_nw = tables[rows, :width]
         h["tables"][:n, :width] = tables_nw
         positions = lens - 1
-        h["ids"][:n] = last
+        h["rows"][:n] = rows
         h["pos"][:n] = positions
         h["ctx"][:n] = lens
         h["slots"][:n] = tables_nw[np.arange(n), positions // bs].astype(np.int64) * bs \
             + positions % bs
-        h["ids"][n:padded_rows] = 0
+        h["rows"][n:padded_rows] = self.max_rows
         h["pos"][n:padded_rows] = 0
         h["ctx"][n:padded_rows] = 0
         h["slots"][n:padded_rows] = -1
@@ -119,9 +123,10 @@ class DecodeInputs:
         self._copied.record(torch.cuda.current_stream(self.device))
 
     def views(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
-        """(input_ids, positions, block_tables [rows, width], context_lens, slot_mapping)."""
+        """(block-table rows, positions, block_tables [rows, width], context_lens,
+        slot_mapping)."""
         d = self.d
-        return (d["ids"][:rows], d["pos"][:rows], d["tables"][:rows, :width], d["ctx"][:rows],
+        return (d["rows"][:rows], d["pos"][:rows], d["tables"][:rows, :width], d["ctx"][:rows],
                 d["slots"][:rows])
 
 

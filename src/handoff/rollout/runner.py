@@ -6,9 +6,12 @@ arrays go to the device in one copy); on CUDA each layer attends with one varlen
 five inputs in graphs.DecodeInputs (numpy, one H2D copy). On CUDA with the Triton kernel the
 batch is padded to a ladder size and that size's captured graph replays (graphs.py); with
 `cuda_graphs` off the same padded shapes run eagerly, so both compute the same numbers. On
-CPU decode runs eagerly at the exact batch. Sampling runs outside the graph; a step ends with
-one device-to-host copy of tokens and log-probs and one timed wait (`wait_seconds`), so the
-engine can tell the host's own time per step from the device's.
+CPU decode runs eagerly at the exact batch. Sampling runs outside the graph and writes each
+sequence's token into `next_ids` at its block-table row, where the next decode step reads its
+input ids: a step can be launched before the previous one's tokens reach the host (`launch`,
+then `collect`; `ahead=1` stages a decode for the token in flight). `collect` copies tokens
+and log-probs to the host once and waits once (`wait_seconds`), so the engine can tell the
+host's own time per step from the device's.
 
 Shape legend: T = tokens, L = context keys, B = sequences, M = blocks per sequence,
 V = vocabulary, E = hidden size.
@@ -62,7 +65,9 @@ class ModelRunner:
         self.sizes: list[int] = []             # the graph ladder (padded decode only)
         self.graphs: DecodeGraphs | None = None
         self.hidden_out: torch.Tensor | None = None  # [rows, E], written by the graphs
-        self._tokens_host = self._logprobs_host = self._result_ready = None
+        self.next_ids: torch.Tensor | None = None  # int64 [rows + 1]: the next input token
+        self._host_results: list | None = None      # two pinned (tokens, logprobs) pairs
+        self._launches = 0
         self.wait_seconds = 0.0  # host time spent waiting for the device's results
 
     # ---------------------------------------------------------------- the KV pool
@@ -124,10 +129,13 @@ class ModelRunner:
         max_rows, max_blocks = tables.shape
         self.inputs = DecodeInputs(max_rows, max_blocks, self.block_size, self.device)
         self.sizes = graph_batch_sizes(max_rows) if self.pad_decode else []
+        # Row max_rows is the padding rows' token (0). Allocated outside every region.
+        self.next_ids = torch.zeros(max_rows + 1, dtype=torch.int64, device=self.device)
         if self.device.type == "cuda":
-            self._tokens_host = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
-            self._logprobs_host = torch.empty(max_rows, dtype=torch.float32, pin_memory=True)
-            self._result_ready = torch.cuda.Event()
+            # Two in flight at most (a step and the one staged ahead of its tokens).
+            self._host_results = [(torch.empty(max_rows, dtype=torch.int64, pin_memory=True),
+                                   torch.empty(max_rows, dtype=torch.float32, pin_memory=True))
+                                  for _ in range(2)]
         if self.use_graphs:
             assert self.kv is not None, "allocate the KV cache before capturing decode graphs"
             self.hidden_out = torch.empty(max_rows, self.spec.hidden_size, dtype=self.dtype,
@@ -148,24 +156,38 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- steps
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[float]]:
         """Forward the step, sample a token per sequence; returns (token ids, log-probs)."""
-        logits_BV = self._prefill(seqs) if is_prefill else self._decode(seqs)
-        tokens_B, logprobs_B = sample(logits_BV, self.sampling_batch(seqs))
-        return self._to_host(tokens_B, logprobs_B)
+        return self.collect(self.launch(seqs, is_prefill))
 
-    def _to_host(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor):
-        if self._result_ready is None:
-            return tokens_B.tolist(), logprobs_B.tolist()
-        num = tokens_B.shape[0]
-        tokens, logprobs = self._tokens_host[:num], self._logprobs_host[:num]
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool, *, ahead: int = 0):
+        """Queue the step's forward and sampling and the copy of its results to the host;
+        `collect` the returned handle. ahead=1: a decode step for the tokens the step in
+        flight is sampling (each sequence one token longer than it knows)."""
+        if is_prefill:
+            logits_BV, rows_B = self._prefill(seqs)
+        else:
+            logits_BV, rows_B = self._decode(seqs, ahead)
+        tokens_B, logprobs_B = sample(logits_BV, self.sampling_batch(seqs, ahead))
+        self.next_ids[rows_B] = tokens_B
+        if self._host_results is None:
+            return tokens_B, logprobs_B, None
+        tokens, logprobs = (t[:len(seqs)] for t in self._host_results[self._launches % 2])
+        self._launches += 1
         tokens.copy_(tokens_B, non_blocking=True)
         logprobs.copy_(logprobs_B, non_blocking=True)
-        self._result_ready.record(torch.cuda.current_stream(self.device))
-        start = time.perf_counter()
-        self._result_ready.synchronize()
-        self.wait_seconds += time.perf_counter() - start
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return tokens, logprobs, ready
+
+    def collect(self, launched) -> tuple[list[int], list[float]]:
+        """Wait for a launched step's results (timed: `wait_seconds`); (token ids, log-probs)."""
+        tokens, logprobs, ready = launched
+        if ready is not None:
+            start = time.perf_counter()
+            ready.synchronize()
+            self.wait_seconds += time.perf_counter() - start
         return tokens.tolist(), logprobs.tolist()
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -180,7 +202,8 @@ class ModelRunner:
         positions = np.arange(ends[-1]) - np.repeat(ends - ctx_lens, q_lens)
         tables_BM = self.tables[[s.row for s in seqs], :-(-int(ctx_lens.max()) // bs)]
         slots = tables_BM[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        parts = [np.asarray(input_ids, np.int64), positions, slots, ends - 1]
+        parts = [np.asarray(input_ids, np.int64), positions, slots, ends - 1,
+                 np.fromiter((s.row for s in seqs), np.int64, num)]
         fresh = bool((q_lens == ctx_lens).all())
         if self.packed_prefill:
             key_ends = np.cumsum(ctx_lens)
@@ -192,25 +215,26 @@ class ModelRunner:
                              + key_pos % bs)
         flat = self._dev(np.concatenate(parts))  # one host-to-device copy
         views = torch.split(flat, [len(p) for p in parts])
-        ids_T, positions_T, slots_T, last_B = views[:4]
+        ids_T, positions_T, slots_T, last_B, rows_B = views[:5]
         meta = AttnMeta(is_prefill=True, kv=self.kv, slot_mapping_T=slots_T,
                         query_lens=q_lens.tolist(), context_lens=ctx_lens.tolist())
         if self.packed_prefill:
-            cu = views[4].to(torch.int32)
+            cu = views[5].to(torch.int32)
             meta.packed = PackedPrefill(
-                key_slots_L=views[5] if len(views) > 5 else None, cu_q=cu[:num + 1],
+                key_slots_L=views[6] if len(views) > 6 else None, cu_q=cu[:num + 1],
                 cu_k=cu[num + 1:], max_q=int(q_lens.max()), max_k=int(ctx_lens.max()),
                 fresh=fresh)
         else:
             meta.block_tables_BM = self._dev(tables_BM)
         hidden_TE = self.model(ids_T, positions_T, meta)
-        return self.model.compute_logits(hidden_TE[last_B])
+        return self.model.compute_logits(hidden_TE[last_B]), rows_B
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence], ahead: int) -> tuple[torch.Tensor, torch.Tensor]:
         num = len(seqs)
         rows = bucket(num, self.sizes) if self.pad_decode else num
         assert rows is not None, (num, self.sizes)
-        width = self.inputs.fill(*decode_rows(seqs), self.tables, rows)
+        table_rows, lens = decode_rows(seqs)
+        width = self.inputs.fill(table_rows, lens + ahead, self.tables, rows)
         self.inputs.upload(rows)
         if self.graphs is not None:
             self.graphs.replay(rows)
@@ -219,21 +243,23 @@ class ModelRunner:
             # Padded decode runs at the graphs' full table width: the same shapes, same numbers.
             full = self.inputs.max_blocks if self.pad_decode else width
             hidden_BE = self._forward_decode(rows, full)[:num]
-        return self.model.compute_logits(hidden_BE)
+        return self.model.compute_logits(hidden_BE), self.inputs.d["rows"][:num]
 
     def _forward_decode(self, rows: int, width: int) -> torch.Tensor:
         """The model over the first `rows` staged decode rows -> hidden states [rows, E]."""
-        ids_B, positions_B, tables_BM, context_lens_B, slots_B = self.inputs.views(rows, width)
+        rows_B, positions_B, tables_BM, context_lens_B, slots_B = self.inputs.views(rows, width)
+        ids_B = self.next_ids[rows_B]
         meta = AttnMeta(is_prefill=False, kv=self.kv, slot_mapping_T=slots_B,
                         block_tables_BM=tables_BM, context_lens_B=context_lens_B,
                         decode_fn=self.decode_fn)
         return self.model(ids_B, positions_B, meta)
 
     @staticmethod
-    def sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
+    def sampling_batch(seqs: list[Sequence], ahead: int = 0) -> SamplingBatch:
         num = len(seqs)
         keys = np.fromiter((s.key for s in seqs), np.uint64, num)
-        steps = np.fromiter((s.num_tokens - s.num_prompt_tokens for s in seqs), np.uint64, num)
+        steps = np.fromiter((s.num_tokens - s.num_prompt_tokens + ahead for s in seqs),
+                            np.uint64, num)
         return SamplingBatch(
             temperature=np.fromiter((s.params.temperature for s in seqs), np.float32, num),
             top_p=np.fromiter((s.params.top_p for s in seqs), np.float32, num),
@@ -306,9 +332,8 @@ class ModelRunner:
         return int(2 * peak + (64 << 20))
 
 
-def decode_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(block-table rows, lengths incl. the new token, last tokens) of a decode batch."""
+def decode_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    """(block-table rows, lengths incl. the new token) of a decode batch."""
     num = len(seqs)
     return (np.fromiter((s.row for s in seqs), np.int64, num),
-            np.fromiter((s.num_tokens for s in seqs), np.int64, num),
-            np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num))
+            np.fromiter((s.num_tokens for s in seqs), np.int64, num))

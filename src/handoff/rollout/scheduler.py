@@ -71,11 +71,27 @@ class Scheduler:
             if self.blocks.reserve_decode_slot(seq):
                 i += 1
                 continue
-            # Victims come from the back, never from the already-reserved front: a reserved
-            # sequence may just have hashed a block whose last KV this step will write.
-            victim = running.pop()
+            victim = running.pop()  # from the back: the front already holds its slot
             self._preempt(victim)
         return list(running)
+
+    def reserve_ahead(self) -> list[Sequence] | None:
+        """The next decode batch, staged while the current decode step (all running
+        sequences) is still sampling: every sequence that will not end by length, with room
+        for one more token. A sequence that samples a stop token now is in it too; its
+        token from that step is dropped. None when the next step must wait for this one's
+        tokens: sequences wait to be admitted, or a block is short (no preemption here)."""
+        if self.waiting:
+            return None
+        batch = [s for s in self.running if not self._ends_by_length(s, ahead=1)]
+        if not batch or not all(self.blocks.reserve_decode_slot(s, ahead=1) for s in batch):
+            return None
+        return batch
+
+    def _ends_by_length(self, seq: Sequence, ahead: int = 0) -> bool:
+        num_tokens = seq.num_tokens + ahead
+        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+                or num_tokens >= self.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_seq(seq)
@@ -87,13 +103,14 @@ class Scheduler:
                     logprobs: list[float]) -> list[Sequence]:
         """Append each sampled token, finish sequences that stop; returns the finished ones."""
         finished = []
-        max_len = self.max_model_len
         for seq, token, logprob in zip(seqs, token_ids, logprobs):
+            if seq.status is not Status.RUNNING:  # stopped in the step before this early one
+                continue
+            self.blocks.register_filled_block(seq)
             seq.append(token, logprob)
             if token in seq.stop_ids:
                 seq.finish_reason = "stop"
-            elif seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens \
-                    or seq.num_tokens >= max_len:
+            elif self._ends_by_length(seq):
                 seq.finish_reason = "length"
             else:
                 continue
