@@ -14,11 +14,15 @@ this file:
 * pause does not wait for running kernels, so we synchronize first;
 * its tags are process-wide and its pools live until the process ends: each RegionPool
   prefixes its tags (`handoff3:weights`) so two pools never pause each other's memory or
-  hand out each other's (possibly unmapped) cached blocks.
+  hand out each other's (possibly unmapped) cached blocks;
+* it ends the process with status 1 ("only support interesting region") when PyTorch frees
+  a segment of its pools outside a region(), which is what destroying the pools at
+  interpreter exit does: an exit hook marks the rest of the process as inside a region.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
@@ -54,6 +58,7 @@ def _saver():
         finally:
             if conf is not None:
                 os.environ[conf_key] = conf
+        atexit.register(saver._impl._binary_wrapper.cdll.tms_set_interesting_region, True)
     elif getattr(saver._impl, "_hook_mode", "torch") != "torch":
         raise HandoffError("torch_memory_saver was started in preload mode by another part of "
                            "this process: start it in torch mode (let RegionPool start it)")
