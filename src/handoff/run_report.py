@@ -26,7 +26,8 @@ from handoff.config import Config
 from handoff.memory.calibrate import measure_link_rates, measure_tensor_host_seconds
 from handoff.memory.meter import plot_timeline
 from handoff.plan.hardware import hardware_profile
-from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
+from handoff.plan.ledger import (SWITCH_ACTIONS, Dtypes, shard_size, switch_actions,
+                                 trainer_bytes)
 from handoff.plan.shapes import load_shape
 
 console = Console()
@@ -34,7 +35,8 @@ console = Console()
 
 # rates key (handoff.memory.calibrate) -> the profile field it replaces
 _MEASURED = {"d2h_bps": "pinned_pcie_bps", "d2d_bps": "d2d_bps", "map_bps": "map_bps",
-             "unmap_bps": "unmap_bps", "tensor_host_s": "sync_tensor_seconds"}
+             "unmap_bps": "unmap_bps", "tensor_host_s": "sync_tensor_seconds",
+             "reclaim_s": "reclaim_s", "reclaim_h2d_bps": "reclaim_h2d_bps"}
 
 
 def planned_actions(cfg: Config, rates: dict, kv_pool_bytes: int) -> dict[str, dict]:
@@ -51,14 +53,10 @@ def planned_actions(cfg: Config, rates: dict, kv_pool_bytes: int) -> dict[str, d
     actions = switch_actions(shape, parallel, cfg.memory, hw, kv_pool_bytes=kv_pool_bytes,
                              dtypes=dtypes, ref=cfg.actor.kl_coef > 0,
                              bucket_bytes=cfg.sync.bucket_mb << 20, in_process=True,
-                             weights_map_bps=rates.get("weights_map_bps"))
-    out = {}
-    for a in actions:
-        seconds = a.seconds
-        if a.direction == "H2D" and a.bytes_per_card:
-            seconds = a.bytes_per_card / rates["h2d_bps"]
-        out[a.name] = {"bytes": a.bytes_per_card, "seconds": seconds, "link": a.link}
-    return out
+                             weights_map_bps=rates.get("weights_map_bps"),
+                             h2d_bps=rates.get("h2d_bps"))
+    return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
+            for a in actions}
 
 
 class RunReport:
@@ -69,8 +67,14 @@ class RunReport:
         self.worker = worker
         self.out_dir = out_dir
         self.rows: list[dict] = []
+        # The sync runs while the optimizer's offload is still queued (to_rollout overlaps
+        # them), so its host work per tensor is measured that way too.
+        in_flight = (trainer_bytes(load_shape(cfg.model.path), shard_size(cfg.parallel),
+                                   Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype))
+                     ["optimizer"] if cfg.memory.optimizer_offload else 0)
         self.rates = {**measure_link_rates(worker.device), **worker.remap_rates,
-                      "tensor_host_s": measure_tensor_host_seconds(worker.device)}
+                      "tensor_host_s": measure_tensor_host_seconds(
+                          worker.device, d2h_in_flight_bytes=in_flight)}
         kv_bytes = worker.engine.stats()["kv_cache_bytes"]
         self.planned = planned_actions(cfg, self.rates, kv_bytes)
         self.metrics_path = out_dir / "metrics.jsonl"

@@ -60,7 +60,7 @@ def _touched(nbytes: int, device: torch.device) -> torch.Tensor | None:
 def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, pool=None,
                         tag: str = "calibrate", held_during_wake: int = 0,
                         freed_before_wake: Sequence[tuple[int, float]] = (),
-                        settle_s: float = 0.0) -> dict:
+                        settle_s: float = 0.0, h2d_probe_bytes: int = 0) -> dict:
     """Bytes/s of waking (map) and level-2 sleeping (unmap) one region of one `nbytes` tensor.
 
     Returns medians over `repeats` sleep/wake pairs after one warm-up pair:
@@ -76,6 +76,10 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
     after its sleep. It matters: the driver seems to clear freed pages before mapping them
     again (on the H200, mapping 100 GiB right after unmapping it took 281 ms, 32 GiB 1.3 ms;
     the 4B run's KV wake, which follows the optimizer's 48 GB going back, 79 ms).
+
+    h2d_probe_bytes: after the last sleep, copy that many bytes host-to-device into fresh
+    memory and add what `h2d_after_sleep` finds (on CUDA): the driver is still reclaiming
+    the region's pages then, and such a copy is what the switch to training starts with.
     """
     from handoff.memory.regions import RegionPool, aggressive_empty_cache
 
@@ -84,7 +88,6 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
         block = torch.empty(int(nbytes), dtype=torch.uint8, device=pool.device)
     block.fill_(1)  # touch every page: a CPU region is only real once written
     pool.track(tag, block)
-    del block  # the pool keeps its tracked tensor; nothing else may hold the memory
     remap_bytes = pool.region_bytes(tag)
     sleeps, wakes = [], []
     for _ in range(repeats + 1):
@@ -106,16 +109,58 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
         _wait(pool.device)
         wakes.append(time.perf_counter() - t1)
         del held
+    block.fill_(1)   # a step's KV pool goes to sleep written
+    aggressive_empty_cache()   # the probe below copies into pages the driver hands out fresh
     pool.sleep([tag], level=2)
+    probe = (h2d_after_sleep(pool.device, h2d_probe_bytes)
+             if h2d_probe_bytes and pool.device.type == "cuda" else {})
+    del block
     aggressive_empty_cache()
     tiny = 1e-9  # a CPU resize can be below the clock's resolution
     return {"map_bps": remap_bytes / max(statistics.median(wakes[1:]), tiny),
             "unmap_bps": remap_bytes / max(statistics.median(sleeps[1:]), tiny),
-            "remap_bytes": remap_bytes}
+            "remap_bytes": remap_bytes, **probe}
+
+
+def h2d_after_sleep(device: torch.device, nbytes: int, chunk_bytes: int = 256 << 20,
+                    slow: float = 0.8) -> dict:
+    """How host-to-device copies run right after a large region went to sleep.
+
+    For a while after unmapping a region the driver reclaims its pages, and copies into
+    fresh memory run slower: on the H200, 7.5 GiB took 0.29 s (27.6 GB/s) right after a
+    100 GiB sleep, 0.20 s 0.2 s later and 0.145 s (55 GB/s, the link) 1 s later. Copies
+    `nbytes` in `chunk_bytes` pieces, each timed with events; chunks below `slow` x the
+    fastest are the window. Returns {"reclaim_s": when the last slow chunk ended (seconds
+    after the first began), "reclaim_h2d_bps": the slow chunks' rate} ({} if none was slow).
+    """
+    host = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(-(-nbytes // chunk_bytes) + 1)]
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        events[0].record(stream)
+        for i, lo in enumerate(range(0, nbytes, chunk_bytes)):
+            piece = dev[lo:lo + chunk_bytes]
+            piece.copy_(host[:piece.numel()], non_blocking=True)
+            events[i + 1].record(stream)
+    stream.synchronize()
+    ends = [events[0].elapsed_time(e) / 1e3 for e in events[1:]]
+    sizes = [min(chunk_bytes, nbytes - lo) for lo in range(0, nbytes, chunk_bytes)]
+    seconds = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
+    rates = [n / max(s, 1e-9) for n, s in zip(sizes, seconds)]
+    slow_chunks = [i for i, r in enumerate(rates) if r < slow * max(rates)]
+    del dev
+    if not slow_chunks:
+        return {}
+    last = slow_chunks[-1]
+    return {"reclaim_s": ends[last],
+            "reclaim_h2d_bps": sum(sizes[i] for i in slow_chunks)
+            / sum(seconds[i] for i in slow_chunks)}
 
 
 def measure_tensor_host_seconds(device: torch.device, *, tensors: int = 256,
-                                repeats: int = 3) -> float:
+                                repeats: int = 3, d2h_in_flight_bytes: int = 0,
+                                chunk_bytes: int = 64 << 20) -> float:
     """Median wall seconds of one tensor's host-side work in an in-process weight sync.
 
     Per tensor the sync (handoff.sync.weights and the engine's load_weights) copies the
@@ -124,6 +169,10 @@ def measure_tensor_host_seconds(device: torch.device, *, tensors: int = 256,
     `_foreach_copy_`. Timed here over `tensors` tiny tensors, where the copies cost nothing
     on the device, so what remains is the host's dispatch and launch cost, which the
     ledger charges once per tensor. Keep it in step with those two when they change.
+
+    d2h_in_flight_bytes: time it while a device-to-host copy of that many bytes (in the
+    pinned arena's chunks) is queued on another stream, as the optimizer's offload is during
+    the switch's sync: launches then wait behind the queued copies.
     """
     srcs = [torch.randn(64, device=device) for _ in range(tensors)]
     dsts = [torch.empty_like(t) for t in srcs]
@@ -140,4 +189,22 @@ def measure_tensor_host_seconds(device: torch.device, *, tensors: int = 256,
             offset += nbytes
         torch._foreach_copy_(dsts, slots)
 
-    return _timed(one_sync, device, repeats) / tensors
+    if not d2h_in_flight_bytes or device.type != "cuda":
+        return _timed(one_sync, device, repeats) / tensors
+    chunk = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
+    host = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+    copies = torch.cuda.Stream(device)
+    one_sync()
+    _wait(device)
+    with torch.cuda.stream(copies):
+        for _ in range(-(-d2h_in_flight_bytes // chunk_bytes)):
+            host.copy_(chunk, non_blocking=True)
+    compute = torch.cuda.current_stream(device)
+    times = []
+    for _ in range(repeats):   # all of them while the copies are still queued
+        t0 = time.perf_counter()
+        one_sync()
+        compute.synchronize()
+        times.append(time.perf_counter() - t0)
+    _wait(device)
+    return sorted(times)[len(times) // 2] / tensors

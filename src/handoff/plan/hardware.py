@@ -54,6 +54,11 @@ class HardwareProfile:
     sync_tensor_seconds: float     # host work per tensor of an in-process weight sync
     host_ram_bytes: float          # host RAM per node
     gpus_per_node: int
+    # For reclaim_s after the engine's sleep the driver reclaims the unmapped pages and
+    # host-to-device copies run at reclaim_h2d_bps. Measured by a run (calibrate); 0: not
+    # modelled (the profiles carry no guess).
+    reclaim_s: float = 0.0
+    reclaim_h2d_bps: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -123,24 +123,45 @@ def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: Hardwar
             + shape.num_tensors * hw.sync_tensor_seconds)
 
 
+def h2d_seconds(nbytes: float, link_bps: float, hw: HardwareProfile,
+                after_sleep_s: float | None = None) -> float:
+    """A host-to-device copy; one that starts `after_sleep_s` after the engine's sleep runs
+    at hw.reclaim_h2d_bps until hw.reclaim_s (the driver reclaims the unmapped pages)."""
+    if after_sleep_s is None or hw.reclaim_h2d_bps <= 0 or after_sleep_s >= hw.reclaim_s:
+        return nbytes / link_bps
+    slow_s = min(hw.reclaim_s - after_sleep_s, nbytes / hw.reclaim_h2d_bps)
+    return slow_s + (nbytes - slow_s * hw.reclaim_h2d_bps) / link_bps
+
+
 def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
                    hw: HardwareProfile, *, kv_pool_bytes: float, dtypes: Dtypes = Dtypes(),
                    ref: bool = True, grad_offload: bool = False,
                    bucket_bytes: int = 512 * 2 ** 20, in_process: bool | None = None,
-                   weights_map_bps: float | None = None) -> list[SwitchAction]:
+                   weights_map_bps: float | None = None,
+                   h2d_bps: float | None = None) -> list[SwitchAction]:
     """The nine actions of one step's two switches, in SWITCH_ACTIONS order (in_process,
-    weights_map_bps: how the sync is priced, see weight_sync_seconds)."""
+    weights_map_bps: how the sync is priced, see weight_sync_seconds; h2d_bps: the
+    host-to-device rate when it differs from hw.pinned_pcie_bps).
+
+    to_train copies the params in right after the engine's sleep and the ref right after
+    them, so both may fall in the driver's reclaim window (h2d_seconds)."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
     opt_on = memory.optimizer_offload
     param_on = memory.param_offload
     ref_on = ref and memory.ref_offload
     pcie = hw.pinned_pcie_bps
+    h2d = h2d_bps or pcie
+    params_in = h2d_seconds(owners["params"], h2d, hw, after_sleep_s=0.0) if param_on else 0.0
+    seconds = {"params_h2d": params_in,
+               "ref_h2d": h2d_seconds(owners["reference"], h2d, hw, after_sleep_s=params_in),
+               "optimizer_h2d": opt / h2d}
 
     def move(name: str, direction: str, on: bool, nbytes: int, note: str, off_note: str):
         if not on:
             return SwitchAction(name, direction, 0, HOST_LINK, 0.0, off_note)
-        return SwitchAction(name, direction, nbytes, HOST_LINK, nbytes / pcie, note)
+        return SwitchAction(name, direction, nbytes, HOST_LINK,
+                            seconds[name] if direction == "H2D" else nbytes / pcie, note)
 
     opt_what = "fp32 master + Adam" + (" + grad shard" if grad_offload else "")
     grads_note = "grads move with the optimizer" if grad_offload else "grads are freed, not moved"
