@@ -215,6 +215,9 @@ def _remap_text(r: dict) -> str:
                  f"{_fmt_bytes(r['weights_remap_bytes'])}")
     if "tensor_host_s" in r:
         text += f", {r['tensor_host_s'] * 1e6:.1f} us of host work per synced tensor"
+    if "reclaim_s" in r:
+        text += (f"; after the KV region's sleep, H2D at {r['reclaim_h2d_bps'] / 1e9:.1f} GB/s "
+                 f"for {r['reclaim_s']:.2f} s (the driver reclaiming its pages)")
     return text
 
 
