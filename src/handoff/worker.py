@@ -34,7 +34,7 @@ import torch
 
 from handoff.config import Config
 from handoff.errors import HandoffError
-from handoff.memory.calibrate import measure_reclaim_window, measure_remap_rates
+from handoff.memory.calibrate import measure_remap_rates
 from handoff.memory.meter import MemoryMeter, host_memory
 from handoff.memory.regions import RegionPool, aggressive_empty_cache, expandable_segments
 from handoff.memory.staging import PinnedArena
@@ -134,17 +134,16 @@ class HybridWorker:
         # 4B pool's map 3x slower than its steps did).
         kv_bytes, weight_bytes, freed = _bytes_to_calibrate(cfg, self.pool)
         on_cuda = self.device.type == "cuda"
+        # Then, right after the region's last sleep, how fast the params' copy back runs
+        # while the driver reclaims those pages (to_train's first move).
         self.remap_rates = measure_remap_rates(
             self.device, kv_bytes, pool=self.pool, repeats=2, held_during_wake=weight_bytes,
-            freed_before_wake=freed, settle_s=2.0 if on_cuda else 0.0)
+            freed_before_wake=freed, settle_s=2.0 if on_cuda else 0.0,
+            h2d_probe_bytes=min(16 << 30, kv_bytes // 2))
         weights = measure_remap_rates(self.device, weight_bytes, pool=self.pool,
                                       tag="calibrate_weights")
         self.remap_rates.update(weights_map_bps=weights["map_bps"],
                                 weights_remap_bytes=weights["remap_bytes"])
-        # Then the engine's sleep (both sizes at once) and how fast to_train's first copies
-        # run right after it, while the driver reclaims those pages.
-        self.remap_rates.update(measure_reclaim_window(
-            self.pool, ["calibrate", "calibrate_weights"], min(16 << 30, kv_bytes // 2)))
         self.engine = Engine(cfg.model.path, cfg.rollout, device=self.device,
                              dtype=cfg.model.dtype, pool=self.pool,
                              tp=init_tp_group(cfg.parallel.tp))

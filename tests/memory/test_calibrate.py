@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from handoff.memory.calibrate import (measure_link_rates, measure_reclaim_window,
-                                      measure_remap_rates, measure_tensor_host_seconds)
+from handoff.memory.calibrate import (measure_link_rates, measure_remap_rates,
+                                      measure_tensor_host_seconds)
 from handoff.memory.regions import RegionPool
 
 
@@ -91,10 +91,8 @@ def test_copies_after_a_large_sleep_and_launches_behind_queued_copies_are_measur
     aggressive_empty_cache()
     device = torch.device("cuda", torch.cuda.current_device())
     gib = int(torch.cuda.mem_get_info(device)[0] * 0.5) >> 30
-    pool = RegionPool(device)
-    measure_remap_rates(device, gib << 30, pool=pool, repeats=1)
-    rates = measure_reclaim_window(pool, ["calibrate"], 8 << 30)
-    assert not pool.is_awake("calibrate")
+    rates = measure_remap_rates(device, gib << 30, pool=RegionPool(device), repeats=1,
+                                h2d_probe_bytes=8 << 30)
     link = measure_link_rates(device)["h2d_bps"]
     if "reclaim_s" in rates:   # a small card may show no window
         assert 0 < rates["reclaim_s"] < 8 * (1 << 30) / rates["reclaim_h2d_bps"] + 0.01

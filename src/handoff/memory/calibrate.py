@@ -60,7 +60,7 @@ def _touched(nbytes: int, device: torch.device) -> torch.Tensor | None:
 def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, pool=None,
                         tag: str = "calibrate", held_during_wake: int = 0,
                         freed_before_wake: Sequence[tuple[int, float]] = (),
-                        settle_s: float = 0.0) -> dict:
+                        settle_s: float = 0.0, h2d_probe_bytes: int = 0) -> dict:
     """Bytes/s of waking (map) and level-2 sleeping (unmap) one region of one `nbytes` tensor.
 
     Returns medians over `repeats` sleep/wake pairs after one warm-up pair:
@@ -76,6 +76,10 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
     after its sleep. It matters: the driver seems to clear freed pages before mapping them
     again (on the H200, mapping 100 GiB right after unmapping it took 281 ms, 32 GiB 1.3 ms;
     the 4B run's KV wake, which follows the optimizer's 48 GB going back, 79 ms).
+
+    h2d_probe_bytes: after the last sleep, copy that many bytes host-to-device into fresh
+    memory and add what `h2d_after_sleep` finds (on CUDA): the driver is still reclaiming
+    the region's pages then, and such a copy is what the switch to training starts with.
     """
     from handoff.memory.regions import RegionPool, aggressive_empty_cache
 
@@ -105,38 +109,17 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
         _wait(pool.device)
         wakes.append(time.perf_counter() - t1)
         del held
+    block.fill_(1)   # a step's KV pool goes to sleep written
+    aggressive_empty_cache()   # the probe below copies into pages the driver hands out fresh
     pool.sleep([tag], level=2)
+    probe = (h2d_after_sleep(pool.device, h2d_probe_bytes)
+             if h2d_probe_bytes and pool.device.type == "cuda" else {})
     del block
     aggressive_empty_cache()
     tiny = 1e-9  # a CPU resize can be below the clock's resolution
     return {"map_bps": remap_bytes / max(statistics.median(wakes[1:]), tiny),
             "unmap_bps": remap_bytes / max(statistics.median(sleeps[1:]), tiny),
-            "remap_bytes": remap_bytes}
-
-
-def measure_reclaim_window(pool, tags: Sequence[str], probe_bytes: int) -> dict:
-    """The engine's sleep replayed on sleeping regions `tags` (the KV pool's and the weights'
-    sizes): wake and write them, hand cached blocks back, sleep them all, then time a
-    host-to-device copy into fresh memory (`h2d_after_sleep`), as to_train's params copy
-    runs. Leaves the regions asleep; {} off CUDA."""
-    from handoff.memory.regions import aggressive_empty_cache
-
-    from handoff.errors import HandoffError
-
-    if pool.device.type != "cuda":
-        return {}
-    tags = list(tags)
-    try:
-        pool.wake_up(tags)
-    except HandoffError:   # refused before mapping: the card cannot hold both at once
-        tags = tags[:1]
-        pool.wake_up(tags)
-    for tag in tags:
-        for t in pool.tracked_tensors(tag):
-            t.fill_(1)   # a step's KV pool and weights go to sleep written
-    aggressive_empty_cache()
-    pool.sleep(list(tags), level=2)
-    return h2d_after_sleep(pool.device, probe_bytes)
+            "remap_bytes": remap_bytes, **probe}
 
 
 def h2d_after_sleep(device: torch.device, nbytes: int, chunk_bytes: int = 256 << 20,

@@ -217,11 +217,6 @@ class RegionPool:
         self._check(tag)
         return self._backend.region_bytes(tag, sum(self._tracked_bytes[tag]))
 
-    def tracked_tensors(self, tag: str) -> list[torch.Tensor]:
-        """The tensors tracked under `tag` (their storage is empty while it sleeps)."""
-        self._check(tag)
-        return [t for t, _ in self._tracked[tag]]
-
     def tracked_bytes(self, tag: str) -> int:
         """Bytes of the tracked tensors' storages (what level 1 copies)."""
         self._check(tag)
