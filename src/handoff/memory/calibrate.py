@@ -1,8 +1,9 @@
 """Measure the links the ledger prices, once at the start of a run.
 
     rates = measure_link_rates(torch.device("cuda"))   # {"d2h_bps", "h2d_bps", "d2d_bps"}
-    remap = measure_remap_rates(device, pool_bytes, pool=region_pool)  # {"map_bps", ...}
-    per_tensor = measure_tensor_host_seconds(device)   # host seconds per synced tensor
+    remap = measure_remap_rates(device, pool_bytes, pool=region_pool,
+                                h2d_probe_bytes=16 << 30)  # {"map_bps", ..., "reclaim_s"}
+    per_tensor = measure_tensor_host_seconds(device, d2h_in_flight_bytes=opt_bytes)
 
 The planned-vs-measured table of a run feeds these rates (not a datasheet's) into the
 ledger, so a gap between plan and measurement is the runtime's, not the hardware's. The
