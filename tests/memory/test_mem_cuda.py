@@ -195,4 +195,3 @@ def test_expandable_segments_in_environment_is_handled():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
-

@@ -124,10 +124,10 @@ def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: Hardwar
 
 
 def h2d_seconds(nbytes: float, link_bps: float, hw: HardwareProfile,
-                after_sleep_s: float | None = None) -> float:
-    """A host-to-device copy; one that starts `after_sleep_s` after the engine's sleep runs
+                after_sleep_s: float) -> float:
+    """A host-to-device copy that starts `after_sleep_s` after the engine's sleep: it runs
     at hw.reclaim_h2d_bps until hw.reclaim_s (the driver reclaims the unmapped pages)."""
-    if after_sleep_s is None or hw.reclaim_h2d_bps <= 0 or after_sleep_s >= hw.reclaim_s:
+    if hw.reclaim_h2d_bps <= 0 or after_sleep_s >= hw.reclaim_s:
         return nbytes / link_bps
     slow_s = min(hw.reclaim_s - after_sleep_s, nbytes / hw.reclaim_h2d_bps)
     return slow_s + (nbytes - slow_s * hw.reclaim_h2d_bps) / link_bps
@@ -143,8 +143,9 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     weights_map_bps: how the sync is priced, see weight_sync_seconds; h2d_bps: the
     host-to-device rate when it differs from hw.pinned_pcie_bps).
 
-    to_train copies the params in right after the engine's sleep and the ref right after
-    them, so both may fall in the driver's reclaim window (h2d_seconds)."""
+    to_train copies the params in right after the engine's sleep and, with one update per
+    step, the ref right after them, so both may fall in the driver's reclaim window
+    (h2d_seconds); with more updates an actor forward runs in between, not priced here."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
     opt_on = memory.optimizer_offload

@@ -156,10 +156,6 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- steps
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[float]]:
-        """Forward the step, sample a token per sequence; returns (token ids, log-probs)."""
-        return self.collect(self.launch(seqs, is_prefill))
-
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, *, ahead: int = 0):
         """Queue the step's forward and sampling and the copy of its results to the host;
