@@ -1,12 +1,13 @@
-"""Where one step's switch back to rollout spends its time, host and device side by side.
+"""Where a step's switch back to rollout spends its time, host and device side by side.
 
-    python3 scripts/profile_switch.py examples/h200-4b.yaml run.steps=3 run.checkpoint=false \
-        --step 2 --out /tmp/switch-trace      # on the device, after `source scripts/device-env.sh`
+    python3 scripts/profile_switch.py examples/h200-4b.yaml run.steps=4 run.checkpoint=false \
+        --steps 3 4 --out /tmp/switch-trace   # on the device, after `source scripts/device-env.sh`
 
-Runs `handoff train` with the given config and profiles `HybridWorker.to_rollout` of one step
-(torch.profiler, CPU + CUDA). The pieces of the switch are labelled (record_function), so the
-table says when each started on the host and how long it ran, and when the D2H copies and the
-compute stream's kernels ran on the device, all in ms from the switch's start. The Chrome trace
+Runs `handoff train` with the given config and profiles `HybridWorker.to_rollout` of the given
+steps (torch.profiler, CPU + CUDA; two consecutive steps show what changes from one to the
+next). The pieces of the switch are labelled (record_function), so each step's table says when
+each started on the host and how long it ran, and when the D2H copies and the compute stream's
+kernels ran on the device, all in ms from the switch's start. The Chrome trace of each step
 (open it in https://ui.perfetto.dev) lands in --out.
 """
 
@@ -49,11 +50,12 @@ def label(fn, name: str):
     return wrapped
 
 
-def profiled_to_rollout(step: int, out: Path, holder: dict):
+def profiled_to_rollout(steps: list[int], out: Path, holder: dict):
     plain = worker_module.HybridWorker.to_rollout
 
     def to_rollout(self):
-        if self.step + 1 != step:   # metrics count steps from 1
+        step = self.step + 1   # metrics count steps from 1
+        if step not in steps:
             return plain(self)
         cuda = torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -64,8 +66,8 @@ def profiled_to_rollout(step: int, out: Path, holder: dict):
                 result = plain(self)
             if cuda:
                 torch.cuda.synchronize()
-        prof.export_chrome_trace(str(out / "to_rollout.json"))
-        holder["events"] = prof.events()
+        prof.export_chrome_trace(str(out / f"to_rollout.step{step}.json"))
+        holder[step] = prof.events()
         return result
     return to_rollout
 
@@ -96,21 +98,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
-    ap.add_argument("--step", type=int, default=2, help="the step (as metrics.jsonl counts) whose switch is profiled")
+    ap.add_argument("--steps", type=int, nargs="+", default=[2],
+                    help="the steps (as metrics.jsonl counts) whose switch is profiled")
     ap.add_argument("--out", type=Path, default=Path("switch-trace"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for owner, attr, name in PIECES:
         setattr(owner, attr, label(getattr(owner, attr), name))
     holder: dict = {}
-    worker_module.HybridWorker.to_rollout = profiled_to_rollout(args.step, args.out, holder)
+    worker_module.HybridWorker.to_rollout = profiled_to_rollout(args.steps, args.out, holder)
     Trainer(load_config(args.config, args.overrides)).run()
-    rows = table(holder["events"])
-    (args.out / "to_rollout.table.json").write_text(json.dumps(rows, indent=1))
-    print(f"{'what':<32}{'where':<8}{'start ms':>10}{'ms':>10}{'busy ms':>10}")
-    for r in rows:
-        busy = f"{r['busy_ms']:10.1f}" if "busy_ms" in r else ""
-        print(f"{r['what']:<32}{r['where']:<8}{r['start_ms']:10.1f}{r['ms']:10.1f}{busy}")
+    for step, events in sorted(holder.items()):
+        rows = table(events)
+        (args.out / f"to_rollout.step{step}.table.json").write_text(json.dumps(rows, indent=1))
+        print(f"step {step}\n{'what':<32}{'where':<8}{'start ms':>10}{'ms':>10}{'busy ms':>10}")
+        for r in rows:
+            busy = f"{r['busy_ms']:10.1f}" if "busy_ms" in r else ""
+            print(f"{r['what']:<32}{r['where']:<8}{r['start_ms']:10.1f}{r['ms']:10.1f}{busy}")
 
 
 if __name__ == "__main__":

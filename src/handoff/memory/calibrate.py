@@ -161,34 +161,31 @@ def h2d_after_sleep(device: torch.device, nbytes: int, chunk_bytes: int = 256 <<
 
 def measure_tensor_host_seconds(device: torch.device, *, tensors: int = 256,
                                 repeats: int = 3, d2h_in_flight_bytes: int = 0,
-                                chunk_bytes: int = 64 << 20) -> float:
+                                chunk_bytes: int = 64 << 20, per_bucket: int = 25) -> float:
     """Median wall seconds of one tensor's host-side work in an in-process weight sync.
 
-    Per tensor the sync (handoff.sync.weights and the engine's load_weights) copies the
-    trainer's parameter, cuts a slot out of a flat bucket (slice + views) and copies into
-    it; the engine then copies whole batches of slots into its weights with one
-    `_foreach_copy_`. Timed here over `tensors` tiny tensors, where the copies cost nothing
-    on the device, so what remains is the host's dispatch and launch cost, which the
-    ledger charges once per tensor. Keep it in step with those two when they change.
+    Runs the real `sync_weights` over `tensors` tiny tensors (`per_bucket` to a bucket, as
+    a 4B model's ~400 tensors fill 16 buckets of 512 MiB) into a loader that does what the
+    engine's load_weights does per tensor (a lookup and a view) and per bucket (one
+    `_foreach_copy_`). The copies cost nothing on the device here, so what remains is the
+    host's dispatch and launch cost, which the ledger charges once per tensor.
 
     d2h_in_flight_bytes: time it while a device-to-host copy of that many bytes (in the
     pinned arena's chunks) is queued on another stream, as the optimizer's offload is during
     the switch's sync: launches then wait behind the queued copies.
     """
-    srcs = [torch.randn(64, device=device) for _ in range(tensors)]
-    dsts = [torch.empty_like(t) for t in srcs]
-    flat = torch.empty(tensors * 64 * 4, dtype=torch.uint8, device=device)
+    from handoff.sync.weights import sync_weights
+
+    params = [(f"w{i}", torch.randn(64, device=device)) for i in range(tensors)]
+    dests = {name: torch.empty_like(t) for name, t in params}
+
+    def load(entries) -> None:
+        torch._foreach_copy_([dests[name] for name, _ in entries],
+                             [t.narrow(0, 0, t.shape[0]) for _, t in entries])
 
     def one_sync() -> None:
-        offset, slots = 0, []
-        for src in srcs:
-            full = src.clone()
-            nbytes = full.numel() * full.element_size()
-            slot = flat[offset:offset + nbytes].view(full.dtype).view(full.shape)
-            slot.copy_(full)
-            slots.append(slot)
-            offset += nbytes
-        torch._foreach_copy_(dsts, slots)
+        sync_weights(((name, t.detach()) for name, t in params), load,
+                     bucket_bytes=per_bucket * 64 * 4, device=device)
 
     if not d2h_in_flight_bytes or device.type != "cuda":
         return _timed(one_sync, device, repeats) / tensors

@@ -60,6 +60,7 @@ class _Bucket:
 
     def __init__(self, num_bytes: int, device: torch.device):
         self.buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        self.typed: dict[torch.dtype, torch.Tensor] = {}   # the buffer viewed as each dtype
         self.offset = 0
         self.entries: list[tuple[str, torch.Tensor]] = []
 
@@ -68,7 +69,16 @@ class _Bucket:
 
     def add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
-        dst = self.buffer[self.offset:self.offset + nbytes].view(t.dtype).view(t.shape)
+        typed = self.typed.get(t.dtype)
+        if typed is None:
+            whole = self.buffer.numel() // t.element_size() * t.element_size()
+            typed = self.typed[t.dtype] = self.buffer[:whole].view(t.dtype)
+        # One as_strided, not slice + two views: the host work per tensor is the sync's cost.
+        strides, step = [], 1
+        for size in reversed(t.shape):
+            strides.append(step)
+            step *= size
+        dst = typed.as_strided(t.shape, strides[::-1], self.offset // t.element_size())
         dst.copy_(t)
         self.entries.append((name, dst))
         self.offset += (nbytes + 15) // 16 * 16

@@ -259,9 +259,13 @@ class ShardedModel:
             del full
 
     def _gather(self, p: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            # The shard is the full tensor: hand it over, no copy. Detached as a plain
+            # tensor: a DTensor's own detach dispatches through Python (~20 us per
+            # parameter on the H200's host, a third of the sync's host time).
+            shard = local_shard(p).detach()
+            return shard if shard.device == self.device else shard.to(self.device)
         shard = local_shard(p.detach())
-        if self.world_size == 1:  # the shard is the full tensor: hand it over, no copy
-            return shard.to(self.device)
         if shard.device != self.device:   # CPUOffloadPolicy keeps shards on the host
             p = DTensor.from_local(shard.to(self.device), p.device_mesh, p.placements,
                                    run_check=False, shape=p.shape, stride=p.stride())
