@@ -134,12 +134,9 @@ class HybridWorker:
         # 4B pool's map 3x slower than its steps did).
         kv_bytes, weight_bytes, freed = _bytes_to_calibrate(cfg, self.pool)
         on_cuda = self.device.type == "cuda"
-        # Then, right after the region's last sleep, how fast the params' copy back runs
-        # while the driver reclaims those pages (to_train's first move).
         self.remap_rates = measure_remap_rates(
             self.device, kv_bytes, pool=self.pool, repeats=2, held_during_wake=weight_bytes,
-            freed_before_wake=freed, settle_s=2.0 if on_cuda else 0.0,
-            h2d_probe_bytes=min(16 << 30, kv_bytes // 2))
+            freed_before_wake=freed, settle_s=2.0 if on_cuda else 0.0)
         weights = measure_remap_rates(self.device, weight_bytes, pool=self.pool,
                                       tag="calibrate_weights")
         self.remap_rates.update(weights_map_bps=weights["map_bps"],
@@ -183,11 +180,12 @@ class HybridWorker:
     def probe(self, name: str) -> dict:
         return self.meter.probe(name, step=self.step)
 
-    def _move_actor(self, where: str, *, record: bool = True, **parts: bool) -> dict:
+    def _move_actor(self, where: str, *, record: bool = True, by_kernel: bool = False,
+                    **parts: bool) -> dict:
         wanted = {k: v for k, v in parts.items() if v}
         if not wanted:
             return {}
-        done = self.actor.to(where, **wanted).wait()
+        done = self.actor.to(where, by_kernel=by_kernel, **wanted).wait()
         if record:
             suffix = "d2h" if where == "host" else "h2d"
             for part, r in done.items():
@@ -208,12 +206,16 @@ class HybridWorker:
         return outs
 
     def to_train(self) -> None:
-        """Engine sleep(2) (weights and KV discarded), then the actor's params come back."""
+        """Engine sleep(2) (weights and KV discarded), then the actor's params come back.
+
+        For about a second after the sleep the driver clears the released pages on the copy
+        engines, and a copy-engine H2D runs at half the link's rate (scripts/h2d_after_unmap.py):
+        the params and the ref come back by kernel (PinnedArena.onload(by_kernel=True))."""
         with self._timed("engine_sleep"):
             self.engine.sleep(2)
         aggressive_empty_cache()
         self.probe("after engine sleep")
-        self._move_actor("device", params=self.cfg.memory.param_offload)
+        self._move_actor("device", params=self.cfg.memory.param_offload, by_kernel=True)
         self.probe("after params onload")
 
     # ---------------------------------------------------------------- training phase
@@ -232,7 +234,7 @@ class HybridWorker:
             return None
         offload = self.cfg.memory.ref_offload
         if offload:
-            r = self.ref.to("device", params=True).wait()["params"]
+            r = self.ref.to("device", params=True, by_kernel=True).wait()["params"]
             self._record("ref_h2d", r["seconds"], int(r["bytes"]))
         logp, _ = self.ref.log_probs(batch, with_entropy=False)
         if offload:

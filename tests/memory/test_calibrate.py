@@ -82,21 +82,12 @@ def test_remap_rates_on_cuda_give_the_memory_back():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_copies_after_a_large_sleep_and_launches_behind_queued_copies_are_measured():
-    """On the device: the H2D probe after a region's sleep reports a window that ends within
-    the probe and a rate below the link's; host work per tensor is no cheaper with 8 GiB of
-    D2H queued than without."""
-    from handoff.memory.regions import aggressive_empty_cache
-
-    aggressive_empty_cache()
+def test_kernel_h2d_and_launches_behind_queued_copies_are_measured():
+    """On the device: the kernel-driven H2D runs at the link's order of rate; host work per
+    tensor is no cheaper with 8 GiB of D2H queued than without."""
     device = torch.device("cuda", torch.cuda.current_device())
-    gib = int(torch.cuda.mem_get_info(device)[0] * 0.5) >> 30
-    rates = measure_remap_rates(device, gib << 30, pool=RegionPool(device), repeats=1,
-                                h2d_probe_bytes=8 << 30)
-    link = measure_link_rates(device)["h2d_bps"]
-    if "reclaim_s" in rates:   # a small card may show no window
-        assert 0 < rates["reclaim_s"] < 8 * (1 << 30) / rates["reclaim_h2d_bps"] + 0.01
-        assert rates["reclaim_h2d_bps"] < 0.8 * link * 1.05
+    rates = measure_link_rates(device)
+    assert 0.5 * rates["h2d_bps"] < rates["h2d_kernel_bps"] < 2 * rates["h2d_bps"]
     idle = measure_tensor_host_seconds(device)
     queued = measure_tensor_host_seconds(device, d2h_in_flight_bytes=8 << 30)
     assert queued > 0.8 * idle

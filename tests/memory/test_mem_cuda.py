@@ -178,7 +178,7 @@ def test_arena_round_trip_frees_and_overlaps():
     assert down.seconds > 0 and up.seconds > 0 and down.bytes == arena.set_bytes("params")
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated - down.bytes + up.bytes
-    arena.onload("params").wait()
+    arena.onload("params", by_kernel=True).wait()   # the way back after the engine's sleep
     for t, r in zip([*params, *state], ref):
         assert torch.equal(t.detach().cpu(), r)
     arena.close()

@@ -20,7 +20,8 @@ def _opt_tensors(opt):
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
-def test_params_and_optimizer_state_round_trip_bit_exact():
+@pytest.mark.parametrize("by_kernel", [False, True])   # on CPU both are plain copies
+def test_params_and_optimizer_state_round_trip_bit_exact(by_kernel):
     model, opt = _model_and_adam()
     tensors = [*model.parameters(), *_opt_tensors(opt)]
     ref = [t.detach().clone() for t in tensors]
@@ -32,7 +33,7 @@ def test_params_and_optimizer_state_round_trip_bit_exact():
     assert all(x.untyped_storage().nbytes() == 0 for x in tensors)
     assert arena.is_offloaded("train")
     assert all(x.numel() > 0 for x in tensors)  # shapes kept while the storage is gone
-    arena.onload("train").wait()
+    arena.onload("train", by_kernel=by_kernel).wait()
     for x, r in zip(tensors, ref):
         assert torch.equal(x, r) and x.dtype == r.dtype
     # the optimizer still steps on the restored state

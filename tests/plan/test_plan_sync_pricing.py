@@ -111,21 +111,19 @@ def test_config_overrides_the_remap_and_per_tensor_rates():
     assert hw.sync_tensor_seconds == pytest.approx(25e-6)
 
 
-def test_copies_right_after_the_sleep_pay_the_reclaim_window():
+def test_copies_right_after_the_sleep_are_priced_at_the_kernel_rate():
     shape = load_shape("qwen3-4b")
-    plain = _acts(shape, H200)
-    hw = replace(H200, reclaim_s=0.45, reclaim_h2d_bps=27.6 * GB)
-    slow = _acts(shape, hw, h2d_bps=55 * GB)
-    params, ref = slow["params_h2d"], slow["ref_h2d"]
-    # 8.0 GB at 27.6 GB/s ends at 0.29 s, inside the window: all of it at the slow rate.
-    assert params.seconds == pytest.approx(params.bytes_per_card / (27.6 * GB))
-    # The ref starts there: 0.16 s more at the slow rate, the rest at the link's 55 GB/s.
-    left = ref.bytes_per_card - (0.45 - params.seconds) * 27.6 * GB
-    assert ref.seconds == pytest.approx(0.45 - params.seconds + left / (55 * GB))
-    # The optimizer comes in long after (before the update): the link's rate; D2H unchanged.
-    assert slow["optimizer_h2d"].seconds == pytest.approx(
-        slow["optimizer_h2d"].bytes_per_card / (55 * GB))
-    assert slow["params_d2h"].seconds == plain["params_d2h"].seconds
-    # No window measured: every move at the link's rate.
+    hw = replace(H200, kernel_h2d_bps=50 * GB)
+    acts = _acts(shape, hw, h2d_bps=55 * GB)
+    # The params and the ref come back by kernel (the copy engines are busy then).
+    for name in ("params_h2d", "ref_h2d"):
+        assert acts[name].seconds == pytest.approx(acts[name].bytes_per_card / (50 * GB))
+    # The optimizer comes in long after (before the update), on the copy engines.
+    assert acts["optimizer_h2d"].seconds == pytest.approx(
+        acts["optimizer_h2d"].bytes_per_card / (55 * GB))
+    assert acts["params_d2h"].seconds == pytest.approx(
+        acts["params_d2h"].bytes_per_card / H200.pinned_pcie_bps)
+    # A card whose kernel rate is not known: every move at the link's rate.
+    plain = _acts(shape, replace(H200, kernel_h2d_bps=0.0))
     assert plain["params_h2d"].seconds == pytest.approx(
         plain["params_h2d"].bytes_per_card / H200.pinned_pcie_bps)

@@ -1,8 +1,7 @@
 """Measure the links the ledger prices, once at the start of a run.
 
-    rates = measure_link_rates(torch.device("cuda"))   # {"d2h_bps", "h2d_bps", "d2d_bps"}
-    remap = measure_remap_rates(device, pool_bytes, pool=region_pool,
-                                h2d_probe_bytes=16 << 30)  # {"map_bps", ..., "reclaim_s"}
+    rates = measure_link_rates(torch.device("cuda"))   # {"d2h_bps", "h2d_bps", "d2d_bps", ...}
+    remap = measure_remap_rates(device, pool_bytes, pool=region_pool)   # {"map_bps", ...}
     per_tensor = measure_tensor_host_seconds(device, d2h_in_flight_bytes=opt_bytes)
 
 The planned-vs-measured table of a run feeds these rates (not a datasheet's) into the
@@ -40,7 +39,9 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 
 
 def measure_link_rates(device: torch.device, nbytes: int = 256 << 20, repeats: int = 3) -> dict:
-    """Bytes/s of a pinned D2H, a pinned H2D and a device-to-device copy (read + write)."""
+    """Bytes/s of a pinned D2H, a pinned H2D and a device-to-device copy (read + write);
+    on CUDA also "h2d_kernel_bps", the H2D done by a kernel (handoff.memory.host_copy), as
+    the copies right after the engine's sleep are."""
     pin = device.type == "cuda"
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -48,9 +49,14 @@ def measure_link_rates(device: torch.device, nbytes: int = 256 << 20, repeats: i
     d2h = _timed(lambda: host.copy_(dev, non_blocking=pin), device, repeats)
     h2d = _timed(lambda: dev.copy_(host, non_blocking=pin), device, repeats)
     d2d = _timed(lambda: other.copy_(dev), device, repeats)
+    rates = {"d2h_bps": nbytes / d2h, "h2d_bps": nbytes / h2d, "d2d_bps": 2 * nbytes / d2d,
+             "bytes": nbytes}
+    if pin:
+        from handoff.memory.host_copy import copy_from_host
+        rates["h2d_kernel_bps"] = nbytes / _timed(lambda: copy_from_host(dev, host), device,
+                                                  repeats)
     del dev, host, other
-    return {"d2h_bps": nbytes / d2h, "h2d_bps": nbytes / h2d, "d2d_bps": 2 * nbytes / d2d,
-            "bytes": nbytes}
+    return rates
 
 
 def _touched(nbytes: int, device: torch.device) -> torch.Tensor | None:
@@ -61,7 +67,7 @@ def _touched(nbytes: int, device: torch.device) -> torch.Tensor | None:
 def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, pool=None,
                         tag: str = "calibrate", held_during_wake: int = 0,
                         freed_before_wake: Sequence[tuple[int, float]] = (),
-                        settle_s: float = 0.0, h2d_probe_bytes: int = 0) -> dict:
+                        settle_s: float = 0.0) -> dict:
     """Bytes/s of waking (map) and level-2 sleeping (unmap) one region of one `nbytes` tensor.
 
     Returns medians over `repeats` sleep/wake pairs after one warm-up pair:
@@ -77,10 +83,6 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
     after its sleep. It matters: the driver seems to clear freed pages before mapping them
     again (on the H200, mapping 100 GiB right after unmapping it took 281 ms, 32 GiB 1.3 ms;
     the 4B run's KV wake, which follows the optimizer's 48 GB going back, 79 ms).
-
-    h2d_probe_bytes: after the last sleep, copy that many bytes host-to-device into fresh
-    memory and add what `h2d_after_sleep` finds (on CUDA): the driver is still reclaiming
-    the region's pages then, and such a copy is what the switch to training starts with.
     """
     from handoff.memory.regions import RegionPool, aggressive_empty_cache
 
@@ -110,65 +112,28 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
         _wait(pool.device)
         wakes.append(time.perf_counter() - t1)
         del held
-    block.fill_(1)   # a step's KV pool goes to sleep written
-    aggressive_empty_cache()   # the probe below copies into pages the driver hands out fresh
     pool.sleep([tag], level=2)
-    probe = (h2d_after_sleep(pool.device, h2d_probe_bytes)
-             if h2d_probe_bytes and pool.device.type == "cuda" else {})
     del block
     aggressive_empty_cache()
     tiny = 1e-9  # a CPU resize can be below the clock's resolution
     return {"map_bps": remap_bytes / max(statistics.median(wakes[1:]), tiny),
             "unmap_bps": remap_bytes / max(statistics.median(sleeps[1:]), tiny),
-            "remap_bytes": remap_bytes, **probe}
+            "remap_bytes": remap_bytes}
 
 
-def h2d_after_sleep(device: torch.device, nbytes: int, chunk_bytes: int = 256 << 20,
-                    slow: float = 0.8) -> dict:
-    """How host-to-device copies run right after a large region went to sleep.
-
-    For a while after unmapping a region the driver reclaims its pages, and copies into
-    fresh memory run slower: on the H200, 7.5 GiB took 0.29 s (27.6 GB/s) right after a
-    100 GiB sleep, 0.20 s 0.2 s later and 0.145 s (55 GB/s, the link) 1 s later. Copies
-    `nbytes` in `chunk_bytes` pieces, each timed with events; chunks below `slow` x the
-    fastest are the window. Returns {"reclaim_s": when the last slow chunk ended (seconds
-    after the first began), "reclaim_h2d_bps": the slow chunks' rate} ({} if none was slow).
-    """
-    host = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(-(-nbytes // chunk_bytes) + 1)]
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        events[0].record(stream)
-        for i, lo in enumerate(range(0, nbytes, chunk_bytes)):
-            piece = dev[lo:lo + chunk_bytes]
-            piece.copy_(host[:piece.numel()], non_blocking=True)
-            events[i + 1].record(stream)
-    stream.synchronize()
-    ends = [events[0].elapsed_time(e) / 1e3 for e in events[1:]]
-    sizes = [min(chunk_bytes, nbytes - lo) for lo in range(0, nbytes, chunk_bytes)]
-    seconds = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
-    rates = [n / max(s, 1e-9) for n, s in zip(sizes, seconds)]
-    slow_chunks = [i for i, r in enumerate(rates) if r < slow * max(rates)]
-    del dev
-    if not slow_chunks:
-        return {}
-    last = slow_chunks[-1]
-    return {"reclaim_s": ends[last],
-            "reclaim_h2d_bps": sum(sizes[i] for i in slow_chunks)
-            / sum(seconds[i] for i in slow_chunks)}
-
-
-def measure_tensor_host_seconds(device: torch.device, *, tensors: int = 256,
-                                repeats: int = 3, d2h_in_flight_bytes: int = 0,
-                                chunk_bytes: int = 64 << 20, per_bucket: int = 25) -> float:
+def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module | None = None,
+                                tensors: int = 256, repeats: int = 3,
+                                d2h_in_flight_bytes: int = 0, chunk_bytes: int = 64 << 20,
+                                per_bucket: int = 25) -> float:
     """Median wall seconds of one tensor's host-side work in an in-process weight sync.
 
-    Runs the real `sync_weights` over `tensors` tiny tensors (`per_bucket` to a bucket, as
-    a 4B model's ~400 tensors fill 16 buckets of 512 MiB) into a loader that does what the
-    engine's load_weights does per tensor (a lookup and a view) and per bucket (one
-    `_foreach_copy_`). The copies cost nothing on the device here, so what remains is the
-    host's dispatch and launch cost, which the ledger charges once per tensor.
+    Runs the real `sync_weights` with tiny tensors, `per_bucket` to a bucket (a 4B model's
+    ~400 tensors fill 16 buckets of 512 MiB). The tensors come from walking `module`'s
+    parameters as the actor's full_params does (the module tree, each parameter's local
+    tensor detached; `tensors` made-up names without a module), and go into a loader that
+    does per tensor what the engine's load_weights does (a name lookup, a shape check, a
+    batched `_foreach_copy_`). The copies cost nothing on the device here, so what remains
+    is the host's dispatch and launch cost, which the ledger charges once per tensor.
 
     d2h_in_flight_bytes: time it while a device-to-host copy of that many bytes (in the
     pinned arena's chunks) is queued on another stream, as the optimizer's offload is during
@@ -176,16 +141,34 @@ def measure_tensor_host_seconds(device: torch.device, *, tensors: int = 256,
     """
     from handoff.sync.weights import sync_weights
 
-    params = [(f"w{i}", torch.randn(64, device=device)) for i in range(tensors)]
-    dests = {name: torch.empty_like(t) for name, t in params}
+    names = ([name for name, _ in module.named_parameters()] if module is not None
+             else [f"w{i}" for i in range(tensors)])
+    tensors = len(names)
+    tiny = [torch.randn(64, device=device) for _ in names]
+    plan = {name: (torch.empty_like(t), (64,), 256) for name, t in zip(names, tiny)}
+
+    def walk():
+        if module is None:
+            yield from ((name, t.detach()) for name, t in zip(names, tiny))
+            return
+        for (name, p), t in zip(module.named_parameters(), tiny):
+            full = getattr(p, "_local_tensor", p).detach()   # full_params' work per parameter
+            yield name, t if full.dtype != t.dtype else t
 
     def load(entries) -> None:
-        torch._foreach_copy_([dests[name] for name, _ in entries],
-                             [t.narrow(0, 0, t.shape[0]) for _, t in entries])
+        dests, srcs, touched, pending = [], [], set(), 0
+        for name, t in entries:
+            dest, expected, nbytes = plan[name]
+            if tuple(t.shape) != expected:
+                raise AssertionError(name)
+            dests.append(dest)
+            srcs.append(t)
+            touched.add(name)
+            pending += nbytes
+        torch._foreach_copy_(dests, srcs)
 
     def one_sync() -> None:
-        sync_weights(((name, t.detach()) for name, t in params), load,
-                     bucket_bytes=per_bucket * 64 * 4, device=device)
+        sync_weights(walk(), load, bucket_bytes=per_bucket * 64 * 4, device=device)
 
     if not d2h_in_flight_bytes or device.type != "cuda":
         return _timed(one_sync, device, repeats) / tensors

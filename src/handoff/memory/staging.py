@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from handoff.errors import HandoffError
+from handoff.memory.host_copy import copy_from_host
 
 _ALIGN_BYTES = 512  # host offsets aligned for any dtype and for fast DMA
 
@@ -226,14 +227,18 @@ class PinnedArena:
             s.on_device = False
         return transfer
 
-    def onload(self, name: str) -> Transfer:
-        """Re-create freed device storage (same sizes), then copy the host data back."""
+    def onload(self, name: str, *, by_kernel: bool = False) -> Transfer:
+        """Re-create freed device storage (same sizes), then copy the host data back.
+
+        by_kernel: the copy is done by a kernel reading the pinned host memory
+        (handoff.memory.host_copy), not by the copy engines: right after a large region's
+        sleep the driver keeps the copy engines busy and they run at half the link's rate."""
         s = self._get(name)
         if not s.on_device:
             for storage, n in zip(s.storages, s.nbytes):
                 storage.resize_(n)
             s.on_device = True
-        return self._copy(name, s, to_host=False)
+        return self._copy(name, s, to_host=False, by_kernel=by_kernel)
 
     def _get(self, name: str) -> _Set:
         if name not in self._sets:
@@ -248,7 +253,7 @@ class PinnedArena:
             self._streams[key] = torch.cuda.Stream(device=key[0])
         return self._streams[key]
 
-    def _copy(self, name: str, s: _Set, *, to_host: bool) -> Transfer:
+    def _copy(self, name: str, s: _Set, *, to_host: bool, by_kernel: bool = False) -> Transfer:
         total = sum(s.nbytes)
         pairs = [(_storage_bytes(st, n, s.device), v)
                  for st, n, v in zip(s.storages, s.nbytes, s.views) if n > 0]
@@ -269,6 +274,8 @@ class PinnedArena:
                     hi = min(lo + self.chunk_bytes, dev_u8.numel())
                     if to_host:
                         host_u8[lo:hi].copy_(dev_u8[lo:hi], non_blocking=self.pin)
+                    elif by_kernel and self.pin:
+                        copy_from_host(dev_u8[lo:hi], host_u8[lo:hi])
                     else:
                         dev_u8[lo:hi].copy_(host_u8[lo:hi], non_blocking=self.pin)
                 # Device memory stays reserved for this stream until the copy is done.

@@ -16,8 +16,9 @@ Where the numbers come from:
   not linear in size (8 GiB 0.5 ms; 100-112 GiB anywhere from 4 to 355 ms): map_bps is the 4B
   run's 108 GiB KV wake (79 ms), and a run measures both rates at its own KV pool's size
   (handoff.memory.calibrate); ~40 us of host work per tensor of an in-process weight sync
-  (Qwen3-1.7B: 310 tensors, 3.2 GB in 30 ms); decode bandwidth scaled from the H100's 60%
-  of peak.
+  (Qwen3-1.7B: 310 tensors, 3.2 GB in 30 ms); a kernel copies host-to-device at 51 GB/s
+  (also right after a 100 GiB sleep, when the copy engines manage 27 GB/s); decode
+  bandwidth scaled from the H100's 60% of peak.
 * a100-80g: PCIe Gen4 and NVLink3 figures, decode bandwidth at 60% of the 2.0 TB/s peak.
 * cpu: the CPU demo, where "HBM" is host memory and every link is a memcpy.
 """
@@ -54,11 +55,9 @@ class HardwareProfile:
     sync_tensor_seconds: float     # host work per tensor of an in-process weight sync
     host_ram_bytes: float          # host RAM per node
     gpus_per_node: int
-    # For reclaim_s after the engine's sleep the driver reclaims the unmapped pages and
-    # host-to-device copies run at reclaim_h2d_bps. Measured by a run (calibrate); 0: not
-    # modelled (the profiles carry no guess).
-    reclaim_s: float = 0.0
-    reclaim_h2d_bps: float = 0.0
+    # Host-to-device by a kernel (handoff.memory.host_copy), as to_train copies right after
+    # the engine's sleep, when the copy engines are busy; 0: at pinned_pcie_bps.
+    kernel_h2d_bps: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -76,7 +75,7 @@ PROFILES: dict[str, HardwareProfile] = {
         decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, map_bps=1500 * GB, unmap_bps=2000 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
-        host_ram_bytes=2048 * GB, gpus_per_node=8),
+        host_ram_bytes=2048 * GB, gpus_per_node=8, kernel_h2d_bps=51 * GB),
     "a100-80g": HardwareProfile(
         name="a100-80g", hbm_bytes=80 * GB, pinned_pcie_bps=20 * GB, nvlink_bps=300 * GB,
         decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, map_bps=300 * GB, unmap_bps=300 * GB,

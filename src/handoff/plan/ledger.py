@@ -123,16 +123,6 @@ def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: Hardwar
             + shape.num_tensors * hw.sync_tensor_seconds)
 
 
-def h2d_seconds(nbytes: float, link_bps: float, hw: HardwareProfile,
-                after_sleep_s: float) -> float:
-    """A host-to-device copy that starts `after_sleep_s` after the engine's sleep: it runs
-    at hw.reclaim_h2d_bps until hw.reclaim_s (the driver reclaims the unmapped pages)."""
-    if hw.reclaim_h2d_bps <= 0 or after_sleep_s >= hw.reclaim_s:
-        return nbytes / link_bps
-    slow_s = min(hw.reclaim_s - after_sleep_s, nbytes / hw.reclaim_h2d_bps)
-    return slow_s + (nbytes - slow_s * hw.reclaim_h2d_bps) / link_bps
-
-
 def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
                    hw: HardwareProfile, *, kv_pool_bytes: float, dtypes: Dtypes = Dtypes(),
                    ref: bool = True, grad_offload: bool = False,
@@ -143,9 +133,9 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     weights_map_bps: how the sync is priced, see weight_sync_seconds; h2d_bps: the
     host-to-device rate when it differs from hw.pinned_pcie_bps).
 
-    to_train copies the params in right after the engine's sleep and, with one update per
-    step, the ref right after them, so both may fall in the driver's reclaim window
-    (h2d_seconds); with more updates an actor forward runs in between, not priced here."""
+    to_train copies the params in right after the engine's sleep, and the ref soon after,
+    while the driver clears the pages the sleep released on the copy engines: those two
+    copies are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
     opt_on = memory.optimizer_offload
@@ -153,10 +143,9 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     ref_on = ref and memory.ref_offload
     pcie = hw.pinned_pcie_bps
     h2d = h2d_bps or pcie
-    params_in = h2d_seconds(owners["params"], h2d, hw, after_sleep_s=0.0) if param_on else 0.0
-    seconds = {"params_h2d": params_in,
-               "ref_h2d": h2d_seconds(owners["reference"], h2d, hw, after_sleep_s=params_in),
-               "optimizer_h2d": opt / h2d}
+    by_kernel = hw.kernel_h2d_bps or h2d
+    seconds = {"params_h2d": owners["params"] / by_kernel,
+               "ref_h2d": owners["reference"] / by_kernel, "optimizer_h2d": opt / h2d}
 
     def move(name: str, direction: str, on: bool, nbytes: int, note: str, off_note: str):
         if not on:

@@ -149,6 +149,8 @@ class ShardRule:
     length: int
 
     def src(self, full: torch.Tensor) -> torch.Tensor:
+        if self.length == self.full_size:   # all of it (TP = 1): no narrow, a sync's host
+            return full                     # work is per tensor
         return full.narrow(self.dim, self.src_start, self.length)
 
     def dest(self, param: torch.Tensor) -> torch.Tensor:

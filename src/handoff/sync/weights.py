@@ -79,7 +79,9 @@ class _Bucket:
             strides.append(step)
             step *= size
         dst = typed.as_strided(t.shape, strides[::-1], self.offset // t.element_size())
-        dst.copy_(t)
+        # A kernel, where copy_ would take the copy engines (cudaMemcpyAsync), which carry
+        # the optimizer's offload while the sync runs.
+        torch._foreach_copy_([dst], [t])
         self.entries.append((name, dst))
         self.offset += (nbytes + 15) // 16 * 16
 

@@ -143,12 +143,13 @@ class ShardedModel:
             return {part: "host" for part in self._parts}
         return {part: ("host" if part in self._host else "device") for part in self._parts}
 
-    def to(self, where: str | torch.device, **parts: bool) -> Move:
+    def to(self, where: str | torch.device, *, by_kernel: bool = False, **parts: bool) -> Move:
         """Start moving the named parts (`params=True`, ...) to 'host' or back to 'device'.
 
         Asynchronous on CUDA: compute that needs a part waits for its copy on the GPU, and
         `.wait()` on the result blocks the host and reports bytes and seconds per part.
-        Parts already where asked report 0 bytes.
+        Parts already where asked report 0 bytes. by_kernel: copies back to the device are
+        done by a kernel, not the copy engines (PinnedArena.onload).
         """
         unknown = sorted(set(parts) - set(self._parts))
         if unknown:
@@ -164,7 +165,7 @@ class ShardedModel:
             else:
                 # The host copy must be complete before it is read back.
                 self._offloads.pop(part).wait()
-                transfers[part] = self.arena.onload(self._set_name(part))
+                transfers[part] = self.arena.onload(self._set_name(part), by_kernel=by_kernel)
                 self._host.discard(part)
                 self._pending.append(transfers[part])
         return Move(transfers)
@@ -242,13 +243,15 @@ class ShardedModel:
 
     # ---- weights out ----------------------------------------------------------------------
 
-    @torch.no_grad()
     def full_params(self, dtype: torch.dtype | str | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor on the device) one parameter at a time, all-gathered from the
         shards and cast to `dtype`; the previous one is released before the next is gathered.
         Tied weights appear once, under their first name (e.g. model.embed_tokens.weight).
-        Collective: every rank must run the generator to the end, in step."""
+        Collective: every rank must run the generator to the end, in step.
+
+        Not under no_grad: every tensor is detached first (nothing records a graph), and a
+        no_grad generator re-enters the mode at every yield (~4 us per tensor of host work)."""
         self._require_on_device("params")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         for name, p in self.module.named_parameters():
@@ -264,7 +267,7 @@ class ShardedModel:
             # tensor: a DTensor's own detach dispatches through Python (~20 us per
             # parameter on the H200's host, a third of the sync's host time).
             shard = local_shard(p).detach()
-            return shard if shard.device == self.device else shard.to(self.device)
+            return shard if self.offload_mode == "arena" else shard.to(self.device)
         shard = local_shard(p.detach())
         if shard.device != self.device:   # CPUOffloadPolicy keeps shards on the host
             p = DTensor.from_local(shard.to(self.device), p.device_mesh, p.placements,

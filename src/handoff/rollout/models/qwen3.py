@@ -234,14 +234,14 @@ class CausalLM(nn.Module):
             target = self._load_target(hf_name)
             if target is None:
                 continue
-            dest, rule, key, expected = target
+            dest, rule, key, expected, nbytes = target
             if tuple(tensor.shape) != expected:
                 raise HandoffError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, the engine "
                                    f"expects {expected}: the checkpoint and config.json disagree")
             dests.append(dest)
             srcs.append(rule.src(tensor))
             touched.add(key)
-            pending += dest.numel() * dest.element_size()
+            pending += nbytes
             if pending >= _COPY_BATCH_BYTES:
                 torch._foreach_copy_(dests, srcs)
                 dests, srcs, pending = [], [], 0
@@ -250,14 +250,14 @@ class CausalLM(nn.Module):
         return touched
 
     def _load_target(self, hf_name: str):
-        """(destination view, rule, coverage key, expected full shape) of `hf_name`, or None
-        for a tensor the engine ignores; computed once per name."""
+        """(destination view, rule, coverage key, expected full shape, destination bytes) of
+        `hf_name`, or None for a tensor the engine ignores; computed once per name."""
         if hf_name not in self._load_plan:
             found = self.locate(hf_name)
             if found is not None:
                 param, rule, key = found
                 dest = rule.dest(param)
-                found = (dest, rule, key, rule.full_shape(dest))
+                found = (dest, rule, key, rule.full_shape(dest), dest.numel() * dest.element_size())
             self._load_plan[hf_name] = found
         return self._load_plan[hf_name]
 
