@@ -82,7 +82,10 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
     handed back to the driver at those times, and the region's own pages given `settle_s`
     after its sleep. It matters: the driver seems to clear freed pages before mapping them
     again (on the H200, mapping 100 GiB right after unmapping it took 281 ms, 32 GiB 1.3 ms;
-    the 4B run's KV wake, which follows the optimizer's 48 GB going back, 79 ms).
+    the 4B run's KV wake, which follows the optimizer's 48 GB going back, 79 ms). Likewise
+    each sleep comes `settle_s` after the wake, the region written in between, as a step's
+    pool sleeps after the rollout (an unmap right after the map ran at 1.4 TB/s where the
+    4B run's sleeps ran at 2.1).
     """
     from handoff.memory.regions import RegionPool, aggressive_empty_cache
 
@@ -93,7 +96,11 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
     pool.track(tag, block)
     remap_bytes = pool.region_bytes(tag)
     sleeps, wakes = [], []
-    for _ in range(repeats + 1):
+    for repeat in range(repeats + 1):
+        if repeat:
+            block.fill_(1)
+            _wait(pool.device)
+            time.sleep(settle_s)
         _wait(pool.device)
         t0 = time.perf_counter()
         pool.sleep([tag], level=2)
