@@ -208,9 +208,10 @@ class HybridWorker:
     def to_train(self) -> None:
         """Engine sleep(2) (weights and KV discarded), then the actor's params come back.
 
-        For about a second after the sleep the driver clears the released pages on the copy
-        engines, and a copy-engine H2D runs at half the link's rate (scripts/h2d_after_unmap.py):
-        the params and the ref come back by kernel (PinnedArena.onload(by_kernel=True))."""
+        For about a second after the sleep the copy engines are busy (likely the driver
+        clearing the released pages) and an H2D on them runs at half the link's rate
+        (scripts/h2d_after_unmap.py): the params and the ref come back by kernel
+        (PinnedArena.onload(by_kernel=True))."""
         with self._timed("engine_sleep"):
             self.engine.sleep(2)
         aggressive_empty_cache()

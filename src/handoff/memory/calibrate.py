@@ -2,7 +2,8 @@
 
     rates = measure_link_rates(torch.device("cuda"))   # {"d2h_bps", "h2d_bps", "d2d_bps", ...}
     remap = measure_remap_rates(device, pool_bytes, pool=region_pool)   # {"map_bps", ...}
-    per_tensor = measure_tensor_host_seconds(device, d2h_in_flight_bytes=opt_bytes)
+    per_tensor = measure_tensor_host_seconds(device, module=actor.module,
+                                             d2h_in_flight_bytes=opt_bytes)
 
 The planned-vs-measured table of a run feeds these rates (not a datasheet's) into the
 ledger, so a gap between plan and measurement is the runtime's, not the hardware's. The
@@ -159,8 +160,8 @@ def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module
             yield from ((name, t.detach()) for name, t in zip(names, tiny))
             return
         for (name, p), t in zip(module.named_parameters(), tiny):
-            full = getattr(p, "_local_tensor", p).detach()   # full_params' work per parameter
-            yield name, t if full.dtype != t.dtype else t
+            getattr(p, "_local_tensor", p).detach()   # full_params' work per parameter
+            yield name, t
 
     def load(entries) -> None:
         dests, srcs, touched, pending = [], [], set(), 0

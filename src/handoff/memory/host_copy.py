@@ -2,8 +2,8 @@
 
     copy_from_host(dst_cuda_u8, src_pinned_u8)   # a kernel reads the pinned source over PCIe
 
-For about a second after a large region goes to sleep, the copy engines are busy (the
-driver clears the pages it got back): an H2D `copy_` into memory allocated before the sleep
+For about a second after a large region goes to sleep, the copy engines are busy (likely
+the driver clearing the pages it got back): an H2D `copy_` into memory allocated before the sleep
 ran at 27.5 GB/s on the H200, against 55 GB/s a second later, while a kernel writing device
 memory ran at full speed. The switch to training starts with such copies (the actor's
 params, then the reference). A kernel that loads the pinned source through its unified

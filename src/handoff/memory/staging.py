@@ -232,7 +232,7 @@ class PinnedArena:
 
         by_kernel: the copy is done by a kernel reading the pinned host memory
         (handoff.memory.host_copy), not by the copy engines: right after a large region's
-        sleep the driver keeps the copy engines busy and they run at half the link's rate."""
+        sleep the copy engines are busy and run at half the link's rate."""
         s = self._get(name)
         if not s.on_device:
             for storage, n in zip(s.storages, s.nbytes):

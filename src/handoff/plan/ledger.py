@@ -134,8 +134,8 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     host-to-device rate when it differs from hw.pinned_pcie_bps).
 
     to_train copies the params in right after the engine's sleep, and the ref soon after,
-    while the driver clears the pages the sleep released on the copy engines: those two
-    copies are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps."""
+    while the copy engines are busy with the pages the sleep released: those two copies
+    are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
     opt_on = memory.optimizer_offload
