@@ -222,3 +222,20 @@ def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path,
     waited = log.index("optimizer copy waited")
     assert "empty cache" not in log[started:waited], log
     assert "empty cache" in log[waited:]  # before the KV pool is mapped
+
+
+def test_the_copies_after_the_engine_sleep_go_by_kernel(model_dir, tmp_path, monkeypatch):
+    """The copy engines are busy right after the engine's sleep: the params and the ref come
+    back by kernel (the ledger prices those two at the kernel's rate), the optimizer, a
+    forward later, on the copy engines."""
+    trainer = Trainer(tiny_cfg(model_dir, tmp_path, "run.steps=1"))
+    arena = trainer.worker.arena
+    onloads, real_onload = [], arena.onload
+
+    def onload(name, *, by_kernel=False):
+        onloads.append((name, by_kernel))
+        return real_onload(name, by_kernel=by_kernel)
+
+    monkeypatch.setattr(arena, "onload", onload)
+    trainer.step(0)
+    assert onloads == [("actor.params", True), ("ref.params", True), ("actor.optimizer", False)]
