@@ -13,7 +13,8 @@ def _report(tmp_path):
     cfg = load_config("examples/cpu-tiny.yaml", ["model.path=tiny-qwen3",
                                                  f"run.out_dir={tmp_path}", "run.steps=3"])
     worker = SimpleNamespace(device=torch.device("cpu"), remap_rates={},
-                             actor=SimpleNamespace(module=torch.nn.Linear(2, 2)),
+                             actor=SimpleNamespace(module=torch.nn.Linear(2, 2),
+                                                   memory_parts=lambda: {"optimizer": 0}),
                              engine=SimpleNamespace(stats=lambda: {"kv_cache_bytes": 0}))
     return RunReport(cfg, worker, tmp_path)
 

@@ -26,8 +26,7 @@ from handoff.config import Config
 from handoff.memory.calibrate import measure_link_rates, measure_tensor_host_seconds
 from handoff.memory.meter import plot_timeline
 from handoff.plan.hardware import hardware_profile
-from handoff.plan.ledger import (SWITCH_ACTIONS, Dtypes, shard_size, switch_actions,
-                                 trainer_bytes)
+from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
 from handoff.plan.shapes import load_shape
 
 console = Console()
@@ -70,9 +69,8 @@ class RunReport:
         # The sync runs while the optimizer's offload is still queued (to_rollout overlaps
         # them), so its host work per tensor is measured that way too, walking the actor's
         # own parameters.
-        in_flight = (trainer_bytes(load_shape(cfg.model.path), shard_size(cfg.parallel),
-                                   Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype))
-                     ["optimizer"] if cfg.memory.optimizer_offload else 0)
+        in_flight = (worker.actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload
+                     else 0)
         self.rates = {**measure_link_rates(worker.device), **worker.remap_rates,
                       "tensor_host_s": measure_tensor_host_seconds(
                           worker.device, module=worker.actor.module,

@@ -20,6 +20,9 @@ from typing import Sequence
 
 import torch
 
+from handoff.memory.host_copy import copy_from_host
+from handoff.sync.weights import sync_weights
+
 
 def _wait(device: torch.device) -> None:
     if device.type == "cuda":
@@ -53,7 +56,6 @@ def measure_link_rates(device: torch.device, nbytes: int = 256 << 20, repeats: i
     rates = {"d2h_bps": nbytes / d2h, "h2d_bps": nbytes / h2d, "d2d_bps": 2 * nbytes / d2d,
              "bytes": nbytes}
     if pin:
-        from handoff.memory.host_copy import copy_from_host
         rates["h2d_kernel_bps"] = nbytes / _timed(lambda: copy_from_host(dev, host), device,
                                                   repeats)
     del dev, host, other
@@ -147,8 +149,6 @@ def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module
     pinned arena's chunks) is queued on another stream, as the optimizer's offload is during
     the switch's sync: launches then wait behind the queued copies.
     """
-    from handoff.sync.weights import sync_weights
-
     names = ([name for name, _ in module.named_parameters()] if module is not None
              else [f"w{i}" for i in range(tensors)])
     tensors = len(names)

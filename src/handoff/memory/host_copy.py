@@ -13,12 +13,16 @@ a host-to-device copy that avoids the copy engines, hence this kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _BLOCK = 4096   # int32 words per program: 16 KiB, enough loads in flight to cover PCIe latency
 
 
+@functools.cache
 def _kernel():
+    """The Triton kernel, compiled on first use (CPU-only installs never import triton here)."""
     import triton
     import triton.language as tl
 
@@ -31,20 +35,14 @@ def _kernel():
     return copy_words
 
 
-_COPY = None
-
-
 def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst (contiguous uint8, CUDA) <- src (contiguous uint8, pinned host), on the current
     stream, asynchronous like a non_blocking copy_."""
-    global _COPY
-    if _COPY is None:
-        _COPY = _kernel()
     nbytes = dst.numel()
     words = nbytes // 4 if dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 else 0
     if words:
-        _COPY[(-(-words // _BLOCK),)](dst[:words * 4].view(torch.int32),
-                                      src[:words * 4].view(torch.int32), words,
-                                      BLOCK=_BLOCK, num_warps=8)
+        _kernel()[(-(-words // _BLOCK),)](dst[:words * 4].view(torch.int32),
+                                          src[:words * 4].view(torch.int32), words,
+                                          BLOCK=_BLOCK, num_warps=8)
     if words * 4 < nbytes:   # the unaligned rest, a few bytes
         dst[words * 4:].copy_(src[words * 4:], non_blocking=True)
