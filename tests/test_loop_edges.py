@@ -49,6 +49,10 @@ def test_offloads_and_ref_off_still_report_every_action(model_dir, tmp_path):
                    "ref_h2d", "ref_d2h"):
         assert row[f"switch/{action}/bytes"] == 0
     assert row["switch/engine_weights_sync/bytes"] > 0
+    # The sync action splits into the weights' map and the copies, each inside it.
+    parts = row["sync/wake_s"] + row["sync/copy_s"]
+    assert 0 < row["sync/host_s"] <= row["sync/copy_s"]
+    assert 0 < parts <= row["switch/engine_weights_sync/seconds"]
 
 
 def test_steps_run_with_the_setup_heap_frozen(model_dir, tmp_path, monkeypatch):

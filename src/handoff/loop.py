@@ -184,6 +184,10 @@ class Trainer:
             "tokens_per_s": tokens * self.world / gen_seconds,
             "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
             "sync/bound_extra_bytes": sync.bound_extra_bytes,
+            # The sync action's parts: mapping the weights, then the copies (host: until
+            # the last bucket was handed over; the rest waits for the device).
+            "sync/wake_s": worker.last_wake_seconds, "sync/host_s": sync.host_seconds,
+            "sync/copy_s": sync.seconds,
         }
         if sync.measured_peak_extra_bytes is not None:
             row["sync/measured_peak_extra_bytes"] = sync.measured_peak_extra_bytes

@@ -114,6 +114,7 @@ class HybridWorker:
         self.pool.meter = self.meter
         self.actions: dict[str, dict[str, float]] = {}
         self.last_sync: SyncStats | None = None
+        self.last_wake_seconds = 0.0   # the weights region's map, inside engine_weights_sync
         self.step = -1  # probes before the first step carry step -1
         self.actor = build_actor(cfg, device=self.device, arena=self.arena)
         self.ref = build_reference(cfg, device=self.device, arena=self.arena)
@@ -280,7 +281,9 @@ class HybridWorker:
         self.probe("before resume weights")
         with expandable_segments(False):
             with self._timed("engine_weights_sync"):
+                t0 = time.perf_counter()
                 self._wake_weights(opt_move)
+                self.last_wake_seconds = time.perf_counter() - t0
                 self.last_sync = sync_weights(
                     self.actor.full_params(self.engine_dtype), self.engine.load_weights,
                     bucket_bytes=self.cfg.sync.bucket_mb << 20, device=self.device,

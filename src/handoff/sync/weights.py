@@ -34,7 +34,8 @@ class SyncStats:
     num_tensors: int = 0
     num_buckets: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0            # until every copy has run (the device's end)
+    host_seconds: float = 0.0       # until the last bucket was handed over (the host's end)
     bound_extra_bytes: int = 0      # two bucket buffers + the largest full tensor seen
     measured_peak_extra_bytes: int | None = None   # CUDA: allocator peak over the start
     max_tensor_bytes: int = 0
@@ -155,6 +156,7 @@ def sync_weights(params: WeightIter, load_weights: Callable[[WeightIter], None],
             current = 1 - current
         buckets[current].add(name, tensor)
     flush(buckets[current].entries)
+    stats.host_seconds = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # not the copy streams
         stats.measured_peak_extra_bytes = torch.cuda.max_memory_allocated(device) - base_allocated
