@@ -24,7 +24,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from handoff import worker as worker_module
 from handoff.config import load_config
 from handoff.loop import Trainer
+from handoff.memory.regions import RegionPool
 from handoff.memory.staging import PinnedArena
+from handoff.memory.tms_backend import TmsBackend
 from handoff.rollout.engine import Engine
 from handoff.train.model import ShardedModel
 
@@ -34,6 +36,8 @@ PIECES = [
     (PinnedArena, "stage", "arena.stage"),
     (PinnedArena, "offload", "arena.offload"),
     (Engine, "wake_up", "engine.wake_up"),
+    (RegionPool, "wake_up", "pool.wake_up"),
+    (TmsBackend, "remap", "tms.remap"),
     (Engine, "load_weights", "engine.load_weights"),
     (worker_module, "sync_weights", "sync_weights"),
     (worker_module, "aggressive_empty_cache", "aggressive_empty_cache"),
@@ -73,12 +77,16 @@ def profiled_to_rollout(steps: list[int], out: Path, holder: dict):
 
 
 def table(events) -> list[dict]:
-    """One row per labelled host call and per device activity kind, in ms from the start."""
+    """One row per labelled host call, per CUDA runtime call of 0.1 ms or more (an
+    allocation, a blocking copy, a wait) and per device activity kind, in ms from the start."""
     spans = [e for e in events if e.name.startswith("switch:")]
     t0 = min(e.time_range.start for e in spans)
-    rows = [{"what": e.name[len("switch:"):], "where": "host",
+    slow_calls = [e for e in events if e.device_type == DeviceType.CPU
+                  and e.name.startswith("cu") and e.time_range.elapsed_us() >= 100]
+    rows = [{"what": (e.name[len("switch:"):] if e in spans else e.name),
+             "where": "host" if e in spans else "runtime",
              "start_ms": (e.time_range.start - t0) / 1e3,
-             "ms": (e.time_range.end - e.time_range.start) / 1e3} for e in spans]
+             "ms": (e.time_range.end - e.time_range.start) / 1e3} for e in spans + slow_calls]
     device = {}
     for e in events:
         if e.device_type != DeviceType.CUDA:
