@@ -107,9 +107,22 @@ def main() -> None:
         torch._foreach_copy_(list(dst.values()), list(src.values()))
         torch._foreach_copy_(list(dst.values()), list(src.values()))
 
+    slots = {n: torch.empty(s, device=dev, dtype=torch.bfloat16) for n, s in shapes}
+
+    def per_tensor(copy):
+        def fn():
+            for n, _ in shapes:
+                copy(slots[n], src[n])
+                copy(dst[n], slots[n])
+        return fn
+
     for busy in (False, True):
         run("sync, real sizes", real_sync, busy)
         run("2 x foreach copy, one call", copies_only, busy)
+        run("2 x copy_ per tensor", per_tensor(lambda d, s: d.copy_(s)), busy)
+        run("2 x foreach copy per tensor",
+            per_tensor(lambda d, s: torch._foreach_copy_([d], [s])), busy)
+    del slots
 
     # As in a switch: the destinations live in a region that slept (level 2) and is mapped
     # again right before the copies write it.

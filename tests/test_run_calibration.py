@@ -11,7 +11,7 @@ from handoff.plan.shapes import load_shape
 from handoff.run_report import planned_actions
 
 RATES = {"d2h_bps": 5e9, "h2d_bps": 5e9, "d2d_bps": 20e9, "map_bps": 40e9, "unmap_bps": 80e9,
-         "tensor_host_s": 2e-5}
+         "tensor_host_s": 2e-5, "sync_copy_bps": 1000e9}
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +41,17 @@ def test_planned_actions_move_with_the_measured_rates(tmp_path):
     assert slower_unmap["engine_sleep"]["seconds"] == pytest.approx(
         4 * base["engine_sleep"]["seconds"])
     assert base["engine_sleep"]["seconds"] == pytest.approx((weights + pool) / RATES["unmap_bps"])
-    slower_host = planned_actions(cfg, {**RATES, "tensor_host_s": 1e-4}, pool)
+    # Host and copies overlap: the copies set the sync's time until the host is slower.
+    tensors = load_shape("qwen3-4b").num_tensors
+    copies = 4 * weights / RATES["sync_copy_bps"]   # one dtype: into the bucket and out
+    assert tensors * RATES["tensor_host_s"] < copies
+    slower_copies = planned_actions(cfg, {**RATES, "sync_copy_bps": 500e9}, pool)
+    assert slower_copies["engine_weights_sync"]["seconds"] == pytest.approx(
+        base["engine_weights_sync"]["seconds"] + copies)
+    slower_host = planned_actions(cfg, {**RATES, "tensor_host_s": 5e-4}, pool)
+    assert tensors * 5e-4 > copies
     assert slower_host["engine_weights_sync"]["seconds"] == pytest.approx(
-        base["engine_weights_sync"]["seconds"] + (1e-4 - 2e-5) * load_shape("qwen3-4b").num_tensors)
+        base["engine_weights_sync"]["seconds"] - copies + tensors * 5e-4)
     # Measured at the weights' own size, the sync's map uses that rate; the KV wake does not.
     own = planned_actions(cfg, {**RATES, "weights_map_bps": RATES["map_bps"] * 10}, pool)
     assert own["engine_weights_sync"]["seconds"] == pytest.approx(
@@ -59,9 +67,9 @@ def test_planned_actions_move_with_the_measured_rates(tmp_path):
     assert planned_actions(ipc_heavy, RATES, pool) == base
 
 
-def test_a_run_measures_its_remap_rates_and_times_its_saves(model_dir, tmp_path):
+def test_a_run_measures_its_start_rates_and_times_its_saves(model_dir, tmp_path):
     trainer = Trainer(_cfg(model_dir, tmp_path, "run.steps=2"))
-    rates = trainer.worker.remap_rates
+    rates = trainer.worker.start_rates
     # Calibrated at the size the KV wake maps: the pool the engine then took.
     assert rates["remap_bytes"] == trainer.worker.engine.stats()["kv_cache_bytes"]
     assert rates["map_bps"] > 0 and rates["unmap_bps"] > 0
@@ -76,7 +84,8 @@ def test_a_run_measures_its_remap_rates_and_times_its_saves(model_dir, tmp_path)
     trainer.report.start(0)
     trainer.report.log_step(saved)
     summary = trainer.report.finish()
-    for key in ("map_bps", "unmap_bps", "remap_bytes", "weights_map_bps", "tensor_host_s"):
+    for key in ("map_bps", "unmap_bps", "remap_bytes", "weights_map_bps", "tensor_host_s",
+                "sync_copy_bps", "sync_sample_bytes"):
         assert summary["rates"][key] > 0
     assert "unmap" in (tmp_path / "summary.md").read_text()
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])

@@ -12,7 +12,7 @@ from handoff.run_report import RunReport
 def _report(tmp_path):
     cfg = load_config("examples/cpu-tiny.yaml", ["model.path=tiny-qwen3",
                                                  f"run.out_dir={tmp_path}", "run.steps=3"])
-    worker = SimpleNamespace(device=torch.device("cpu"), remap_rates={},
+    worker = SimpleNamespace(device=torch.device("cpu"), start_rates={},
                              actor=SimpleNamespace(module=torch.nn.Linear(2, 2),
                                                    memory_parts=lambda: {"optimizer": 0}),
                              engine=SimpleNamespace(stats=lambda: {"kv_cache_bytes": 0}))

@@ -54,6 +54,8 @@ class HardwareConfig:
                                   ge=0)
     train_activation_gb: float | None = F(None, help="trainer activation peak per card, GB", ge=0)
     d2d_gbps: float | None = F(None, help="device copy GB/s, read + write", gt=0)
+    sync_copy_gbps: float | None = F(None, help="GB/s (read + write) of an in-process weight "
+                                     "sync's copies, a kernel per tensor", gt=0)
     map_gbps: float | None = F(None, help="cuMemMap rate of a waking region, GB/s", gt=0)
     unmap_gbps: float | None = F(None, help="cuMemUnmap rate of a sleeping region, GB/s", gt=0)
     sync_bucket_ms: float | None = F(None, help="weight-sync overhead per bucket (IPC, ACK), ms",

@@ -35,7 +35,7 @@ console = Console()
 # rates key (handoff.memory.calibrate) -> the profile field it replaces
 _MEASURED = {"d2h_bps": "pinned_pcie_bps", "d2d_bps": "d2d_bps", "map_bps": "map_bps",
              "unmap_bps": "unmap_bps", "tensor_host_s": "sync_tensor_seconds",
-             "h2d_kernel_bps": "kernel_h2d_bps"}
+             "h2d_kernel_bps": "kernel_h2d_bps", "sync_copy_bps": "sync_copy_bps"}
 
 
 def planned_actions(cfg: Config, rates: dict, kv_pool_bytes: int) -> dict[str, dict]:
@@ -71,7 +71,7 @@ class RunReport:
         # own parameters.
         in_flight = (worker.actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload
                      else 0)
-        self.rates = {**measure_link_rates(worker.device), **worker.remap_rates,
+        self.rates = {**measure_link_rates(worker.device), **worker.start_rates,
                       "tensor_host_s": measure_tensor_host_seconds(
                           worker.device, module=worker.actor.module,
                           d2h_in_flight_bytes=in_flight)}
@@ -214,6 +214,8 @@ def _remap_text(r: dict) -> str:
     if "weights_map_bps" in r:
         text += (f", map {r['weights_map_bps'] / 1e9:.0f} GB/s at the weights' "
                  f"{_fmt_bytes(r['weights_remap_bytes'])}")
+    if "sync_copy_bps" in r:
+        text += f", the sync's copies at {r['sync_copy_bps'] / 1e9:.0f} GB/s"
     if "tensor_host_s" in r:
         text += f", {r['tensor_host_s'] * 1e6:.1f} us of host work per synced tensor"
     return text

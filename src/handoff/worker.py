@@ -34,7 +34,7 @@ import torch
 
 from handoff.config import Config
 from handoff.errors import HandoffError
-from handoff.memory.calibrate import measure_remap_rates
+from handoff.memory.calibrate import measure_remap_rates, measure_sync_copy_bps
 from handoff.memory.meter import MemoryMeter, host_memory
 from handoff.memory.regions import RegionPool, aggressive_empty_cache, expandable_segments
 from handoff.memory.staging import PinnedArena
@@ -118,6 +118,11 @@ class HybridWorker:
         self.step = -1  # probes before the first step carry step -1
         self.actor = build_actor(cfg, device=self.device, arena=self.arena)
         self.ref = build_reference(cfg, device=self.device, arena=self.arena)
+        # Rates the ledger prices a run with, measured before the engine takes the card
+        # (RunReport adds the links'). First the sync's copies, over the actor's own
+        # tensors while they are still on the card.
+        self.start_rates = measure_sync_copy_bps(self.device, self.actor.full_params,
+                                                 bucket_bytes=cfg.sync.bucket_mb << 20)
         # The trainer's state leaves the card before the engine sizes its KV pool from
         # what is free: the run starts in the rollout phase.
         if self.ref is not None and cfg.memory.ref_offload:
@@ -135,12 +140,12 @@ class HybridWorker:
         # 4B pool's map 3x slower than its steps did).
         kv_bytes, weight_bytes, freed = _bytes_to_calibrate(cfg, self.pool)
         on_cuda = self.device.type == "cuda"
-        self.remap_rates = measure_remap_rates(
+        self.start_rates.update(measure_remap_rates(
             self.device, kv_bytes, pool=self.pool, repeats=2, held_during_wake=weight_bytes,
-            freed_before_wake=freed, settle_s=2.0 if on_cuda else 0.0)
+            freed_before_wake=freed, settle_s=2.0 if on_cuda else 0.0))
         weights = measure_remap_rates(self.device, weight_bytes, pool=self.pool,
                                       tag="calibrate_weights")
-        self.remap_rates.update(weights_map_bps=weights["map_bps"],
+        self.start_rates.update(weights_map_bps=weights["map_bps"],
                                 weights_remap_bytes=weights["remap_bytes"])
         self.engine = Engine(cfg.model.path, cfg.rollout, device=self.device,
                              dtype=cfg.model.dtype, pool=self.pool,

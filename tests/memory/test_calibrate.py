@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from handoff.memory.calibrate import (measure_link_rates, measure_remap_rates,
-                                      measure_tensor_host_seconds)
+                                      measure_sync_copy_bps, measure_tensor_host_seconds)
 from handoff.memory.regions import RegionPool
 
 
@@ -60,6 +60,40 @@ def test_tensor_host_seconds_is_a_host_cost_per_tensor():
     per_tensor = measure_tensor_host_seconds(torch.device("cpu"), tensors=64)
     # Three tiny copies and a few views: microseconds, not nothing and not milliseconds.
     assert 1e-7 < per_tensor < 1e-3
+
+
+def _weights(device, sizes=(4096, 256, 65536, 256, 4096, 65536, 256, 4096)):
+    made = [(f"w{i}", torch.randn(n, device=device)) for i, n in enumerate(sizes)]
+    return lambda: iter(made), [4 * n for n in sizes]
+
+
+def test_sync_copy_rate_runs_the_sync_over_a_sample_that_keeps_the_mix():
+    params, nbytes = _weights(torch.device("cpu"))
+    whole = measure_sync_copy_bps(torch.device("cpu"), params, bucket_bytes=1 << 20)
+    assert whole["sync_sample_bytes"] == sum(nbytes)
+    assert whole["sync_copy_bps"] > 0
+    # A budget of a quarter takes every 4th tensor, not the first quarter's bytes.
+    quarter = measure_sync_copy_bps(torch.device("cpu"), params, bucket_bytes=1 << 20,
+                                    budget_bytes=sum(nbytes) // 4)
+    assert quarter["sync_sample_bytes"] == sum(nbytes[::4])
+    assert measure_sync_copy_bps(torch.device("cpu"), params, bucket_bytes=1 << 20,
+                                 budget_bytes=0) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sync_copy_rate_on_cuda_is_below_one_large_copy():
+    """On the device: a kernel per tensor is slower per byte than one large copy, and of
+    its order; the scratch destinations go back."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    sizes = [2560 * 9728, 2560, 2560 * 4096, 128] * 24   # MLP, norm, attention, q_norm
+    params, _ = _weights(device, sizes)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    rate = measure_sync_copy_bps(device, params, bucket_bytes=512 << 20)["sync_copy_bps"]
+    assert torch.cuda.memory_allocated(device) == before
+    d2d = measure_link_rates(device)["d2d_bps"]
+    assert 0.1 * d2d < rate < 1.2 * d2d
 
 
 @pytest.mark.cuda

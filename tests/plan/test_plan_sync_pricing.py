@@ -60,21 +60,27 @@ def test_kv_wake_maps_and_sleep_unmaps_at_their_own_rates():
     assert fp8["kv_cache_wake"].seconds == pytest.approx(pool / H200.map_bps + pool / H200.d2d_bps)
 
 
-def test_in_process_sync_maps_copies_and_pays_per_tensor_not_per_bucket():
+def test_in_process_sync_maps_then_overlaps_host_work_and_copies():
     shape = load_shape("qwen3-4b")
     one = ParallelConfig(gpus=1)
     full = shape.num_params * 2
     in_proc = weight_sync_seconds(shape, one, H200, D, BUCKET)
-    expected = (full / H200.map_bps                     # wake the engine's weights region
-                + 2 * (full + full) / H200.d2d_bps      # into the bucket and out of it
-                + shape.num_tensors * H200.sync_tensor_seconds)
-    assert in_proc == pytest.approx(expected)
-    # No IPC: the per-bucket overhead does not appear, the per-tensor cost does.
+    copies = 2 * (full + full) / H200.sync_copy_bps   # into the bucket and out of it
+    host = shape.num_tensors * H200.sync_tensor_seconds
+    assert copies > host   # an H200 with a 4B model: the device sets the pace
+    assert in_proc == pytest.approx(full / H200.map_bps + copies)
+    # No IPC: the per-bucket overhead does not appear.
     no_buckets = replace(H200, sync_bucket_seconds=1.0)
     assert weight_sync_seconds(shape, one, no_buckets, D, BUCKET) == pytest.approx(in_proc)
-    slower_host = replace(H200, sync_tensor_seconds=H200.sync_tensor_seconds + 1e-4)
-    assert weight_sync_seconds(shape, one, slower_host, D, BUCKET) == pytest.approx(
-        in_proc + 1e-4 * shape.num_tensors)
+    # A slower host hides behind the copies until it is the slower side.
+    hidden = replace(H200, sync_tensor_seconds=0.9 * copies / shape.num_tensors)
+    assert weight_sync_seconds(shape, one, hidden, D, BUCKET) == pytest.approx(in_proc)
+    slow_host = replace(H200, sync_tensor_seconds=2 * copies / shape.num_tensors)
+    assert weight_sync_seconds(shape, one, slow_host, D, BUCKET) == pytest.approx(
+        in_proc + copies)
+    slow_copies = replace(H200, sync_copy_bps=H200.sync_copy_bps / 2)
+    assert weight_sync_seconds(shape, one, slow_copies, D, BUCKET) == pytest.approx(
+        in_proc + copies)
     # Mapping is not linear in size: a rate measured at the weights' size replaces map_bps.
     fast = weight_sync_seconds(shape, one, H200, D, BUCKET, weights_map_bps=10 * H200.map_bps)
     assert fast == pytest.approx(in_proc - 0.9 * full / H200.map_bps)
@@ -96,19 +102,20 @@ def test_gathered_sync_is_the_ipc_path_unless_told_in_process():
                                 + -(-full // BUCKET) * H200.sync_bucket_seconds)
     local = weight_sync_seconds(shape, eight, H200, D, BUCKET, in_process=True)
     assert local == pytest.approx(gather + written / H200.map_bps
-                                  + 2 * (full + written) / H200.d2d_bps
-                                  + shape.num_tensors * H200.sync_tensor_seconds)
+                                  + max(2 * (full + written) / H200.sync_copy_bps,
+                                        shape.num_tensors * H200.sync_tensor_seconds))
     links = {p: _acts(shape, H200, eight, in_process=p)["engine_weights_sync"].link
              for p in (None, True)}
     assert links == {None: "NVLink all-gather + CUDA IPC",
                      True: "NVLink all-gather + in-process copy"}
 
 
-def test_config_overrides_the_remap_and_per_tensor_rates():
+def test_config_overrides_the_remap_and_sync_rates():
     hw = hardware_profile("h200", HardwareConfig(map_gbps=100, unmap_gbps=200,
-                                                 sync_tensor_us=25))
+                                                 sync_tensor_us=25, sync_copy_gbps=900))
     assert (hw.map_bps, hw.unmap_bps) == (100 * GB, 200 * GB)
     assert hw.sync_tensor_seconds == pytest.approx(25e-6)
+    assert hw.sync_copy_bps == 900 * GB
 
 
 def test_copies_right_after_the_sleep_are_priced_at_the_kernel_rate():

@@ -4,6 +4,7 @@
     remap = measure_remap_rates(device, pool_bytes, pool=region_pool)   # {"map_bps", ...}
     per_tensor = measure_tensor_host_seconds(device, module=actor.module,
                                              d2h_in_flight_bytes=opt_bytes)
+    copies = measure_sync_copy_bps(device, actor.full_params, bucket_bytes=512 << 20)
 
 The planned-vs-measured table of a run feeds these rates (not a datasheet's) into the
 ledger, so a gap between plan and measurement is the runtime's, not the hardware's. The
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from handoff.memory.host_copy import copy_from_host
-from handoff.sync.weights import sync_weights
+from handoff.sync.weights import WeightIter, sync_weights
 
 
 def _wait(device: torch.device) -> None:
@@ -131,6 +132,79 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
             "remap_bytes": remap_bytes}
 
 
+_LOAD_BATCH_BYTES = 256 << 20   # the engine's load_weights batches its copies this way
+
+
+def _engine_like_loader(plan: dict):
+    """A load_weights doing per tensor what the engine's does: a name lookup (`plan`: name ->
+    (destination, expected shape, bytes)), a shape check, copies batched into one
+    `_foreach_copy_` per _LOAD_BATCH_BYTES."""
+    def load(entries) -> None:
+        dests, srcs, touched, pending = [], [], set(), 0
+        for name, t in entries:
+            dest, expected, nbytes = plan[name]
+            if tuple(t.shape) != expected:
+                raise AssertionError(name)
+            dests.append(dest)
+            srcs.append(t)
+            touched.add(name)
+            pending += nbytes
+            if pending >= _LOAD_BATCH_BYTES:
+                torch._foreach_copy_(dests, srcs)
+                dests, srcs, pending = [], [], 0
+        if dests:
+            torch._foreach_copy_(dests, srcs)
+    return load
+
+
+def measure_sync_copy_bps(device: torch.device, params: Callable[[], WeightIter], *,
+                          bucket_bytes: int, budget_bytes: int = 8 << 30,
+                          repeats: int = 3) -> dict:
+    """Bytes read + written per second by an in-process weight sync's copies, measured on
+    the trainer's own tensors: {"sync_copy_bps", "sync_sample_bytes"}.
+
+    Runs the real `sync_weights` over `params()` (what the worker syncs, e.g. the actor's
+    full_params) into scratch destinations through _engine_like_loader. Its copies are
+    a kernel per tensor into the bucket and a batched one out of it: many small kernels,
+    slower per byte than one large copy (d2d_bps), so the ledger prices them at this rate.
+    At most `budget_bytes` of tensors take part (every k-th, so the sample keeps the
+    model's mix of sizes; on CUDA no more than fits, {} when nothing does). The cache is emptied before each sync: its two buckets are
+    allocated inside the timed sync, as in a step's switch.
+    """
+    if device.type == "cuda":   # the sample's destinations and the buckets must fit
+        budget_bytes = min(budget_bytes, torch.cuda.mem_get_info(device)[0]
+                           - 2 * bucket_bytes - (1 << 30))
+    if budget_bytes <= 0:
+        return {}
+    sizes = [(name, t.numel() * t.element_size()) for name, t in params()]
+    total = sum(n for _, n in sizes)
+    stride = max(-(-total // budget_bytes), 1)
+    chosen = {name for i, (name, _) in enumerate(sizes) if i % stride == 0}
+    plan = {}
+    for name, t in params():
+        if name in chosen:
+            plan[name] = (torch.empty_like(t), tuple(t.shape), t.numel() * t.element_size())
+    load = _engine_like_loader(plan)
+    sample = sum(nbytes for _, _, nbytes in plan.values())
+
+    times = []
+    for _ in range(repeats + 1):   # the first is a warm-up
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _wait(device)
+        t0 = time.perf_counter()
+        sync_weights(((n, t) for n, t in params() if n in chosen), load,
+                     bucket_bytes=bucket_bytes, device=device)
+        _wait(device)
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times[1:])
+    del plan, load
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # Into the bucket and out of it, each a read and a write.
+    return {"sync_copy_bps": 4 * sample / max(seconds, 1e-9), "sync_sample_bytes": sample}
+
+
 def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module | None = None,
                                 tensors: int = 256, repeats: int = 3,
                                 d2h_in_flight_bytes: int = 0, chunk_bytes: int = 64 << 20,
@@ -141,8 +215,8 @@ def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module
     ~400 tensors fill 16 buckets of 512 MiB). The tensors come from walking `module`'s
     parameters as the actor's full_params does (the module tree, each parameter's local
     tensor detached; `tensors` made-up names without a module), and go into a loader that
-    does per tensor what the engine's load_weights does (a name lookup, a shape check, a
-    batched `_foreach_copy_`). The copies cost nothing on the device here, so what remains
+    does per tensor what the engine's load_weights does (_engine_like_loader). The copies
+    cost nothing on the device here, so what remains
     is the host's dispatch and launch cost, which the ledger charges once per tensor.
 
     d2h_in_flight_bytes: time it while a device-to-host copy of that many bytes (in the
@@ -163,17 +237,7 @@ def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module
             getattr(p, "_local_tensor", p).detach()   # full_params' work per parameter
             yield name, t
 
-    def load(entries) -> None:
-        dests, srcs, touched, pending = [], [], set(), 0
-        for name, t in entries:
-            dest, expected, nbytes = plan[name]
-            if tuple(t.shape) != expected:
-                raise AssertionError(name)
-            dests.append(dest)
-            srcs.append(t)
-            touched.add(name)
-            pending += nbytes
-        torch._foreach_copy_(dests, srcs)
+    load = _engine_like_loader(plan)
 
     def one_sync() -> None:
         sync_weights(walk(), load, bucket_bytes=per_bucket * 64 * 4, device=device)

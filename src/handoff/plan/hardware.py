@@ -45,6 +45,7 @@ class HardwareProfile:
     nvlink_bps: float              # per card, per direction (the all-gather of weight sync)
     decode_bw_bps: float           # effective HBM bandwidth of a decode step
     d2d_bps: float                 # device copy rate, bytes read + written per second
+    sync_copy_bps: float           # an in-process weight sync's copies (a kernel per tensor)
     map_bps: float                 # cuMemMap of a sleeping region (wake), bytes per second
     unmap_bps: float               # cuMemUnmap of an awake region (sleep), bytes per second
     activation_peak_bytes: float   # engine activation peak (profiled)
@@ -66,25 +67,29 @@ class HardwareProfile:
 PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": HardwareProfile(
         name="h100-sxm", hbm_bytes=80 * GB, pinned_pcie_bps=25 * GB, nvlink_bps=450 * GB,
-        decode_bw_bps=2000 * GB, d2d_bps=2800 * GB, map_bps=300 * GB, unmap_bps=300 * GB,
+        decode_bw_bps=2000 * GB, d2d_bps=2800 * GB, sync_copy_bps=1700 * GB,
+        map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
         host_ram_bytes=2048 * GB, gpus_per_node=8),
     "h200": HardwareProfile(
         name="h200", hbm_bytes=139 * GIB, pinned_pcie_bps=55 * GB, nvlink_bps=450 * GB,
-        decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, map_bps=1500 * GB, unmap_bps=2000 * GB,
+        decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, sync_copy_bps=2500 * GB,
+        map_bps=1500 * GB, unmap_bps=2000 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
-        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
+        train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=25e-6,
         host_ram_bytes=2048 * GB, gpus_per_node=8, kernel_h2d_bps=51 * GB),
     "a100-80g": HardwareProfile(
         name="a100-80g", hbm_bytes=80 * GB, pinned_pcie_bps=20 * GB, nvlink_bps=300 * GB,
-        decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, map_bps=300 * GB, unmap_bps=300 * GB,
+        decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, sync_copy_bps=1000 * GB,
+        map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
         host_ram_bytes=1024 * GB, gpus_per_node=8),
     "cpu": HardwareProfile(
         name="cpu", hbm_bytes=16 * GB, pinned_pcie_bps=5 * GB, nvlink_bps=5 * GB,
-        decode_bw_bps=20 * GB, d2d_bps=10 * GB, map_bps=50 * GB, unmap_bps=50 * GB,
+        decode_bw_bps=20 * GB, d2d_bps=10 * GB, sync_copy_bps=10 * GB,
+        map_bps=50 * GB, unmap_bps=50 * GB,
         activation_peak_bytes=0.25 * GB, graph_pool_bytes=0.0, resident_bytes=0.5 * GB,
         train_activation_bytes=0.5 * GB, sync_bucket_seconds=0.001, sync_tensor_seconds=20e-6,
         host_ram_bytes=32 * GB, gpus_per_node=1),
@@ -97,6 +102,7 @@ _OVERRIDES = {
     "nvlink_gbps": ("nvlink_bps", GB),
     "decode_bw_tbps": ("decode_bw_bps", 1e12),
     "d2d_gbps": ("d2d_bps", GB),
+    "sync_copy_gbps": ("sync_copy_bps", GB),
     "map_gbps": ("map_bps", GB),
     "unmap_gbps": ("unmap_bps", GB),
     "activation_peak_gb": ("activation_peak_bytes", GB),

@@ -105,10 +105,12 @@ def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: Hardwar
 
     Both paths all-gather each full tensor over NVLink (nothing with a shard group of one)
     and copy it into a bucket and out of it into the engine's shard (read + write each).
-    Gathered over CUDA IPC (the brief's engine in its own process): a fixed overhead per
-    bucket (IPC handle, load_weights, ACK). In-process (our worker): no IPC, but the engine's
-    weights region is mapped inside the timed action and every tensor costs host work
-    (bucket slot, copy launches, load_weights' lookup).
+    Gathered over CUDA IPC (the brief's engine in its own process): large copies at
+    hw.d2d_bps and a fixed overhead per bucket (IPC handle, load_weights, ACK).
+    In-process (our worker): no IPC, but the engine's weights region is mapped inside the
+    timed action, every tensor costs host work (bucket slot, copy launch, load_weights'
+    lookup), and the copies are a kernel per tensor, at hw.sync_copy_bps. Host and device
+    overlap (one stream, no wait between buckets): the slower of the two sets the time.
     The weights map at `weights_map_bps` when it was measured at their size (mapping time
     is not linear in size), else at hw.map_bps.
     """
@@ -116,11 +118,12 @@ def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: Hardwar
     group = shard_size(parallel)
     gather = full * (group - 1) / group / hw.nvlink_bps
     written = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
-    copies = 2 * (full + written) / hw.d2d_bps  # read + write, into the bucket and out of it
+    traffic = 2 * (full + written)  # read + write, into the bucket and out of it
     if not is_in_process(parallel, in_process):
-        return gather + copies + math.ceil(full / bucket_bytes) * hw.sync_bucket_seconds
-    return (gather + written / (weights_map_bps or hw.map_bps) + copies
-            + shape.num_tensors * hw.sync_tensor_seconds)
+        return (gather + traffic / hw.d2d_bps
+                + math.ceil(full / bucket_bytes) * hw.sync_bucket_seconds)
+    return (gather + written / (weights_map_bps or hw.map_bps)
+            + max(traffic / hw.sync_copy_bps, shape.num_tensors * hw.sync_tensor_seconds))
 
 
 def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,

@@ -95,7 +95,12 @@ class Engine:
         with self.pool.region("buffers"):
             model.rope_cos_sin = table.to(self.device, copy=True)  # the CPU original is the backup
         self.pool.track("buffers", [model.rope_cos_sin])
-        self.pool.add_restore_hook("buffers", lambda: model.rope_cos_sin.copy_(table))
+        # Pinned, the restore on wake is queued, not a blocking pageable copy (it runs inside
+        # the timed weight sync, while the optimizer's offload keeps the copy engines busy).
+        on_cuda = self.device.type == "cuda"
+        table = table.pin_memory() if on_cuda else table
+        self.pool.add_restore_hook(
+            "buffers", lambda: model.rope_cos_sin.copy_(table, non_blocking=on_cuda))
 
         kv_dtype = FP8_DTYPE if cfg.kv_dtype == "fp8" else self.dtype
         self.runner = ModelRunner(model, device=self.device, block_size=cfg.block_size,
