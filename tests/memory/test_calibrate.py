@@ -82,9 +82,9 @@ def test_sync_copy_rate_runs_the_sync_over_a_sample_that_keeps_the_mix():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sync_copy_rate_on_cuda_is_below_one_large_copy():
-    """On the device: a kernel per tensor is slower per byte than one large copy, and of
-    its order; the scratch destinations go back."""
+def test_sync_copy_rate_on_cuda_is_of_the_order_of_one_large_copy():
+    """On the device: a kernel per tensor runs at the order of one large copy's rate (the
+    4B's measured 2.15 against 3.9 TB/s); the scratch destinations go back."""
     device = torch.device("cuda", torch.cuda.current_device())
     sizes = [2560 * 9728, 2560, 2560 * 4096, 128] * 24   # MLP, norm, attention, q_norm
     params, _ = _weights(device, sizes)

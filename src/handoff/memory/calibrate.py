@@ -168,8 +168,9 @@ def measure_sync_copy_bps(device: torch.device, params: Callable[[], WeightIter]
     a kernel per tensor into the bucket and a batched one out of it: many small kernels,
     slower per byte than one large copy (d2d_bps), so the ledger prices them at this rate.
     At most `budget_bytes` of tensors take part (every k-th, so the sample keeps the
-    model's mix of sizes; on CUDA no more than fits, {} when nothing does). The cache is emptied before each sync: its two buckets are
-    allocated inside the timed sync, as in a step's switch.
+    model's mix of sizes; on CUDA no more than fits, {} when nothing does). The cache is
+    emptied before each sync: its two buckets are allocated inside the timed sync, as in a
+    step's switch.
     """
     if device.type == "cuda":   # the sample's destinations and the buckets must fit
         budget_bytes = min(budget_bytes, torch.cuda.mem_get_info(device)[0]
@@ -216,8 +217,8 @@ def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module
     parameters as the actor's full_params does (the module tree, each parameter's local
     tensor detached; `tensors` made-up names without a module), and go into a loader that
     does per tensor what the engine's load_weights does (_engine_like_loader). The copies
-    cost nothing on the device here, so what remains
-    is the host's dispatch and launch cost, which the ledger charges once per tensor.
+    cost nothing on the device here, so what remains is the host's dispatch and launch
+    cost, which the ledger charges once per tensor.
 
     d2h_in_flight_bytes: time it while a device-to-host copy of that many bytes (in the
     pinned arena's chunks) is queued on another stream, as the optimizer's offload is during
