@@ -188,9 +188,10 @@ def test_weights_wake_retries_after_the_optimizer_copy_when_the_card_is_full(mod
 
 
 def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path, monkeypatch):
-    """torch's empty_cache waits on the events of blocks freed under record_stream, so an
-    empty-cache between starting the optimizer D2H and waiting for it would serialise the
-    copy with the weights wake and sync: to_rollout empties only after the wait."""
+    """Emptying the cache synchronizes the device, so an empty-cache between starting the
+    optimizer D2H and waiting for it would serialise the copy with the weights wake and sync
+    (and free none of the optimizer's memory, released at the wait): to_rollout empties
+    only after the wait."""
     import handoff.worker as worker_module
 
     trainer = Trainer(tiny_cfg(model_dir, tmp_path))

@@ -279,8 +279,8 @@ class HybridWorker:
         if opt_move is None:
             aggressive_empty_cache()
         else:
-            # Emptying the cache now would wait for the optimizer copy (torch's empty_cache
-            # waits on the events of record_stream'd blocks): the weights wake tries without
+            # Emptying the cache now would wait for the optimizer copy (and free none of its
+            # memory: that comes when the copy is waited on): the weights wake tries without
             # it, and _wake_weights waits, empties and retries if the card is too full.
             gc.collect()
         self.probe("before resume weights")

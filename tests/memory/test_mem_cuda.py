@@ -184,6 +184,32 @@ def test_arena_round_trip_frees_and_overlaps():
     arena.close()
 
 
+def test_offload_frees_at_wait_and_a_quick_onload_waits_for_the_way_out():
+    """No record_stream (its per-storage events slow the next allocation): an offload's
+    device memory stays allocated while the copy reads it and is freed at the wait; an
+    onload issued before that wait first lets the way out land, then restores exactly."""
+    torch.manual_seed(0)
+    xs = [torch.randn(n, device="cuda") for n in (16 * MiB, 3 * MiB, 5)]
+    ref = [x.cpu() for x in xs]
+    arena = PinnedArena(chunk_bytes=4 * MiB)
+    arena.stage("x", xs)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    down = arena.offload("x")
+    assert torch.cuda.memory_allocated() == before
+    assert all(x.untyped_storage().nbytes() > 0 for x in xs)
+    down.wait()
+    freed = before - torch.cuda.memory_allocated()   # blocks round up to 512 bytes
+    assert down.bytes <= freed < down.bytes + len(xs) * 512
+    assert all(x.untyped_storage().nbytes() == 0 for x in xs)
+    arena.onload("x").wait()
+    arena.offload("x")
+    arena.onload("x").wait()   # the offload was never waited on
+    for x, r in zip(xs, ref):
+        assert torch.equal(x.cpu(), r)
+    arena.close()
+
+
 def test_expandable_segments_in_environment_is_handled():
     code = ("import torch; from handoff.memory import RegionPool\n"
             "x = torch.ones(1 << 20, device='cuda')\n"

@@ -50,8 +50,8 @@ def aggressive_empty_cache() -> None:
 
     Run it before waking a region: segments cached by the caching allocator are free to
     PyTorch but not to the driver, and a wake is checked against the driver's free memory.
-    It waits for every copy in flight: torch's empty_cache itself waits on the events of
-    blocks freed under record_stream (an arena offload), so with a copy running, skip it.
+    It waits for every copy in flight (and an arena offload's memory is freed only once its
+    transfer is waited on), so with a copy running, skip it.
     """
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
