@@ -102,7 +102,7 @@ def test_sleep1_keeps_weights_and_tags_wake_separately(llama_dir, ref):
     engine.sleep(1)
     assert engine.runner.kv_storage.untyped_storage().nbytes() == 0
     engine.wake_up(["weights"])
-    assert engine.stats()["awake"] == {"weights": True, "kv_cache": False, "buffers": True}
+    assert engine.stats()["awake"] == {"weights": True, "kv_cache": False}
     with pytest.raises(HandoffError, match="asleep"):
         engine.generate(ref.mixed_prompts, GREEDY)
     engine.wake_up(["kv_cache"])

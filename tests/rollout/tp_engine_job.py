@@ -37,7 +37,7 @@ def regions(engine: Engine) -> dict:
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
-    return {"awake": {t: engine.pool.is_awake(t) for t in ("weights", "kv_cache", "buffers")},
+    return {"awake": {t: engine.pool.is_awake(t) for t in ("weights", "kv_cache")},
             "kv_bytes": engine.runner.kv_storage.untyped_storage().nbytes(),
             "weight_bytes": sum(p.untyped_storage().nbytes() for p in engine.model.parameters()),
             "device_free": torch.cuda.mem_get_info(engine.device)[0] if cuda else None,

@@ -9,9 +9,9 @@
 One step is `scheduler.schedule()` -> `runner.launch()` -> `runner.collect()` ->
 `scheduler.postprocess()`; in a run of decode steps the next one is launched before the
 current one is collected (`step`). Memory lives
-in `handoff.memory` regions: "weights" (parameters), "kv_cache" (the paged pool and fp8
-scales) and "buffers" (RoPE tables: not weights, so a level-2 sleep keeps a CPU copy and the
-wake copies it back). Sleep levels: 0 pauses generation only; 1 backs the weights up to pinned
+in two `handoff.memory` regions: "weights" (parameters, and the RoPE table, which a wake
+copies back from pinned host memory) and "kv_cache" (the paged pool and fp8 scales). Sleep
+levels: 0 pauses generation only; 1 backs the weights up to pinned
 host memory and drops the KV; 2 drops both (the trainer sends new weights anyway): generation
 is refused until `load_weights` has refilled every parameter.
 
@@ -91,16 +91,18 @@ class Engine:
                                f"{sorted(self._missing_weights)[:3]}: it does not match its "
                                "config.json (write it with save_pretrained)")
 
-        table = rope_table(inverse_frequencies(hf, self.spec.head_dim), self.max_model_len)
-        with self.pool.region("buffers"):
-            model.rope_cos_sin = table.to(self.device, copy=True)  # the CPU original is the backup
-        self.pool.track("buffers", [model.rope_cos_sin])
-        # Pinned, the restore on wake is queued, not a blocking pageable copy (it runs inside
+        # The RoPE table shares the weights' region: one map per wake (each region's map
+        # cost ~1 ms inside the switch, whatever its size). A level-2 sleep drops it with the
+        # weights; the wake copies it back from a pinned table, a queued copy (it runs inside
         # the timed weight sync, while the optimizer's offload keeps the copy engines busy).
+        table = rope_table(inverse_frequencies(hf, self.spec.head_dim), self.max_model_len)
+        with self.pool.region("weights"):
+            model.rope_cos_sin = table.to(self.device, copy=True)
+        self.pool.track("weights", [model.rope_cos_sin])
         on_cuda = self.device.type == "cuda"
         table = table.pin_memory() if on_cuda else table
         self.pool.add_restore_hook(
-            "buffers", lambda: model.rope_cos_sin.copy_(table, non_blocking=on_cuda))
+            "weights", lambda: model.rope_cos_sin.copy_(table, non_blocking=on_cuda))
 
         kv_dtype = FP8_DTYPE if cfg.kv_dtype == "fp8" else self.dtype
         self.runner = ModelRunner(model, device=self.device, block_size=cfg.block_size,
@@ -153,7 +155,7 @@ class Engine:
             graphs = runner.graph_reserve_bytes(cfg.max_num_seqs)
             self.graph_reserve_bytes = graphs
             free, total = torch.cuda.mem_get_info(self.device)
-            own = self.pool.region_bytes("weights") + self.pool.region_bytes("buffers")
+            own = self.pool.region_bytes("weights")
             # The graphs' pool is resident too: the brief's ledger subtracts it.
             peak += graphs
             budget = int(cfg.gpu_memory_utilization * total) - own - peak
@@ -296,19 +298,17 @@ class Engine:
         if self.pool.is_awake("kv_cache"):
             self.blocks.reset_prefix_cache()
         self.pool.sleep(["weights"], level=level)
-        self.pool.sleep(["kv_cache", "buffers"], level=2)
+        self.pool.sleep(["kv_cache"], level=2)
         if level == 2:
             self._missing_weights = self.model.weight_keys()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Map the regions of `tags` again (default both; "weights" brings the buffers back)."""
+        """Map the regions of `tags` again (default both)."""
         tags = list(TAGS) if tags is None else list(tags)
         unknown = [t for t in tags if t not in TAGS]
         if unknown:
             raise HandoffError(f"unknown engine tags {unknown}: use {list(TAGS)}")
-        pool_tags = [t for tag in TAGS if tag in tags
-                     for t in ((tag, "buffers") if tag == "weights" else (tag,))]
-        self.pool.wake_up(pool_tags)
+        self.pool.wake_up([t for t in TAGS if t in tags])
         if "kv_cache" in tags:
             self.blocks.reset_prefix_cache()
         self._paused = not all(self.pool.is_awake(t) for t in TAGS)
@@ -371,7 +371,7 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions, **self._counters,
             "max_num_seqs": self.cfg.max_num_seqs, "max_model_len": self.max_model_len,
             "weights_version": self.weights_version, "paused": self._paused,
-            "awake": {t: self.pool.is_awake(t) for t in (*TAGS, "buffers")},
+            "awake": {t: self.pool.is_awake(t) for t in TAGS},
         }
 
 
