@@ -15,7 +15,7 @@ def _report(tmp_path):
     worker = SimpleNamespace(device=torch.device("cpu"), start_rates={},
                              actor=SimpleNamespace(module=torch.nn.Linear(2, 2),
                                                    memory_parts=lambda: {"optimizer": 0}),
-                             engine=SimpleNamespace(stats=lambda: {"kv_cache_bytes": 0}))
+                             pool=SimpleNamespace(region_bytes=lambda tag: 0))
     return RunReport(cfg, worker, tmp_path)
 
 

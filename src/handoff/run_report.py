@@ -75,8 +75,9 @@ class RunReport:
                       "tensor_host_s": measure_tensor_host_seconds(
                           worker.device, module=worker.actor.module,
                           d2h_in_flight_bytes=in_flight)}
-        kv_bytes = worker.engine.stats()["kv_cache_bytes"]
-        self.planned = planned_actions(cfg, self.rates, kv_bytes)
+        # The pool as its wake maps it: CUDA maps whole allocator segments (2 MiB-rounded),
+        # a little more than the pool's tensors.
+        self.planned = planned_actions(cfg, self.rates, worker.pool.region_bytes("kv_cache"))
         self.metrics_path = out_dir / "metrics.jsonl"
         self._tb = None
         self._progress: Progress | None = None

@@ -137,11 +137,12 @@ class HybridWorker:
         # The KV map is measured as the switch does it: weights mapped, the trainer's
         # offloaded state handed back when to_rollout hands it back, the pool's own pages
         # released seconds before (a step trains in between; a 0.6 s settle measured the
-        # 4B pool's map 3x slower than its steps did).
+        # 4B pool's map 3x slower than its steps did). Four pairs: one pair's times vary by
+        # a quarter from step to step (the 4B engine's sleeps took 57-105 ms on one card).
         kv_bytes, weight_bytes, freed = _bytes_to_calibrate(cfg, self.pool)
         on_cuda = self.device.type == "cuda"
         self.start_rates.update(measure_remap_rates(
-            self.device, kv_bytes, pool=self.pool, repeats=2, held_during_wake=weight_bytes,
+            self.device, kv_bytes, pool=self.pool, repeats=4, held_during_wake=weight_bytes,
             freed_before_wake=freed, settle_s=2.0 if on_cuda else 0.0))
         weights = measure_remap_rates(self.device, weight_bytes, pool=self.pool,
                                       tag="calibrate_weights")
