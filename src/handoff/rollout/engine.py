@@ -91,10 +91,10 @@ class Engine:
                                f"{sorted(self._missing_weights)[:3]}: it does not match its "
                                "config.json (write it with save_pretrained)")
 
-        # The RoPE table shares the weights' region: one map per wake (each region's map
-        # cost ~1 ms inside the switch, whatever its size). A level-2 sleep drops it with the
-        # weights; the wake copies it back from a pinned table, a queued copy (it runs inside
-        # the timed weight sync, while the optimizer's offload keeps the copy engines busy).
+        # The RoPE table shares the weights' region: one map per wake, one unmap per sleep.
+        # A level-2 sleep drops it with the weights; the wake copies it back from a pinned
+        # table, a queued copy (it runs inside the timed weight sync, while the optimizer's
+        # offload keeps the copy engines busy).
         table = rope_table(inverse_frequencies(hf, self.spec.head_dim), self.max_model_len)
         with self.pool.region("weights"):
             model.rope_cos_sin = table.to(self.device, copy=True)
