@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from handoff.memory.host_copy import copy_from_host
-from handoff.sync.weights import WeightIter, sync_weights
+from handoff.sync.weights import LOAD_BATCH_BYTES, WeightIter, sync_weights
 
 
 def _wait(device: torch.device) -> None:
@@ -132,13 +132,10 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
             "remap_bytes": remap_bytes}
 
 
-_LOAD_BATCH_BYTES = 256 << 20   # the engine's load_weights batches its copies this way
-
-
 def _engine_like_loader(plan: dict):
     """A load_weights doing per tensor what the engine's does: a name lookup (`plan`: name ->
     (destination, expected shape, bytes)), a shape check, copies batched into one
-    `_foreach_copy_` per _LOAD_BATCH_BYTES."""
+    `_foreach_copy_` per LOAD_BATCH_BYTES."""
     def load(entries) -> None:
         dests, srcs, touched, pending = [], [], set(), 0
         for name, t in entries:
@@ -149,7 +146,7 @@ def _engine_like_loader(plan: dict):
             srcs.append(t)
             touched.add(name)
             pending += nbytes
-            if pending >= _LOAD_BATCH_BYTES:
+            if pending >= LOAD_BATCH_BYTES:
                 torch._foreach_copy_(dests, srcs)
                 dests, srcs, pending = [], [], 0
         if dests:

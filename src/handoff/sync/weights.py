@@ -28,6 +28,10 @@ from handoff.errors import HandoffError
 
 WeightIter = Iterable[tuple[str, torch.Tensor]]
 
+# An engine's load_weights queues this many bytes of copies per `_foreach_copy_` call (one
+# launch for many tensors); the sync's calibration replays the same batching.
+LOAD_BATCH_BYTES = 256 << 20
+
 
 @dataclass
 class SyncStats:

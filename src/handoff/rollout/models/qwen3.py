@@ -35,12 +35,12 @@ from handoff.rollout import ops
 from handoff.rollout.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                     RowParallelLinear, VocabParallelEmbedding, shard_rules)
 from handoff.rollout.parallel import SINGLE, ShardRule, TPGroup, even_split, kv_head_split
+from handoff.sync.weights import LOAD_BATCH_BYTES
 
 # HF projection name -> (engine module name, part index inside the fused weight)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_COPY_BATCH_BYTES = 256 << 20  # load_weights: copies queued before one _foreach_copy_
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class CausalLM(nn.Module):
             srcs.append(rule.src(tensor))
             touched.add(key)
             pending += nbytes
-            if pending >= _COPY_BATCH_BYTES:
+            if pending >= LOAD_BATCH_BYTES:
                 torch._foreach_copy_(dests, srcs)
                 dests, srcs, pending = [], [], 0
         if dests:
