@@ -8,12 +8,11 @@
 
 One step is `scheduler.schedule()` -> `runner.launch()` -> `runner.collect()` ->
 `scheduler.postprocess()`; in a run of decode steps the next one is launched before the
-current one is collected (`step`). Memory lives
-in two `handoff.memory` regions: "weights" (parameters, and the RoPE table, which a wake
-copies back from pinned host memory) and "kv_cache" (the paged pool and fp8 scales). Sleep
-levels: 0 pauses generation only; 1 backs the weights up to pinned
-host memory and drops the KV; 2 drops both (the trainer sends new weights anyway): generation
-is refused until `load_weights` has refilled every parameter.
+current one is collected (`step`). Memory lives in two `handoff.memory` regions:
+"weights" (parameters, and the RoPE table, which a wake copies back from pinned host memory)
+and "kv_cache" (the paged pool and fp8 scales). Sleep levels: 0 pauses generation only; 1
+backs the weights up to pinned host memory and drops the KV; 2 drops both (the trainer sends
+new weights anyway): generation is refused until `load_weights` has refilled every parameter.
 
 Tensor parallelism (`tp=N`, one process per rank, see parallel.py): each rank builds its
 shard of the model and a KV pool for its own KV heads, loads its part of every full tensor,
