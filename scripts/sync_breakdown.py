@@ -2,10 +2,11 @@
 
     python3 scripts/sync_breakdown.py --preset qwen3-4b   # on the device, after device-env.sh
 
-The ledger prices the sync as the weights' map + its copies at the device copy rate + a
-per-tensor host cost measured with tiny tensors. This runs the real `sync_weights` over
-tensors of the preset's names and shapes (random bf16 sources, separate destinations, a
-loader batching `_foreach_copy_` as the engine's does) and splits its time: the host's
+The ledger prices the sync as the weights' map + the slower of its copies (at the measured
+sync copy rate) and its host work (a per-tensor cost measured with tiny tensors). This runs
+the real `sync_weights` over tensors of the preset's names and shapes (random bf16 sources,
+separate destinations, a loader batching its copies as the engine's does) and splits its
+time: the host's
 (until the last bucket is handed over), the device's (the copies alone, one batched call),
 and the launches (torch.profiler: kernels and launch calls per sync). Each case is timed
 idle and with a device-to-host copy queued on another stream, as the optimizer's offload is
@@ -21,9 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from handoff.memory.calibrate import measure_link_rates, measure_tensor_host_seconds
 from handoff.plan.shapes import PRESETS
-from handoff.sync.weights import sync_weights
-
-BATCH = 256 << 20   # the engine's load batches (qwen3 _COPY_BATCH_BYTES)
+from handoff.sync.weights import copy_in_batches, sync_weights
 
 
 def meta_model(preset: str) -> torch.nn.Module:
@@ -38,19 +37,14 @@ def meta_model(preset: str) -> torch.nn.Module:
 
 def loader(dests: dict, marks: list):
     def load(entries) -> None:
-        ds, ss, pending = [], [], 0
-        for name, t in entries:
-            d = dests[name]
-            if tuple(t.shape) != tuple(d.shape):
-                raise AssertionError(name)
-            ds.append(d)
-            ss.append(t)
-            pending += d.numel() * d.element_size()
-            if pending >= BATCH:
-                torch._foreach_copy_(ds, ss)
-                ds, ss, pending = [], [], 0
-        if ds:
-            torch._foreach_copy_(ds, ss)
+        def copies():
+            for name, t in entries:
+                d = dests[name]
+                if tuple(t.shape) != tuple(d.shape):
+                    raise AssertionError(name)
+                yield d, t, d.numel() * d.element_size()
+
+        copy_in_batches(copies())
         marks.append(time.perf_counter())
     return load
 
@@ -153,7 +147,8 @@ def main() -> None:
         rows.append(("  its wake (map)" + (" +D2H" if busy else ""),
                      statistics.median(wakes[1:]), statistics.median(wakes[1:])))
     # What comes before the copies: the two buckets' allocation (the switch emptied the
-    # cache, so it is a cudaMalloc), and the RoPE table's restore (a pageable 1 MB H2D).
+    # cache, so it is a cudaMalloc), and a pageable 1 MB H2D (the RoPE table's restore
+    # before the engine pinned its copy).
     table = torch.randn(1 << 18)
     rope = torch.empty(1 << 18, device=dev)
     for busy in (False, True):

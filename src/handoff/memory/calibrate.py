@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from handoff.memory.host_copy import copy_from_host
-from handoff.sync.weights import LOAD_BATCH_BYTES, WeightIter, sync_weights
+from handoff.sync.weights import WeightIter, copy_in_batches, sync_weights
 
 
 def _wait(device: torch.device) -> None:
@@ -134,23 +134,20 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3, 
 
 def _engine_like_loader(plan: dict):
     """A load_weights doing per tensor what the engine's does: a name lookup (`plan`: name ->
-    (destination, expected shape, bytes)), a shape check, copies batched into one
-    `_foreach_copy_` per LOAD_BATCH_BYTES."""
+    (destination, expected shape, bytes)), a shape check, a touched-set entry, and the
+    engine's batched copies (copy_in_batches)."""
     def load(entries) -> None:
-        dests, srcs, touched, pending = [], [], set(), 0
-        for name, t in entries:
-            dest, expected, nbytes = plan[name]
-            if tuple(t.shape) != expected:
-                raise AssertionError(name)
-            dests.append(dest)
-            srcs.append(t)
-            touched.add(name)
-            pending += nbytes
-            if pending >= LOAD_BATCH_BYTES:
-                torch._foreach_copy_(dests, srcs)
-                dests, srcs, pending = [], [], 0
-        if dests:
-            torch._foreach_copy_(dests, srcs)
+        touched = set()
+
+        def copies():
+            for name, t in entries:
+                dest, expected, nbytes = plan[name]
+                if tuple(t.shape) != expected:
+                    raise AssertionError(name)
+                touched.add(name)
+                yield dest, t, nbytes
+
+        copy_in_batches(copies())
     return load
 
 
@@ -174,14 +171,13 @@ def measure_sync_copy_bps(device: torch.device, params: Callable[[], WeightIter]
                            - 2 * bucket_bytes - (1 << 30))
     if budget_bytes <= 0:
         return {}
-    sizes = [(name, t.numel() * t.element_size()) for name, t in params()]
-    total = sum(n for _, n in sizes)
-    stride = max(-(-total // budget_bytes), 1)
-    chosen = {name for i, (name, _) in enumerate(sizes) if i % stride == 0}
-    plan = {}
-    for name, t in params():
-        if name in chosen:
-            plan[name] = (torch.empty_like(t), tuple(t.shape), t.numel() * t.element_size())
+    # One walk for the sizes (under FSDP each walk all-gathers every tensor).
+    metas = [(name, tuple(t.shape), t.dtype, t.numel() * t.element_size())
+             for name, t in params()]
+    stride = max(-(-sum(m[3] for m in metas) // budget_bytes), 1)
+    plan = {name: (torch.empty(shape, dtype=dtype, device=device), shape, nbytes)
+            for i, (name, shape, dtype, nbytes) in enumerate(metas) if i % stride == 0}
+    chosen = set(plan)
     load = _engine_like_loader(plan)
     sample = sum(nbytes for _, _, nbytes in plan.values())
 

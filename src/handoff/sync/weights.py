@@ -28,9 +28,23 @@ from handoff.errors import HandoffError
 
 WeightIter = Iterable[tuple[str, torch.Tensor]]
 
-# An engine's load_weights queues this many bytes of copies per `_foreach_copy_` call (one
-# launch for many tensors); the sync's calibration replays the same batching.
-LOAD_BATCH_BYTES = 256 << 20
+_LOAD_BATCH_BYTES = 256 << 20
+
+
+def copy_in_batches(copies: Iterable[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    """dest.copy_(src) for each (dest, src, bytes), queued as one `_foreach_copy_` per
+    256 MiB: one launch for many tensors, as an engine's load_weights copies a bucket out
+    (the sync's calibration loads the same way)."""
+    dests, srcs, pending = [], [], 0
+    for dest, src, nbytes in copies:
+        dests.append(dest)
+        srcs.append(src)
+        pending += nbytes
+        if pending >= _LOAD_BATCH_BYTES:
+            torch._foreach_copy_(dests, srcs)
+            dests, srcs, pending = [], [], 0
+    if dests:
+        torch._foreach_copy_(dests, srcs)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from handoff.rollout import ops
 from handoff.rollout.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                     RowParallelLinear, VocabParallelEmbedding, shard_rules)
 from handoff.rollout.parallel import SINGLE, ShardRule, TPGroup, even_split, kv_head_split
-from handoff.sync.weights import LOAD_BATCH_BYTES
+from handoff.sync.weights import copy_in_batches
 
 # HF projection name -> (engine module name, part index inside the fused weight)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -229,24 +229,21 @@ class CausalLM(nn.Module):
         by the host's per-tensor work, not by the copies.
         """
         touched: set[str] = set()
-        dests, srcs, pending = [], [], 0
-        for hf_name, tensor in weights:
-            target = self._load_target(hf_name)
-            if target is None:
-                continue
-            dest, rule, key, expected, nbytes = target
-            if tuple(tensor.shape) != expected:
-                raise HandoffError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, the engine "
-                                   f"expects {expected}: the checkpoint and config.json disagree")
-            dests.append(dest)
-            srcs.append(rule.src(tensor))
-            touched.add(key)
-            pending += nbytes
-            if pending >= LOAD_BATCH_BYTES:
-                torch._foreach_copy_(dests, srcs)
-                dests, srcs, pending = [], [], 0
-        if dests:
-            torch._foreach_copy_(dests, srcs)
+
+        def copies():
+            for hf_name, tensor in weights:
+                target = self._load_target(hf_name)
+                if target is None:
+                    continue
+                dest, rule, key, expected, nbytes = target
+                if tuple(tensor.shape) != expected:
+                    raise HandoffError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, the "
+                                       f"engine expects {expected}: the checkpoint and "
+                                       "config.json disagree")
+                touched.add(key)
+                yield dest, rule.src(tensor), nbytes
+
+        copy_in_batches(copies())
         return touched
 
     def _load_target(self, hf_name: str):
