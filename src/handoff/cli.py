@@ -136,18 +136,19 @@ def generate_cmd(
     import json
 
     from handoff.rollout.cli_generate import generate_samples, is_main_process
+    from handoff.rollout.parallel import end_distributed_run
 
     samples = generate_samples(model, prompt, max_tokens=max_tokens, temperature=temperature,
                                n=n, top_p=top_p, seed=None if seed < 0 else seed,
                                device=None if device == "auto" else device, tp=tp)
-    if not is_main_process():
-        return
-    if as_json:
+    if is_main_process() and as_json:
         typer.echo(json.dumps(samples))
-        return
-    for s in samples:
-        console.print(f"[bold]{s['prompt']!r}[/] -> {s['text']!r} "
-                      f"({len(s['token_ids'])} tokens, {s['finish_reason']})", highlight=False)
+    elif is_main_process():
+        for s in samples:
+            console.print(f"[bold]{s['prompt']!r}[/] -> {s['text']!r} "
+                          f"({len(s['token_ids'])} tokens, {s['finish_reason']})", highlight=False)
+    if tp > 1:   # not after an error: another rank may still sit in a collective
+        end_distributed_run()
 
 
 @bench_app.command("memory")
@@ -277,12 +278,11 @@ def train_cmd(
     cfg.model.path = resolve_model_path(cfg.model.path)
     preflight(cfg)
     from handoff.loop import train
-    from handoff.rollout.parallel import destroy_process_groups
+    from handoff.rollout.parallel import end_distributed_run
 
     train(cfg)
-    # Every rank tears its groups down on a normal exit (gloo's worker threads can otherwise
-    # outlive the interpreter). Not after an error: the other ranks may sit in a collective.
-    destroy_process_groups()
+    # Not after an error: the other ranks may sit in a collective.
+    end_distributed_run()
 
 
 @app.command("report")

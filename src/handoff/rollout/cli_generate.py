@@ -47,10 +47,6 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
                             max_tokens=max_tokens)
     device, group = _join_tp_group(device, tp)
     outputs = Engine(model, cfg, device=device, tp=group).generate(token_lists, params)
-    if group.size > 1:   # not after an error: another rank may still sit in a collective
-        from handoff.rollout.parallel import destroy_process_groups
-
-        destroy_process_groups()
     return [{"prompt": text, "token_ids": s.token_ids,
              "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
              "logprobs": s.logprobs, "finish_reason": s.finish_reason}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -116,16 +117,29 @@ def init_tp_group(size: int) -> TPGroup:
     return mine
 
 
-def destroy_process_groups() -> None:
-    """Tear down the default group and forget the TP groups made over it (every rank)."""
+def end_distributed_run() -> None:
+    """Every rank, once its outputs are written: tear the groups down; a rank of a multi-process
+    launch then exits at once, with status 0, skipping the interpreter's finalization.
+
+    Why exit at once: gloo's worker threads outlive `destroy_process_group` whenever a group is
+    still referenced (FSDP2's DTensor sharding caches keep the mesh, and so the group, alive),
+    and such a thread may still run Python just after a collective completes: it drops the
+    tensors of the finished work, which takes the GIL. Python ends a thread that takes the GIL
+    while the interpreter finalizes with pthread_exit, whose unwinding through gloo's C++
+    aborts the process ("terminate called without an active exception"; a few percent of the
+    2-rank CPU runs of `handoff train`, and every time in tests/test_end_distributed_run.py
+    without the exit). The barrier first makes sure every rank has finished its collectives.
+    """
     _GROUPS.clear()
-    if dist.is_initialized():
-        # A gloo worker thread lets go of a finished collective's tensors just after the
-        # caller returns, and takes the GIL to do it: if the interpreter is shutting down by
-        # then, the process aborts ("terminate called without an active exception", seen in
-        # 5 of 30 2-rank CPU runs). The barrier waits with the GIL released, so they let go.
-        dist.barrier()
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    if world > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def world_rank_size() -> tuple[int, int]:
