@@ -17,6 +17,7 @@ from handoff.config import RolloutConfig
 from handoff.errors import HandoffError
 from handoff.rollout.engine import Engine
 from handoff.rollout.models import iter_checkpoint
+from handoff.rollout.parallel import end_distributed_run
 from handoff.rollout.sampling import SamplingParams
 from handoff.sync.weights import sync_weights
 from handoff.train.dist import init_process_group, resolve_device
@@ -81,7 +82,7 @@ def main(ckpt: str, out: Path, device: str = "cpu") -> None:
     result["mismatch_error"] = error_of(lambda: engine.generate([[1, 2, 3 + rank]], GREEDY))
     result["states"] = states
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    torch.distributed.destroy_process_group()
+    end_distributed_run()
 
 
 if __name__ == "__main__":
