@@ -6,11 +6,10 @@ The ledger prices the sync as the weights' map + the slower of its copies (at th
 sync copy rate) and its host work (a per-tensor cost measured with tiny tensors). This runs
 the real `sync_weights` over tensors of the preset's names and shapes (random bf16 sources,
 separate destinations, a loader batching its copies as the engine's does) and splits its
-time: the host's
-(until the last bucket is handed over), the device's (the copies alone, one batched call),
-and the launches (torch.profiler: kernels and launch calls per sync). Each case is timed
-idle and with a device-to-host copy queued on another stream, as the optimizer's offload is
-during the switch. Prints one table; the numbers go to docs/PERF.md.
+time: the host's (until the last bucket is handed over), the device's (the copies alone, one
+batched call), and the launches (torch.profiler: kernels and launch calls per sync). Each
+case is timed idle and with a device-to-host copy queued on another stream, as the
+optimizer's offload is during the switch. Prints one table; the numbers go to docs/PERF.md.
 """
 
 import argparse

@@ -177,7 +177,6 @@ def measure_sync_copy_bps(device: torch.device, params: Callable[[], WeightIter]
     stride = max(-(-sum(m[3] for m in metas) // budget_bytes), 1)
     plan = {name: (torch.empty(shape, dtype=dtype, device=device), shape, nbytes)
             for i, (name, shape, dtype, nbytes) in enumerate(metas) if i % stride == 0}
-    chosen = set(plan)
     load = _engine_like_loader(plan)
     sample = sum(nbytes for _, _, nbytes in plan.values())
 
@@ -187,7 +186,7 @@ def measure_sync_copy_bps(device: torch.device, params: Callable[[], WeightIter]
             torch.cuda.empty_cache()
         _wait(device)
         t0 = time.perf_counter()
-        sync_weights(((n, t) for n, t in params() if n in chosen), load,
+        sync_weights(((n, t) for n, t in params() if n in plan), load,
                      bucket_bytes=bucket_bytes, device=device)
         _wait(device)
         times.append(time.perf_counter() - t0)
