@@ -22,7 +22,9 @@ import time
 
 import torch
 
-from handoff.memory import RegionPool, aggressive_empty_cache
+from handoff.memory.regions import RegionPool
+
+from handoff.memory.allocator import aggressive_empty_cache
 from handoff.memory.host_copy import copy_from_host
 
 GiB = 1 << 30

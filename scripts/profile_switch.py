@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from handoff import worker as worker_module
 from handoff.config import load_config
-from handoff.loop import Trainer
+from handoff.loop import Run
 from handoff.memory.regions import RegionPool
 from handoff.memory.staging import PinnedArena
 from handoff.memory.tms_backend import TmsBackend
@@ -115,7 +115,7 @@ def main() -> None:
         setattr(owner, attr, label(getattr(owner, attr), name))
     holder: dict = {}
     worker_module.HybridWorker.to_rollout = profiled_to_rollout(args.steps, args.out, holder)
-    Trainer(load_config(args.config, args.overrides)).run()
+    Run(load_config(args.config, args.overrides)).run()
     for step, events in sorted(holder.items()):
         rows = table(events)
         (args.out / f"to_rollout.step{step}.table.json").write_text(json.dumps(rows, indent=1))

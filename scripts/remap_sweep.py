@@ -13,7 +13,9 @@ import time
 
 import torch
 
-from handoff.memory import RegionPool, aggressive_empty_cache
+from handoff.memory.regions import RegionPool
+
+from handoff.memory.allocator import aggressive_empty_cache
 
 GiB = 1 << 30
 DEVICE = torch.device("cuda")

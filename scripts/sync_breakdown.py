@@ -19,9 +19,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from handoff.memory.calibrate import measure_link_rates, measure_tensor_host_seconds
+from handoff.calibrate import measure_link_rates, measure_tensor_host_seconds
 from handoff.plan.shapes import PRESETS
-from handoff.sync.weights import copy_in_batches, sync_weights
+from handoff.rollout.weight_copy import copy_in_batches
+from handoff.sync.weights import sync_weights
 
 
 def meta_model(preset: str) -> torch.nn.Module:

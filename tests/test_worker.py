@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from handoff.config import load_config
-from handoff.loop import Trainer
+from handoff.loop import Run
 from handoff.modelzoo import init_model
 from handoff.plan.ledger import SWITCH_ACTIONS
 from handoff.rollout.engine import Engine
@@ -57,8 +57,8 @@ def fresh_engine_from_actor(trainer, model_dir, tmp_path):
     return Engine(str(ckpt), trainer.cfg.rollout, device="cpu", dtype=torch.float32)
 
 
-def test_one_step_runs_the_brief_switch_order(model_dir, tmp_path):
-    trainer = Trainer(tiny_cfg(model_dir, tmp_path, "run.steps=1"))
+def test_one_step_runs_the_switch_order(model_dir, tmp_path):
+    trainer = Run(tiny_cfg(model_dir, tmp_path, "run.steps=1"))
     trainer.run()
     names = [p["name"] for p in trainer.worker.meter.timeline if p.get("step") == 0]
     assert names == list(PROBES_TO_TRAIN + PROBES_TO_ROLLOUT)
@@ -87,20 +87,20 @@ def test_one_step_runs_the_brief_switch_order(model_dir, tmp_path):
 
 def test_engine_equals_fresh_engine_after_every_sync(model_dir, tmp_path):
     cfg = tiny_cfg(model_dir, tmp_path, "run.steps=2", "actor.lr=0.05", "actor.kl_coef=0")
-    trainer = Trainer(cfg)
+    trainer = Run(cfg)
     # A reward that varies within groups, so every update really moves the weights.
     trainer.task.reward = lambda problem, text: float(len(text) % 3)
     before = greedy(trainer.worker.engine)
     for step in range(2):
-        trainer.step(step)
-        assert trainer.worker.last_sync.verified_buckets == trainer.worker.last_sync.num_buckets > 0
+        row = trainer.step(step)
+        assert row["sync/verified_buckets"] == row["sync/buckets"] > 0
         ours = greedy(trainer.worker.engine)
         assert ours == greedy(fresh_engine_from_actor(trainer, model_dir, tmp_path))
     assert ours != before, "the updates did not change the policy: the test proves nothing"
 
 
 def test_sleeping_engine_refuses_to_generate(model_dir, tmp_path):
-    trainer = Trainer(tiny_cfg(model_dir, tmp_path))
+    trainer = Run(tiny_cfg(model_dir, tmp_path))
     trainer.worker.to_train()
     with pytest.raises(Exception, match="wake_up|asleep"):
         greedy(trainer.worker.engine)
@@ -155,36 +155,67 @@ def test_killed_run_resumes_without_lost_or_repeated_steps(model_dir, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
 
 
-def test_weights_wake_retries_after_the_optimizer_copy_when_the_card_is_full(model_dir, tmp_path):
+def _wake_fails_once(worker, log):
+    """The engine's first weights wake finds the card full; later wakes work."""
     from handoff.errors import HandoffError
 
-    trainer = Trainer(tiny_cfg(model_dir, tmp_path))
-    worker = trainer.worker
-    worker.engine.sleep(2)
-    calls = []
     real_wake = worker.engine.wake_up
 
-    def full_once(tags):
-        calls.append(list(tags))
-        if len(calls) == 1:
+    def wake(tags):
+        log.append(("wake", list(tags)))
+        if list(tags) == ["weights"] and log.count(("wake", ["weights"])) == 1:
             raise HandoffError("cannot wake 'weights': not enough free memory")
         real_wake(tags)
 
-    class Pending:
-        waited = False
+    worker.engine.wake_up = wake
 
-        def wait(self):
-            Pending.waited = True
 
-    worker.engine.wake_up = full_once
-    move = type("Move", (), {"transfers": {"optimizer": Pending()}})()
-    worker._wake_weights(move)
-    assert calls == [["weights"], ["weights"]] and Pending.waited
-    assert worker.pool.is_awake("weights")
-    with pytest.raises(HandoffError):
-        worker.engine.sleep(2)
-        calls.clear()
-        worker._wake_weights(None)  # nothing in flight to wait for: the error stands
+def _log_optimizer_copy(worker, log, monkeypatch):
+    """Log when the optimizer's copy to the host starts and when it is waited on (the whole
+    move or one of its transfers)."""
+    real_to = worker.actor.to
+
+    def logged(wait):
+        def logged_wait():
+            log.append("optimizer copy waited")
+            return wait()
+        return logged_wait
+
+    def to(where, **parts):
+        handle = real_to(where, **parts)
+        if parts.get("optimizer") and where == "host":
+            log.append("optimizer copy started")
+            handle.wait = logged(handle.wait)
+            for transfer in handle.transfers.values():
+                transfer.wait = logged(transfer.wait)
+        return handle
+
+    monkeypatch.setattr(worker.actor, "to", to)
+
+
+def test_weights_wake_retries_after_the_optimizer_copy_when_the_card_is_full(model_dir, tmp_path,
+                                                                              monkeypatch):
+    from handoff.errors import HandoffError
+
+    worker = Run(tiny_cfg(model_dir, tmp_path)).worker
+    worker.begin_step(0)
+    worker.to_train()
+    worker.actor.to("device", optimizer=True).wait()
+    log = []
+    _wake_fails_once(worker, log)
+    _log_optimizer_copy(worker, log, monkeypatch)
+    record = worker.to_rollout()
+    first, second = [i for i, e in enumerate(log) if e == ("wake", ["weights"])]
+    assert "optimizer copy waited" in log[first:second], log
+    assert log[-1] == ("wake", ["kv_cache"])
+    assert record.sync.num_tensors > 0 and worker.pool.is_awake("weights")
+    # With nothing in flight to wait for, a full card is an error.
+    kept = Run(tiny_cfg(model_dir, tmp_path / "kept", "memory.optimizer_offload=false")).worker
+    kept.begin_step(0)
+    kept.to_train()
+    _wake_fails_once(kept, [])
+    with pytest.raises(HandoffError, match="not enough free memory"):
+        kept.to_rollout()
 
 
 def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path, monkeypatch):
@@ -194,28 +225,14 @@ def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path,
     only after the wait."""
     import handoff.worker as worker_module
 
-    trainer = Trainer(tiny_cfg(model_dir, tmp_path))
+    trainer = Run(tiny_cfg(model_dir, tmp_path))
     worker = trainer.worker
     worker.begin_step(0)
     worker.to_train()
-    worker._move_actor("device", optimizer=True, record=False)
+    worker.actor.to("device", optimizer=True).wait()
     log = []
-    real_to, real_empty = worker.actor.to, worker_module.aggressive_empty_cache
-
-    def to(where, **parts):
-        handle = real_to(where, **parts)
-        if parts.get("optimizer"):
-            log.append("optimizer copy started")
-            real_wait = handle.wait
-
-            def wait():
-                log.append("optimizer copy waited")
-                return real_wait()
-
-            handle.wait = wait
-        return handle
-
-    monkeypatch.setattr(worker.actor, "to", to)
+    real_empty = worker_module.aggressive_empty_cache
+    _log_optimizer_copy(worker, log, monkeypatch)
     monkeypatch.setattr(worker_module, "aggressive_empty_cache",
                         lambda **kw: (log.append("empty cache"), real_empty(**kw))[1])
     worker.to_rollout()
@@ -229,8 +246,8 @@ def test_the_copies_after_the_engine_sleep_go_by_kernel(model_dir, tmp_path, mon
     """The copy engines are busy right after the engine's sleep: the params and the ref come
     back by kernel (the ledger prices those two at the kernel's rate), the optimizer, a
     forward later, on the copy engines."""
-    trainer = Trainer(tiny_cfg(model_dir, tmp_path, "run.steps=1"))
-    arena = trainer.worker.arena
+    trainer = Run(tiny_cfg(model_dir, tmp_path, "run.steps=1"))
+    arena = trainer.worker.actor.arena
     onloads, real_onload = [], arena.onload
 
     def onload(name, *, by_kernel=False):

@@ -136,7 +136,7 @@ def generate_cmd(
     import json
 
     from handoff.rollout.cli_generate import generate_samples, is_main_process
-    from handoff.rollout.parallel import end_distributed_run
+    from handoff.dist import end_distributed_run
 
     samples = generate_samples(model, prompt, max_tokens=max_tokens, temperature=temperature,
                                n=n, top_p=top_p, seed=None if seed < 0 else seed,
@@ -278,7 +278,7 @@ def train_cmd(
     cfg.model.path = resolve_model_path(cfg.model.path)
     preflight(cfg)
     from handoff.loop import train
-    from handoff.rollout.parallel import end_distributed_run
+    from handoff.dist import end_distributed_run
 
     train(cfg)
     # Not after an error: the other ranks may sit in a collective.

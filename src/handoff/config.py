@@ -303,16 +303,3 @@ def _check_cross_fields(cfg: Config) -> None:
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def describe(cfg_cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, default, help) for every field: used by `handoff train --help-config`."""
-    rows = []
-    inst = cfg_cls()
-    for f in dataclasses.fields(cfg_cls):
-        value = getattr(inst, f.name)
-        if dataclasses.is_dataclass(value):
-            rows += describe(type(value), f"{prefix}{f.name}.")
-        else:
-            rows.append((f"{prefix}{f.name}", repr(value), f.metadata.get("help", "")))
-    return rows

@@ -2,11 +2,10 @@
 
     summary = train(load_config("examples/cpu-demo.yaml"))
 
-One step: prompts from the task -> worker.generate (n samples each) -> rewards ->
-worker.to_train -> old and ref log-probs -> worker.update -> worker.to_rollout (the switch
-and the weight sync). Every step appends one JSON object to `metrics.jsonl` (and TensorBoard
-scalars), with `switch/<action>/seconds` and `/bytes` for each ledger action; the run ends
-with `summary.md` (planned vs measured per action), `memory_timeline.jsonl/.png`.
+One step: generate (n samples per prompt) -> score -> to_train -> log-probs -> update ->
+to_rollout -> one row. Every step appends that row to `metrics.jsonl` (and TensorBoard),
+with `switch/<action>/seconds` and `/bytes` for each ledger action; the run ends with
+`summary.md` (planned vs measured per action) and `memory_timeline.jsonl/.png`.
 `timing_s/step` includes a checkpoint save, which `timing_s/checkpoint` reports on its own
 (0 on a step that saves nothing).
 
@@ -22,45 +21,71 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from handoff.config import Config, to_dict
+from handoff.dist import mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
-from handoff.memory import frozen_gc_heap
-from handoff.rollout.parallel import world_rank_size
+from handoff.memory.allocator import frozen_gc_heap
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_report import RunReport, console
+from handoff.startup import start_worker
 from handoff.tasks import build_task
 from handoff.train.batch import RolloutBatch
 from handoff.train.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
                                      save_checkpoint)
-from handoff.train.dist import all_reduce_
-from handoff.worker import HybridWorker
+from handoff.worker import SwitchRecord
 
 
 def _prompt_seed(seed: int, step: int, index: int) -> int:
     return (seed * 1_000_003 + step) * 1_000_033 + index
 
 
-def _mean_over_ranks(values: list[float]) -> tuple[float, float, int]:
-    """(mean, std, count) of per-sample values gathered over every rank."""
-    _, world = world_rank_size()
-    # NCCL reduces device tensors only; gloo (CPU runs) host ones.
-    nccl = world > 1 and torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    t = torch.tensor([sum(values), sum(v * v for v in values), len(values)], dtype=torch.float64,
-                     device=device)
-    if world > 1:
-        t = all_reduce_(t)
-    total, sq, n = t.tolist()
-    mean = total / max(n, 1)
-    return mean, max(sq / max(n, 1) - mean * mean, 0.0) ** 0.5, int(n)
+@dataclass
+class Scored:
+    """This rank's samples of one step, scored: the batch to train on and what to log."""
+
+    batch: RolloutBatch
+    rewards: list[float]
+    lengths: list[int]
 
 
-class Trainer:
-    """Owns the worker, the task, the tokenizer and the output files of one run."""
+def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord, *,
+             world: int, gen_s: float, train_s: float, checkpoint_s: float, step_s: float) -> dict:
+    """The step's metrics row (rewards and lengths averaged over every rank)."""
+    reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
+    length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
+    tokens, _, _ = mean_over_ranks([float(sum(scored.lengths))])
+    sync = switch.sync
+    row = {
+        "step": step + 1, "reward_mean": reward_mean, "reward_std": reward_std,
+        "response_length": length_mean, **{k: float(v) for k, v in update.items()},
+        "timing_s/gen": gen_s, "timing_s/train": train_s, "timing_s/step": step_s,
+        "timing_s/checkpoint": checkpoint_s, "tokens_per_s": tokens * world / gen_s,
+        "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
+        "sync/bound_extra_bytes": sync.bound_extra_bytes,
+        # The sync action's parts: mapping the weights, then the copies (host: until the last
+        # bucket was handed over; the rest waits for the device).
+        "sync/wake_s": switch.weights_wake_seconds, "sync/host_s": sync.host_seconds,
+        "sync/copy_s": sync.seconds,
+    }
+    if sync.verified_buckets:   # sync.verify: every bucket's checksum matched on both sides
+        row["sync/verified_buckets"] = sync.verified_buckets
+    if sync.measured_peak_extra_bytes is not None:
+        row["sync/measured_peak_extra_bytes"] = sync.measured_peak_extra_bytes
+    for action, rec in switch.actions.items():
+        row[f"switch/{action}/seconds"] = rec.seconds
+        row[f"switch/{action}/bytes"] = rec.bytes
+        if rec.seconds > 0 and rec.bytes > 0:
+            row[f"switch/{action}/gbps"] = rec.bytes / rec.seconds / 1e9
+    return row
+
+
+class Run:
+    """One training run: the worker, the task, the tokenizer and the output files."""
 
     def __init__(self, cfg: Config):
         from transformers import AutoTokenizer
@@ -78,7 +103,7 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.task = build_task(cfg.data, seed=cfg.run.seed)
-        self.worker = HybridWorker(cfg)
+        self.worker, self.rates = start_worker(cfg)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
         self.start_step = 0
@@ -87,7 +112,9 @@ class Trainer:
             self._resume()
         if self.rank == 0:
             self._drop_stale_outputs()
-        self.report = RunReport(cfg, self.worker, self.out_dir) if self.rank == 0 else None
+        self.report = (RunReport(cfg, self.out_dir, rates=self.rates, meter=self.worker.meter,
+                                 kv_pool_bytes=self.worker.pool.region_bytes("kv_cache"))
+                       if self.rank == 0 else None)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -125,8 +152,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
 
-    def _prompts(self, step: int) -> tuple[list, list[list[int]], list[int]]:
-        """The problems this rank's engine generates, their token ids and global indices.
+    def _prompts(self, step: int) -> tuple[list, list[list[int]], list[int], list]:
+        """(problems, their prompt ids, their global indices, their SamplingParams) of the
+        prompts this rank's engine generates.
 
         Rank r trains on prompts i with i % world == r; a TP group of ranks [g*tp, (g+1)*tp)
         shares one engine, so every rank of it generates the prompts of all its ranks."""
@@ -136,19 +164,14 @@ class Trainer:
         mine = [problems[i] for i in indices]
         ids = [self.task.encode_prompt(p, self.tokenizer, chat=self.cfg.data.chat_template)
                for p in mine]
-        return mine, ids, indices
-
-    def step(self, step: int, *, save: bool = False) -> dict:
-        """One GRPO step; with `save`, checkpoint after the update (trainer state on device)."""
-        cfg, worker = self.cfg, self.worker
-        worker.begin_step(step)
-        t_step = time.perf_counter()
-        problems, prompt_ids, indices = self._prompts(step)
-        params = [SamplingParams.from_config(cfg.rollout, seed=_prompt_seed(cfg.run.seed, step, i))
+        params = [SamplingParams.from_config(self.cfg.rollout,
+                                             seed=_prompt_seed(self.cfg.run.seed, step, i))
                   for i in indices]
-        t0 = time.perf_counter()
-        outs = worker.generate(prompt_ids, params)
-        gen_seconds = time.perf_counter() - t0
+        return mine, ids, indices, params
+
+    def _score(self, problems: list, prompt_ids: list[list[int]], indices: list[int],
+               outs: list) -> Scored:
+        """Reward every sample this rank trains on; the batch on the worker's device."""
         prompts_rep, responses, rewards, lengths = [], [], [], []
         for problem, ids, out, index in zip(problems, prompt_ids, outs, indices):
             if index % self.world != self.rank:
@@ -160,43 +183,33 @@ class Trainer:
                 rewards.append(float(self.task.reward(problem, text)))
                 lengths.append(len(sample.token_ids))
         batch = RolloutBatch.from_tokens(prompts_rep, responses, rewards,
-                                         group_size=cfg.rollout.n, pad_id=self.pad_id)
-        batch = batch.to(worker.device)
-        worker.to_train()
+                                         group_size=self.cfg.rollout.n, pad_id=self.pad_id)
+        return Scored(batch.to(self.worker.device), rewards, lengths)
+
+    def step(self, step: int, *, save: bool = False) -> dict:
+        """One GRPO step; with `save`, checkpoint after the update (trainer state on device)."""
+        worker = self.worker
+        worker.begin_step(step)
+        t_step = time.perf_counter()
+        problems, prompt_ids, indices, params = self._prompts(step)
         t0 = time.perf_counter()
-        batch.old_logprobs = worker.old_log_probs(batch)
-        batch.ref_logprobs = worker.ref_log_probs(batch)
-        update = worker.update(batch)
-        train_seconds = time.perf_counter() - t0
+        outs = worker.generate(prompt_ids, params)
+        gen_s = time.perf_counter() - t0
+        scored = self._score(problems, prompt_ids, indices, outs)
+        to_train = worker.to_train()
+        t0 = time.perf_counter()
+        logprobs, ref_moves = worker.log_probs(scored.batch)
+        scored.batch.old_logprobs, scored.batch.ref_logprobs = logprobs["old"], logprobs["ref"]
+        update, optimizer_moves = worker.update(scored.batch)
+        train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.pending_checkpoint = self._save(step + 1) if save else None
-        checkpoint_seconds = time.perf_counter() - t0 if save else 0.0
-        sync = worker.to_rollout()
-        step_seconds = time.perf_counter() - t_step
-        reward_mean, reward_std, _ = _mean_over_ranks(rewards)
-        length_mean, _, _ = _mean_over_ranks([float(x) for x in lengths])
-        tokens, _, _ = _mean_over_ranks([float(sum(lengths))])
-        row = {
-            "step": step + 1, "reward_mean": reward_mean, "reward_std": reward_std,
-            "response_length": length_mean, **{k: float(v) for k, v in update.items()},
-            "timing_s/gen": gen_seconds, "timing_s/train": train_seconds,
-            "timing_s/step": step_seconds, "timing_s/checkpoint": checkpoint_seconds,
-            "tokens_per_s": tokens * self.world / gen_seconds,
-            "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
-            "sync/bound_extra_bytes": sync.bound_extra_bytes,
-            # The sync action's parts: mapping the weights, then the copies (host: until
-            # the last bucket was handed over; the rest waits for the device).
-            "sync/wake_s": worker.last_wake_seconds, "sync/host_s": sync.host_seconds,
-            "sync/copy_s": sync.seconds,
-        }
-        if sync.measured_peak_extra_bytes is not None:
-            row["sync/measured_peak_extra_bytes"] = sync.measured_peak_extra_bytes
-        for action, rec in worker.actions.items():
-            row[f"switch/{action}/seconds"] = rec["seconds"]
-            row[f"switch/{action}/bytes"] = rec["bytes"]
-            if rec["seconds"] > 0 and rec["bytes"] > 0:
-                row[f"switch/{action}/gbps"] = rec["bytes"] / rec["seconds"] / 1e9
-        return row
+        checkpoint_s = time.perf_counter() - t0 if save else 0.0
+        to_rollout = worker.to_rollout()
+        switch = SwitchRecord.merged([to_train, ref_moves, optimizer_moves, to_rollout])
+        return step_row(step, scored, update, switch, world=self.world, gen_s=gen_s,
+                        train_s=train_s, checkpoint_s=checkpoint_s,
+                        step_s=time.perf_counter() - t_step)
 
     # ---------------------------------------------------------------- the run
 
@@ -225,4 +238,4 @@ def train(cfg: Config) -> dict:
     if world_rank_size()[0] == 0:
         (Path(cfg.run.out_dir)).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run.out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    return Trainer(cfg).run()
+    return Run(cfg).run()

@@ -1,14 +1,13 @@
 """What a training run writes and prints: metrics, progress, planned vs measured, timeline.
 
-    report = RunReport(cfg, worker, out_dir)
+    report = RunReport(cfg, out_dir, rates=rates, meter=meter, kv_pool_bytes=pool_bytes)
     report.start(first_step)
     report.log_step(row)           # metrics.jsonl + TensorBoard + one console line
     summary = report.finish()      # summary.md, memory_timeline.{jsonl,png}, a rich table
 
 The planned column is the ledger (handoff.plan.ledger) for this model and these offloads,
-fed with rates measured in this run (handoff.memory.calibrate): the links at the start, the
-map / unmap rates by the worker before its engine took the KV pool, the host work per synced
-tensor; so the gap between the columns is the runtime's own.
+fed with the rates this run measured at its start (handoff.calibrate), so the gap between
+the columns is the runtime's own.
 """
 
 from __future__ import annotations
@@ -22,31 +21,24 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from handoff.calibrate import Rates
 from handoff.config import Config
-from handoff.memory.calibrate import measure_link_rates, measure_tensor_host_seconds
-from handoff.memory.meter import plot_timeline
+from handoff.memory.meter import MemoryMeter, plot_timeline
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
 from handoff.plan.shapes import load_shape
+from handoff.units import fmt_bytes
 
 console = Console()
 
 
-# rates key (handoff.memory.calibrate) -> the profile field it replaces
-_MEASURED = {"d2h_bps": "pinned_pcie_bps", "d2d_bps": "d2d_bps", "map_bps": "map_bps",
-             "unmap_bps": "unmap_bps", "tensor_host_s": "sync_tensor_seconds",
-             "h2d_kernel_bps": "kernel_h2d_bps", "sync_copy_bps": "sync_copy_bps"}
-
-
-def planned_actions(cfg: Config, rates: dict, kv_pool_bytes: int) -> dict[str, dict]:
+def planned_actions(cfg: Config, rates: Rates, kv_pool_bytes: int) -> dict[str, dict]:
     """The ledger's nine actions for this run, priced with the rates measured in it (a rate
-    missing from `rates` keeps the hardware profile's). The worker's sync is in-process on
+    it could not measure keeps the hardware profile's). The worker's sync is in-process on
     every rank (no IPC), whatever the shard group."""
     shape = load_shape(cfg.model.path)
     base = cfg.hardware.name if cfg.hardware.name else "cpu"
-    hw = hardware_profile(base, cfg.hardware)
-    hw = dataclasses.replace(hw, **{field: rates[key] for key, field in _MEASURED.items()
-                                    if key in rates})
+    hw = rates.profile(hardware_profile(base, cfg.hardware))
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
     parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
     actions = switch_actions(shape, parallel, cfg.memory, hw, kv_pool_bytes=kv_pool_bytes,
@@ -61,23 +53,16 @@ def planned_actions(cfg: Config, rates: dict, kv_pool_bytes: int) -> dict[str, d
 class RunReport:
     """Rank 0's view of a run: files under out_dir and the console."""
 
-    def __init__(self, cfg: Config, worker, out_dir: Path):
+    def __init__(self, cfg: Config, out_dir: Path, *, rates: Rates, meter: MemoryMeter,
+                 kv_pool_bytes: int):
         self.cfg = cfg
-        self.worker = worker
         self.out_dir = out_dir
+        self.meter = meter
         self.rows: list[dict] = []
-        # The sync runs while the optimizer's offload is still queued (to_rollout overlaps
-        # them), so its host work per tensor is measured that way too, walking the actor's
-        # own parameters.
-        in_flight = (worker.actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload
-                     else 0)
-        self.rates = {**measure_link_rates(worker.device), **worker.start_rates,
-                      "tensor_host_s": measure_tensor_host_seconds(
-                          worker.device, module=worker.actor.module,
-                          d2h_in_flight_bytes=in_flight)}
+        self.rates = rates.values
         # The pool as its wake maps it: CUDA maps whole allocator segments (2 MiB-rounded),
         # a little more than the pool's tensors.
-        self.planned = planned_actions(cfg, self.rates, worker.pool.region_bytes("kv_cache"))
+        self.planned = planned_actions(cfg, rates, kv_pool_bytes)
         self.metrics_path = out_dir / "metrics.jsonl"
         self._tb = None
         self._progress: Progress | None = None
@@ -137,7 +122,7 @@ class RunReport:
             self._progress.stop()
         if self._tb is not None:
             self._tb.close()
-        meter = self.worker.meter
+        meter = self.meter
         meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
         last_step = self.rows[-1]["step"] - 1 if self.rows else 0
         one_step = [p for p in meter.timeline if p.get("step") == last_step] or meter.timeline
@@ -156,7 +141,7 @@ class RunReport:
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
         }
         (self.out_dir / "summary.md").write_text(
-            summary_markdown(summary, self.cfg.model.path, str(self.worker.device)))
+            summary_markdown(summary, self.cfg.model.path, str(self.meter.device)))
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         console.print(summary_table(summary))
         return summary
@@ -171,10 +156,9 @@ def summary_table(s: dict) -> Table:
         t.add_column(col, justify="right")
     for a in SWITCH_ACTIONS:
         p, m = s["planned"][a], s["measured"][a]
-        ratio = f"{m['seconds'] / p['seconds']:.2f}" if p["seconds"] > 0 and m["seconds"] > 0 else "-"
-        t.add_row(a, _fmt_bytes(p["bytes"]), _fmt_bytes(m["bytes"]), f"{p['seconds']:.4f}",
-                  f"{m['seconds']:.4f}", ratio)
-    share = f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
+        t.add_row(a, fmt_bytes(p["bytes"]), fmt_bytes(m["bytes"]), f"{p['seconds']:.4f}",
+                  f"{m['seconds']:.4f}", _ratio(p, m))
+    share = _share(s)
     t.caption = (f"switch {s['switch_seconds']:.2f} s of a {s['step_seconds']:.2f} s step "
                  f"({share}); reward {s['reward_first']:.3f} (first quarter) -> "
                  f"{s['reward_last']:.3f} (last quarter)")
@@ -195,10 +179,9 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
     ]
     for a in SWITCH_ACTIONS:
         p, m = s["planned"][a], s["measured"][a]
-        ratio = f"{m['seconds'] / p['seconds']:.2f}" if p["seconds"] > 0 and m["seconds"] > 0 else "-"
         lines.append(f"| {a} | {p['bytes']} | {m['bytes']} | {p['seconds']:.4f} | "
-                     f"{m['seconds']:.4f} | {ratio} |")
-    share = f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
+                     f"{m['seconds']:.4f} | {_ratio(p, m)} |")
+    share = _share(s)
     lines += ["", f"Switch: {s['switch_seconds']:.3f} s of a {s['step_seconds']:.3f} s step "
                   f"({share}).",
               f"Mean reward: {s['reward_first']:.3f} over the first quarter of steps, "
@@ -211,10 +194,10 @@ def _remap_text(r: dict) -> str:
     text = ""
     if "map_bps" in r:
         text += (f", map {r['map_bps'] / 1e9:.0f} GB/s and unmap {r['unmap_bps'] / 1e9:.0f} GB/s "
-                 f"(a {_fmt_bytes(r['remap_bytes'])} region)")
+                 f"(a {fmt_bytes(r['remap_bytes'])} region)")
     if "weights_map_bps" in r:
         text += (f", map {r['weights_map_bps'] / 1e9:.0f} GB/s at the weights' "
-                 f"{_fmt_bytes(r['weights_remap_bytes'])}")
+                 f"{fmt_bytes(r['weights_remap_bytes'])}")
     if "sync_copy_bps" in r:
         text += f", the sync's copies at {r['sync_copy_bps'] / 1e9:.0f} GB/s"
     if "tensor_host_s" in r:
@@ -229,12 +212,16 @@ def _kernel_text(r: dict) -> str:
     return f" ({r['h2d_kernel_bps'] / 1e9:.1f} GB/s by kernel, as after the engine's sleep)"
 
 
-def _fmt_bytes(n: int) -> str:
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.2f} GiB"
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.1f} MiB"
-    return f"{n} B"
+def _ratio(planned: dict, measured: dict) -> str:
+    """measured / planned seconds of one action ("-" where either is 0)."""
+    if planned["seconds"] > 0 and measured["seconds"] > 0:
+        return f"{measured['seconds'] / planned['seconds']:.2f}"
+    return "-"
+
+
+def _share(s: dict) -> str:
+    """The switch's share of the step, as a percentage."""
+    return f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
 
 
 def show_run(run_dir: str | Path) -> dict:

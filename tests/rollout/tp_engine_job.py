@@ -1,4 +1,4 @@
-"""One rank of the two-process tensor-parallel engine job behind test_tp.py.
+"""One rank of the two-process tensor-parallel engine job behind test_parallel_engine.py.
 
     torchrun --nproc-per-node 2 tests/rollout/tp_engine_job.py CKPT OUT [cpu|cuda]
 
@@ -17,10 +17,10 @@ from handoff.config import RolloutConfig
 from handoff.errors import HandoffError
 from handoff.rollout.engine import Engine
 from handoff.rollout.models import iter_checkpoint
-from handoff.rollout.parallel import end_distributed_run
+from handoff.dist import end_distributed_run
 from handoff.rollout.sampling import SamplingParams
 from handoff.sync.weights import sync_weights
-from handoff.train.dist import init_process_group, resolve_device
+from handoff.dist import init_process_group, resolve_device
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 9, [42]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

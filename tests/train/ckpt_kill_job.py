@@ -11,7 +11,8 @@ import sys
 import time
 
 from handoff.config import ActorConfig
-from handoff.train import Actor, save_checkpoint
+from handoff.train.actor import Actor
+from handoff.train.checkpoint import save_checkpoint
 from handoff.train import checkpoint as ckpt_module
 
 
@@ -22,7 +23,7 @@ def stall(*_args, **_kwargs):
 
 def main(mode: str, ckpt: str, root: str) -> None:
     actor = Actor(ckpt, actor=ActorConfig(), dtype="float32")
-    tensors = actor._param_tensors() + list(actor.optimizer.tensors().values())
+    tensors = actor.part_tensors("params") + actor.part_tensors("optimizer")
     for step in (1, 2, 3):
         for t in tensors:
             t.fill_(float(step))

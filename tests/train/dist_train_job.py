@@ -1,4 +1,4 @@
-"""One rank of the two-process gloo job behind test_train_distributed.py.
+"""One rank of the two-process gloo job behind test_actor_distributed.py.
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dist_train_job.py CKPT OUT
 
@@ -13,7 +13,7 @@ import sys
 import torch
 
 from handoff.config import ActorConfig
-from handoff.train import RolloutBatch
+from handoff.train.batch import RolloutBatch
 from handoff.train.grpo import group_advantages
 
 ACTOR = dict(lr=1e-2, micro_batch_size=2, kl_coef=0.05, entropy_coef=0.01, grad_clip=0.5,
@@ -49,7 +49,8 @@ def local(batch: RolloutBatch, rank: int) -> RolloutBatch:
 
 
 def main(ckpt: str, out: str) -> None:
-    from handoff.train import Actor, load_checkpoint, save_checkpoint
+    from handoff.train.actor import Actor
+    from handoff.train.checkpoint import load_checkpoint, save_checkpoint
 
     rank = int(os.environ["RANK"])
     actor = Actor(ckpt, actor=ActorConfig(**ACTOR), dtype="float32")
@@ -75,12 +76,12 @@ def main(ckpt: str, out: str) -> None:
     res["full2"] = dict(actor.full_params())
 
     # offload / onload at world size 2
-    keep = [t.clone() for t in actor._param_tensors() + list(actor.optimizer.tensors().values())]
+    keep = [t.clone() for t in actor.part_tensors("params") + actor.part_tensors("optimizer")]
     res["moved"] = actor.to("host", params=True, optimizer=True).wait()
     res["freed"] = sum(t.untyped_storage().nbytes() for t in
-                       actor._param_tensors() + list(actor.optimizer.tensors().values()))
+                       actor.part_tensors("params") + actor.part_tensors("optimizer"))
     res["back"] = actor.to("device", params=True, optimizer=True).wait()
-    now = actor._param_tensors() + list(actor.optimizer.tensors().values())
+    now = actor.part_tensors("params") + actor.part_tensors("optimizer")
     res["exact"] = all(torch.equal(a, b) for a, b in zip(keep, now))
 
     # checkpoint: the step after a resume equals the step after the save

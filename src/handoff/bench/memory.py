@@ -22,7 +22,11 @@ import time
 
 import torch
 
-from handoff.memory import PinnedArena, RegionPool, aggressive_empty_cache
+from handoff.memory.staging import PinnedArena
+
+from handoff.memory.regions import RegionPool
+
+from handoff.memory.allocator import aggressive_empty_cache
 
 GiB = 1 << 30
 

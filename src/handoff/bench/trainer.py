@@ -4,7 +4,7 @@
 
 Builds the FSDP2 actor (bf16 params, fp32 master + Adam) and the reference model from an HF
 checkpoint on one device, runs one GRPO update on a synthetic batch so every part holds real
-state, then moves the parts in the brief's order (optimizer D2H, params D2H, ref D2H, params
+state, then moves the parts in the switch's order (optimizer D2H, params D2H, ref D2H, params
 H2D, optimizer H2D, ref H2D) `repeats` times through the pinned arena. Per action it reports
 the bytes moved, the device memory actually released or re-taken (torch.cuda.memory_allocated,
 which rounds each block up to 512 B), the copy-stream seconds (CUDA events) and the wall
@@ -34,7 +34,7 @@ def ledger_rows(model: str, dtype: str, hardware: str) -> tuple[dict[str, dict],
     """Planned bytes and seconds per action for one card (all offloads on), and the source.
 
     Uses the planner's ledger; where that module is absent (an older tree) the same bytes
-    come from the brief's formula (2N params and ref, 12N optimizer with bf16 params) at the
+    come from the source's formula (2N params and ref, 12N optimizer with bf16 params) at the
     measured H200 pinned rate of 55 GB/s, and the source says so.
     """
     from handoff.config import MemoryConfig, ParallelConfig

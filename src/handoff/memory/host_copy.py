@@ -2,13 +2,12 @@
 
     copy_from_host(dst_cuda_u8, src_pinned_u8)   # a kernel reads the pinned source over PCIe
 
-For about a second after a large region goes to sleep, the copy engines are busy (likely
-the driver clearing the pages it got back): an H2D `copy_` into memory allocated before the sleep
-ran at 27.5 GB/s on the H200, against 55 GB/s a second later, while a kernel writing device
-memory ran at full speed. The switch to training starts with such copies (the actor's
-params, then the reference). A kernel that loads the pinned source through its unified
-(UVA) address and stores it to the device takes the SMs' path instead. No library offers
-a host-to-device copy that avoids the copy engines, hence this kernel.
+For about a second after a large region goes to sleep the copy engines run at half rate
+(likely the driver clearing the pages it got back), while kernels run at full speed
+(docs/PERF.md, "The colocated step"). The switch to training starts with such copies (the
+actor's params, then the reference). A kernel that loads the pinned source through its
+unified (UVA) address and stores it to the device takes the SMs' path instead. No library
+offers a host-to-device copy that avoids the copy engines, hence this kernel.
 """
 
 from __future__ import annotations

@@ -25,44 +25,21 @@ What the numbers mean per device:
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
-GiB = 1 << 30
-
-
-def _rss_bytes() -> int:
-    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def host_memory() -> tuple[int, int]:
-    """(MemTotal, MemAvailable) of this machine in bytes, or (0, 0) without /proc."""
-    info = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                info[key] = int(value.split()[0]) * 1024
-    except (OSError, ValueError):
-        return 0, 0
-    return info.get("MemTotal", 0), info.get("MemAvailable", 0)
+from handoff.dist import with_index
+from handoff.memory.allocator import host_memory, rss_bytes
+from handoff.units import GiB
 
 
 class MemoryMeter:
     """Record memory probes for one device; optionally read a RegionPool and PinnedArenas."""
 
     def __init__(self, device: torch.device | str, pool=None, arena=None) -> None:
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = with_index(device)
         self.pool = pool
         self.arena = arena
         self.timeline: list[dict] = []
@@ -88,7 +65,7 @@ class MemoryMeter:
             reserved = torch.cuda.memory_reserved(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
         else:
-            allocated = reserved = _rss_bytes()
+            allocated = reserved = rss_bytes()
             total, free = host_memory()
         regions, awake = {}, {}
         if self.pool is not None:

@@ -26,91 +26,14 @@ Backends:
 from __future__ import annotations
 
 import contextlib
-import gc
-import os
 
 import torch
 
+from handoff.dist import with_index
 from handoff.errors import HandoffError
+from handoff.memory.allocator import host_memory
 from handoff.memory.staging import PinnedArena
-
-GiB = 1 << 30
-_EXPANDABLE = {"enabled": "expandable_segments:true" in
-               os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()}
-
-
-def _fmt(nbytes: int) -> str:
-    if abs(nbytes) >= GiB:
-        return f"{nbytes / GiB:.2f} GiB"
-    return f"{nbytes / (1 << 20):.1f} MiB"
-
-
-def aggressive_empty_cache() -> None:
-    """Collect garbage, wait for the device, and hand PyTorch's unused cached blocks back.
-
-    Run it before waking a region: segments cached by the caching allocator are free to
-    PyTorch but not to the driver, and a wake is checked against the driver's free memory.
-    It waits for every copy in flight (and an arena offload's memory is freed only once its
-    transfer is waited on), so with a copy running, skip it.
-    """
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def frozen_gc_heap():
-    """Run the block with every object alive at its start moved out of the collector's scans.
-
-    A long run keeps ~400K Python objects alive from setup (torch, transformers, the models),
-    and each full gc.collect() walks all of them: ~200 ms on a 2-core host, three times per
-    switch back to rollout. Frozen, a collection walks only what the step itself made. Setup
-    garbage is collected first (frozen garbage would never be), and the heap is unfrozen at
-    the end, so what the block's setup objects leave behind is collectable again.
-    """
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _set_allocator_settings(setting: str) -> None:
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:  # torch < 2.9
-        setter = torch.cuda.memory._set_allocator_settings
-    setter(setting)
-
-
-def set_expandable_segments(enabled: bool) -> bool:
-    """Switch PyTorch's expandable_segments at run time; returns the previous setting.
-
-    Only new segments follow the setting. Without CUDA this records the value and does
-    nothing else.
-    """
-    previous = _EXPANDABLE["enabled"]
-    if torch.cuda.is_available():
-        _set_allocator_settings(f"expandable_segments:{'True' if enabled else 'False'}")
-    _EXPANDABLE["enabled"] = enabled
-    return previous
-
-
-def expandable_segments_enabled() -> bool:
-    """PyTorch's expandable_segments setting as last set here (or by the environment)."""
-    return _EXPANDABLE["enabled"]
-
-
-@contextlib.contextmanager
-def expandable_segments(enabled: bool):
-    """Run a block with expandable_segments switched to `enabled`, then switch it back."""
-    previous = set_expandable_segments(enabled)
-    try:
-        yield
-    finally:
-        set_expandable_segments(previous)
-
+from handoff.units import fmt_bytes
 
 def _storages(obj) -> list:
     """Unique untyped storages of a module (params + buffers) or an iterable of tensors."""
@@ -141,9 +64,7 @@ class RegionPool:
 
     def __init__(self, device: torch.device | str, *, meter=None,
                  wake_margin_bytes: int = 256 << 20) -> None:
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = with_index(device)
         self.meter = meter
         self.wake_margin_bytes = wake_margin_bytes
         self.arena = PinnedArena(pin=self.device.type == "cuda")
@@ -297,12 +218,12 @@ class RegionPool:
         if last:
             from handoff.memory.meter import owners
 
-            held = ", ".join(f"{k} {_fmt(v)}" for k, v in owners(last).items()
+            held = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in owners(last).items()
                              if k != "free" and v > 0)
             holders = (f"at probe {last['name']!r}: {held or 'nothing measured'} (torch "
-                       f"allocated {_fmt(last['allocated'])})")
-        return (f"cannot wake {tags}: needs {_fmt(need)} + margin "
-                f"{_fmt(self.wake_margin_bytes)} but the driver has {_fmt(free)} free; "
+                       f"allocated {fmt_bytes(last['allocated'])})")
+        return (f"cannot wake {tags}: needs {fmt_bytes(need)} + margin "
+                f"{fmt_bytes(self.wake_margin_bytes)} but the driver has {fmt_bytes(free)} free; "
                 f"{holders}; free memory first (aggressive_empty_cache(), offload trainer "
                 "state) or lower rollout.gpu_memory_utilization")
 
@@ -332,8 +253,6 @@ class _CpuBackend:
 
     def free_bytes(self) -> int:
         """MemAvailable (what the kernel could still hand out); no /proc: never refuse."""
-        from handoff.memory.meter import host_memory
-
         return host_memory()[1] or 1 << 62
 
     def before_release(self) -> None:

@@ -19,9 +19,9 @@ shapes and identity kept). That a re-created storage lands at the same address i
 promised, on any backend.
 
 On CUDA an offload's device storage is released when its transfer is waited on, not under
-`record_stream`: that leaves one event per storage for the caching allocator to query at the
-next allocation, and the 4B optimizer's ~1200 storages made the first allocation after its
-offload started take 3.5 ms (inside the weight sync that runs meanwhile).
+`record_stream`, which leaves one event per storage for the caching allocator to query at
+its next allocation: thousands of queries inside the weight sync that runs meanwhile
+(docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -77,10 +77,6 @@ class Transfer:
         self._seconds = seconds
         self.release: list[torch.UntypedStorage] = []   # freed once the copy has landed
 
-    def done(self) -> bool:
-        """True when every chunk has landed (never blocks)."""
-        return self.event is None or self.event.query()
-
     def wait(self) -> None:
         """Block the host until the transfer finished, fill in `.seconds` and free the
         device storage an offload left behind."""
@@ -98,11 +94,6 @@ class Transfer:
         if self._seconds is None:
             raise HandoffError(f"transfer {self.name!r} has no time yet: call .wait() first")
         return self._seconds
-
-    @property
-    def gbps(self) -> float:
-        """Achieved rate in GB/s (1e9 bytes per second)."""
-        return self.bytes / max(self.seconds, 1e-12) / 1e9
 
 
 @dataclass
@@ -206,10 +197,6 @@ class PinnedArena:
         """Names of the staged sets, in staging order."""
         return list(self._sets)
 
-    def is_offloaded(self, name: str) -> bool:
-        """True when the set's device storage is freed (its data lives only on the host)."""
-        return not self._get(name).on_device
-
     def bytes_staged(self) -> int:
         """Host bytes reserved by all sets (pinned when `pin`), whether in use or not."""
         return sum(s.host_u8.numel() for s in self._sets.values() if s.host_u8 is not None)
@@ -217,12 +204,6 @@ class PinnedArena:
     def set_bytes(self, name: str) -> int:
         """Payload bytes of one set (sum of its unique storages)."""
         return sum(self._get(name).nbytes)
-
-    def host_views(self, name: str) -> list[torch.Tensor]:
-        """The set's host copies as flat uint8 tensors, one per unique storage."""
-        return list(self._get(name).views)
-
-    # ---- moving --------------------------------------------------------------------------
 
     def offload(self, name: str, *, free_device: bool = True) -> Transfer:
         """Copy the set to host (async on CUDA); with free_device, release its device storage

@@ -32,7 +32,7 @@ import os
 import torch
 
 from handoff.errors import HandoffError
-from handoff.memory.regions import expandable_segments
+from handoff.memory.allocator import expandable_segments
 
 _POOL_IDS = itertools.count()
 
@@ -43,8 +43,8 @@ def _saver():
         import torch_memory_saver
     except ImportError as e:
         raise HandoffError("torch_memory_saver is not installed: pip install "
-                           "torch_memory_saver==0.0.10 (DEVELOPERS.md says how to carry the "
-                           "wheel to a machine without network)") from e
+                           "torch_memory_saver==0.0.10 (on a machine without network, "
+                           "scripts/device-env.sh installs a carried wheel)") from e
     saver = torch_memory_saver.torch_memory_saver
     if saver._impl is None:
         saver.hook_mode = "torch"

@@ -15,7 +15,7 @@ Where the numbers come from:
   unmaps at ~2 TB/s at every size (8 GiB 4.2 ms, 100 GiB 58 ms) but maps in a time that is
   not linear in size (8 GiB 0.5 ms; 100-112 GiB anywhere from 4 to 355 ms): map_bps is the 4B
   run's 108 GiB KV wake (79 ms), and a run measures both rates at its own KV pool's size
-  (handoff.memory.calibrate); ~40 us of host work per tensor of an in-process weight sync
+  (handoff.calibrate); ~40 us of host work per tensor of an in-process weight sync
   (Qwen3-1.7B: 310 tensors, 3.2 GB in 30 ms); a kernel copies host-to-device at 51 GB/s
   (also right after a 100 GiB sleep, when the copy engines manage 27 GB/s); decode
   bandwidth scaled from the H100's 60% of peak.

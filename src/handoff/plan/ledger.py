@@ -15,8 +15,10 @@ KV wake maps the pool (pool / map_bps, plus a zeroing pass for fp8 KV), the engi
 unmaps weights and pool ((weights + pool) / unmap_bps); weight_sync_seconds prices the sync.
 
 `SWITCH_ACTIONS` is a contract with the runtime: the hybrid worker times its actions under
-exactly these names, in this order (training -> generation, then generation -> training).
-An action whose offload is off stays in the list with 0 bytes and 0 seconds.
+exactly these names, and a run's metrics and summary list them in this order (the switch to
+generation's moves, then the switch to training's). The worker runs them in the order of
+docs/ARCHITECTURE.md ("The switch"): ref_d2h, for one, runs inside training, right after the
+ref's forward. An action whose offload is off stays in the list with 0 bytes and 0 seconds.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def weight_sync_seconds(shape: ModelShape, parallel: ParallelConfig, hw: Hardwar
 
     Both paths all-gather each full tensor over NVLink (nothing with a shard group of one)
     and copy it into a bucket and out of it into the engine's shard (read + write each).
-    Gathered over CUDA IPC (the brief's engine in its own process): large copies at
+    Gathered over CUDA IPC (the source's engine in its own process): large copies at
     hw.d2d_bps and a fixed overhead per bucket (IPC handle, load_weights, ACK).
     In-process (our worker): no IPC, but the engine's weights region is mapped inside the
     timed action, every tensor costs host work (bucket slot, copy launch, load_weights'

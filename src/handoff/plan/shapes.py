@@ -128,10 +128,6 @@ class ModelShape:
     num_tensors: int = 0            # parameter tensors (tied ones once): what a sync sends
 
     @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
     def active_params(self) -> int:
         return self.num_active_params or self.num_params
 

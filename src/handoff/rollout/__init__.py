@@ -6,6 +6,6 @@
 Files: engine.py (generate, sleep/wake, load_weights), scheduler.py (prefill/decode steps,
 preemption), blocks.py (paged KV blocks + prefix cache), runner.py (inputs, forward,
 sampling), attention.py (paged attention, backend choice), sampling.py, sequence.py,
-layers.py, models/ (Qwen3 / Qwen2 / Llama), kernels/ (Triton), hostbench.py.
+layers.py, models/ (Qwen3 / Qwen2 / Llama), kernels/ (Triton). The engine's host-side bench is handoff.bench.host_step.
 Nothing is imported here, so `handoff.rollout.kernels` loads without the engine.
 """

@@ -55,13 +55,13 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
 
 def is_main_process() -> bool:
     """Rank 0 of a torchrun launch, or a lone process: the one that prints."""
-    from handoff.rollout.parallel import world_rank_size
+    from handoff.dist import world_rank_size
 
     return world_rank_size()[0] == 0
 
 
 def _check_launch(tp: int) -> None:
-    from handoff.rollout.parallel import world_rank_size
+    from handoff.dist import world_rank_size
 
     world = world_rank_size()[1]
     if tp < 1:
@@ -75,7 +75,7 @@ def _check_launch(tp: int) -> None:
 def _join_tp_group(device: str | None, tp: int):
     """(device, TP group): the processes torchrun started form one engine of `tp` ranks."""
     from handoff.rollout.parallel import SINGLE, init_tp_group
-    from handoff.train.dist import init_process_group, resolve_device
+    from handoff.dist import init_process_group, resolve_device
 
     if tp == 1:  # resolved here so a wrong --device is one line, not a traceback
         return (resolve_device(device) if device else None), SINGLE

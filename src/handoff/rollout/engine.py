@@ -30,9 +30,12 @@ from typing import Iterable
 
 import torch
 
+from handoff.dist import with_index
 from handoff.errors import HandoffError
+from handoff.memory.regions import RegionPool
 from handoff.rollout.attention import FP8_DTYPE
 from handoff.rollout.blocks import BlockManager
+from handoff.rollout.kv_sizing import blocks_for_one_sequence, kv_pool_blocks, kv_pool_budget_bytes
 from handoff.rollout.layers import inverse_frequencies, rope_table
 from handoff.rollout.models import (build_model, eos_token_ids, iter_checkpoint, read_hf_config,
                                     spec_from_hf_config)
@@ -41,9 +44,9 @@ from handoff.rollout.runner import ModelRunner
 from handoff.rollout.sampling import SamplingParams, sample_key
 from handoff.rollout.scheduler import Scheduler
 from handoff.rollout.sequence import RequestOutput, SampleOutput, Sequence, Status
+from handoff.units import GiB
 
 TAGS = ("weights", "kv_cache")
-CPU_DEFAULT_KV_BYTES = 256 << 20  # a CPU pool without num_blocks is capped here
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -62,13 +65,9 @@ class Engine:
 
     def __init__(self, model_path: str, cfg, *, device=None, dtype=None, pool=None,
                  attention_backend: str | None = None, tp: TPGroup | int = 1):
-        from handoff.memory.regions import RegionPool
-
         self.cfg = cfg
         self.model_path = str(model_path)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = with_index(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _resolve_dtype(dtype, self.device)
         hf = read_hf_config(model_path)
         self.spec = spec_from_hf_config(hf)
@@ -138,46 +137,39 @@ class Engine:
     def _num_blocks(self) -> int:
         cfg, runner = self.cfg, self.runner
         block_bytes = runner.kv_block_bytes()
-        # One sequence of max_model_len must always fit (the scheduler's progress guarantee);
-        # +1 is the null block.
-        needed = -(-self.max_model_len // cfg.block_size) + 1
-        if cfg.num_blocks is not None:
-            num_blocks = cfg.num_blocks
-        elif self.device.type == "cuda":
-            # The brief's ledger: KV = util x HBM - engine weights - activation peak. Memory
-            # held by others (a resident trainer) is not charged to the engine, but the pool
-            # must be allocatable now, activations included.
-            peak = runner.profile_peak_bytes(max_num_batched_tokens=self.max_num_batched_tokens,
-                                             max_model_len=self.max_model_len,
-                                             max_num_seqs=cfg.max_num_seqs)
-            self.activation_peak_bytes = peak
-            graphs = runner.graph_reserve_bytes(cfg.max_num_seqs)
-            self.graph_reserve_bytes = graphs
+        needed = blocks_for_one_sequence(self.max_model_len, cfg.block_size)
+        sized_from_util = cfg.num_blocks is None and self.device.type == "cuda"
+        total = free = own = overhead = 0
+        if sized_from_util:
+            # The activation peak is profiled; the decode graphs' pool stays resident.
+            self.activation_peak_bytes = runner.profile_peak_bytes(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs)
+            self.graph_reserve_bytes = runner.graph_reserve_bytes(cfg.max_num_seqs)
+            overhead = self.activation_peak_bytes + self.graph_reserve_bytes
             free, total = torch.cuda.mem_get_info(self.device)
             own = self.pool.region_bytes("weights")
-            # The graphs' pool is resident too: the brief's ledger subtracts it.
-            peak += graphs
-            budget = int(cfg.gpu_memory_utilization * total) - own - peak
-            num_blocks = max(budget, 0) // block_bytes
-            gib = 2**30
+        num_blocks = kv_pool_blocks(cfg, block_bytes=block_bytes, on_cuda=self.device.type == "cuda",
+                                    max_model_len=self.max_model_len, hbm_bytes=total,
+                                    weights_bytes=own, overhead_bytes=overhead)
+        if sized_from_util:
+            budget = kv_pool_budget_bytes(cfg.gpu_memory_utilization, hbm_bytes=total,
+                                          weights_bytes=own, overhead_bytes=overhead)
             if num_blocks < needed:
                 raise HandoffError(
-                    f"KV pool would be {budget / gib:.2f} GiB at gpu_memory_utilization="
-                    f"{cfg.gpu_memory_utilization}: engine weights take {own / gib:.2f} GiB, the "
-                    f"activation peak and decode graphs {peak / gib:.2f} GiB of "
-                    f"{total / gib:.1f} GiB; raise "
+                    f"KV pool would be {budget / GiB:.2f} GiB at gpu_memory_utilization="
+                    f"{cfg.gpu_memory_utilization}: engine weights take {own / GiB:.2f} GiB, the "
+                    f"activation peak and decode graphs {overhead / GiB:.2f} GiB of "
+                    f"{total / GiB:.1f} GiB; raise "
                     "rollout.gpu_memory_utilization or lower rollout.max_model_len / max_num_seqs")
-            if num_blocks * block_bytes + peak > free:
+            if num_blocks * block_bytes + overhead > free:
                 raise HandoffError(
-                    f"KV pool of {num_blocks * block_bytes / gib:.2f} GiB plus {peak / gib:.2f} GiB "
-                    f"of activation peak and decode graphs does not fit in the {free / gib:.2f} "
-                    "GiB free now "
-                    f"({(total - free - own) / gib:.2f} GiB held by others): build the engine "
+                    f"KV pool of {num_blocks * block_bytes / GiB:.2f} GiB plus "
+                    f"{overhead / GiB:.2f} GiB of activation peak and decode graphs does not "
+                    f"fit in the {free / GiB:.2f} GiB free now "
+                    f"({(total - free - own) / GiB:.2f} GiB held by others): build the engine "
                     "before the trainer fills the card, offload it first, or lower "
                     "rollout.gpu_memory_utilization")
-        else:
-            wanted = cfg.max_num_seqs * (needed - 1) + 1
-            num_blocks = max(needed, min(wanted, CPU_DEFAULT_KV_BYTES // block_bytes))
         # Every TP rank must schedule alike, hence hold the same number of blocks.
         num_blocks = self.tp.min_int(num_blocks, self.device)
         if num_blocks < needed:

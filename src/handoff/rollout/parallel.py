@@ -22,9 +22,7 @@ Loading, the checksum readback of a weight sync and the tests all use the same r
 from __future__ import annotations
 
 import hashlib
-import os
 import random
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -117,38 +115,6 @@ def init_tp_group(size: int) -> TPGroup:
     return mine
 
 
-def end_distributed_run() -> None:
-    """Every rank, once its outputs are written: tear the groups down; a rank of a multi-process
-    launch then exits at once, with status 0, skipping the interpreter's finalization.
-
-    Why exit at once: gloo's worker threads outlive `destroy_process_group` whenever a group is
-    still referenced (FSDP2's DTensor sharding caches keep the mesh, and so the group, alive),
-    and such a thread may still run Python just after a collective completes: it drops the
-    tensors of the finished work, which takes the GIL. Python ends a thread that takes the GIL
-    while the interpreter finalizes with pthread_exit, whose unwinding through gloo's C++
-    aborts the process ("terminate called without an active exception"; a few percent of the
-    2-rank CPU runs of `handoff train`, and every time in tests/test_end_distributed_run.py
-    without the exit). The barrier first makes sure every rank has finished its collectives.
-    """
-    _GROUPS.clear()
-    if not dist.is_initialized():
-        return
-    world = dist.get_world_size()
-    dist.barrier()
-    dist.destroy_process_group()
-    if world > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def world_rank_size() -> tuple[int, int]:
-    """(rank, world size) of the default group, or of torchrun's environment before it exists."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
 # ---------------------------------------------------------------- shard arithmetic
 
 
@@ -209,12 +175,3 @@ def vocab_split(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
     per = -(-vocab_size // tp.size)
     start = min(tp.rank * per, vocab_size)
     return start, min(per, vocab_size - start), per
-
-
-def check_world_size(gpus: int) -> None:
-    """Refuse a run whose parallel.gpus is not the number of processes started."""
-    world = world_rank_size()[1]
-    if world != gpus:
-        raise HandoffError(f"parallel.gpus={gpus} but {world} process(es) were started: launch "
-                           f"`torchrun --nproc-per-node {gpus} -m handoff train ...`, or set "
-                           f"parallel.gpus={world}")

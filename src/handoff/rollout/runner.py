@@ -25,7 +25,7 @@ import warnings
 import numpy as np
 import torch
 
-from handoff.memory.regions import expandable_segments
+from handoff.memory.allocator import expandable_segments
 from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefill,
                                        packed_prefill_available, select_decode_backend)
 from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
@@ -100,7 +100,7 @@ class ModelRunner:
                           v_scale=None if scales is None else [scales[1, i] for i in layers])
 
     def reset_kv_cache(self) -> None:
-        """After the pool is remapped: fp8 blocks zeroed and scales back to 1 (the brief).
+        """After the pool is remapped: fp8 blocks zeroed and scales back to 1 (the source).
 
         A bf16 pool on CUDA is not zeroed (a write pass over the whole pool, 116 GB in the
         4B run, every step, for nothing): every attention path reads only below each

@@ -28,25 +28,6 @@ from handoff.errors import HandoffError
 
 WeightIter = Iterable[tuple[str, torch.Tensor]]
 
-_LOAD_BATCH_BYTES = 256 << 20
-
-
-def copy_in_batches(copies: Iterable[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
-    """dest.copy_(src) for each (dest, src, bytes), queued as one `_foreach_copy_` per
-    256 MiB: one launch for many tensors, as an engine's load_weights copies a bucket out
-    (the sync's calibration loads the same way)."""
-    dests, srcs, pending = [], [], 0
-    for dest, src, nbytes in copies:
-        dests.append(dest)
-        srcs.append(src)
-        pending += nbytes
-        if pending >= _LOAD_BATCH_BYTES:
-            torch._foreach_copy_(dests, srcs)
-            dests, srcs, pending = [], [], 0
-    if dests:
-        torch._foreach_copy_(dests, srcs)
-
-
 @dataclass
 class SyncStats:
     num_tensors: int = 0
@@ -59,10 +40,6 @@ class SyncStats:
     max_tensor_bytes: int = 0
     verified_buckets: int = 0
     checksums: list[int] = field(default_factory=list)
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def checksum(t: torch.Tensor) -> int:

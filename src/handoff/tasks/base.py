@@ -45,10 +45,6 @@ class Score:
     formatted: bool  # the answer was found in the format the prompt asked for
     extracted: str | None  # the answer the reward read from the response (None: none found)
 
-    def breakdown(self) -> dict[str, float]:
-        return {"reward": self.reward, "correct": float(self.correct),
-                "formatted": float(self.formatted)}
-
 
 class Task(abc.ABC):
     """A resumable stream of problems plus a verifiable reward."""

@@ -12,7 +12,7 @@ pads so that dim 0 splits evenly across ranks; at world size 1 N_r = N):
                                          `update` frees them, they are never moved)
   optimizer  N x 12 with bf16 params (fp32 master + exp_avg + exp_avg_sq), N x 8 with fp32
              params (no separate master); N counts unpadded local elements.
-So a bf16 model costs the brief's 16 bytes/param while training.
+So a bf16 model costs the source's 16 bytes/param while training.
 
 Loss aggregation is a token-level mean over the whole batch on every rank: each micro-batch
 contributes sum(token loss) * world / (global response tokens), and FSDP's gradient average
@@ -30,7 +30,7 @@ from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena
 from handoff.train import grpo
 from handoff.train.batch import RolloutBatch
-from handoff.train.dist import all_reduce_
+from handoff.dist import all_reduce_
 from handoff.train.model import ShardedModel
 from handoff.train.optim import MixedPrecisionAdamW, local_shard
 

@@ -50,10 +50,6 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.response_mask.sum().item())
-
     def rows(self, start: int, stop: int) -> "RolloutBatch":
         """Rows [start, stop) as a batch (views); group_size is kept only if it still divides."""
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:

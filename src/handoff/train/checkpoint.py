@@ -108,11 +108,10 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
         tmp.mkdir()
     dist.barrier()
     # One file per tensor, copied through pageable memory: DCP keeps the host copy of every
-    # tensor of a file alive until that file is closed (torch's filesystem.py collects them
-    # for its safetensors mode), and its overlapping loader copies into pinned blocks that
-    # PyTorch's host allocator caches for good. With one file per rank, a 4B actor's 56 GB
-    # on top of our 64 GB pinned arena filled the device's 128 GiB host and the run was
-    # killed mid-save (2026-12-02); this way a save holds one tensor at a time on the host.
+    # tensor of a file alive until that file is closed, and its overlapping loader copies
+    # into pinned blocks PyTorch's host allocator caches for good; one file per rank ran the
+    # device's host out of memory next to our pinned arena (docs/PERF.md). This way a save
+    # holds one tensor at a time on the host.
     writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=False,
                                   per_thread_copy_ahead=0)
     dcp.save(_state(actor), storage_writer=writer)

@@ -36,7 +36,7 @@ from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena, Transfer
 from handoff.train import grpo
 from handoff.train.batch import RolloutBatch
-from handoff.train.dist import all_reduce_, init_mesh, resolve_device
+from handoff.dist import all_reduce_, init_mesh, resolve_device
 from handoff.train.optim import local_shard
 
 _HOST_NAMES = ("host", "cpu")
@@ -47,10 +47,6 @@ class Move:
 
     def __init__(self, transfers: dict[str, Transfer | None]):
         self.transfers = transfers
-
-    @property
-    def bytes(self) -> dict[str, int]:
-        return {part: (t.bytes if t is not None else 0) for part, t in self.transfers.items()}
 
     def wait(self) -> dict[str, dict[str, float]]:
         out = {}
@@ -137,11 +133,17 @@ class ShardedModel:
         """Bytes per part on this rank, wherever they live now (see the module docstring)."""
         return {"params": self._param_bytes}
 
-    def placement(self) -> dict[str, str]:
-        """'device' or 'host' for each part."""
-        if self.offload_mode == "fsdp":
-            return {part: "host" for part in self._parts}
-        return {part: ("host" if part in self._host else "device") for part in self._parts}
+    def part_tensors(self, part: str) -> list[torch.Tensor]:
+        """This rank's tensors of memory part `part` (what `to()` moves): "params", and on the
+        actor "grads" and "optimizer"."""
+        self._check_parts([part])
+        return self._parts[part]()
+
+    def _check_parts(self, parts) -> None:
+        unknown = sorted(set(parts) - set(self._parts))
+        if unknown:
+            raise HandoffError(f"{self.role} has no part {unknown[0]!r}: its parts are "
+                               f"{sorted(self._parts)}")
 
     def to(self, where: str | torch.device, *, by_kernel: bool = False, **parts: bool) -> Move:
         """Start moving the named parts (`params=True`, ...) to 'host' or back to 'device'.
@@ -151,10 +153,7 @@ class ShardedModel:
         Parts already where asked report 0 bytes. by_kernel: copies back to the device are
         done by a kernel, not the copy engines (PinnedArena.onload).
         """
-        unknown = sorted(set(parts) - set(self._parts))
-        if unknown:
-            raise HandoffError(f"{self.role} has no part {unknown[0]!r}: its parts are "
-                               f"{sorted(self._parts)}")
+        self._check_parts(parts)
         to_host = self._is_host(where)
         transfers: dict[str, Transfer | None] = {}
         for part in (p for p in self._parts if parts.get(p)):

@@ -1,4 +1,4 @@
-"""AdamW over FSDP2 shards with fp32 master weights: the 12 bytes/param of the brief's layout.
+"""AdamW over FSDP2 shards with fp32 master weights: the 12 bytes/param of the source's layout.
 
 For each parameter shard this rank owns it keeps, all fp32 and allocated once up front:
   master      a copy of the shard (4 B/param), only when the params are not fp32 themselves

@@ -35,7 +35,7 @@ from handoff.rollout import ops
 from handoff.rollout.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                     RowParallelLinear, VocabParallelEmbedding, shard_rules)
 from handoff.rollout.parallel import SINGLE, ShardRule, TPGroup, even_split, kv_head_split
-from handoff.sync.weights import copy_in_batches
+from handoff.rollout.weight_copy import copy_in_batches
 
 # HF projection name -> (engine module name, part index inside the fused weight)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from handoff.config import load_config
-from handoff.loop import Trainer
+from handoff.loop import Run
 from handoff.modelzoo import init_model
 from handoff.plan.ledger import SWITCH_ACTIONS
 
@@ -28,7 +28,7 @@ def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, resume, 
     stale = "".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2, 3))
     (tmp_path / "metrics.jsonl").write_text(stale)
     (tmp_path / "summary.json").write_text("{}")
-    trainer = Trainer(_cfg(model_dir, tmp_path, f"run.resume={resume}"))
+    trainer = Run(_cfg(model_dir, tmp_path, f"run.resume={resume}"))
     assert trainer.start_step == 0
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     # The earlier run's summary would make `handoff report` call this unfinished run done.
@@ -38,7 +38,7 @@ def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, resume, 
 
 
 def test_offloads_and_ref_off_still_report_every_action(model_dir, tmp_path):
-    trainer = Trainer(_cfg(model_dir, tmp_path, "memory.param_offload=false",
+    trainer = Run(_cfg(model_dir, tmp_path, "memory.param_offload=false",
                            "memory.optimizer_offload=false", "memory.ref_offload=false",
                            "actor.kl_coef=0"))
     assert trainer.worker.ref is None
@@ -58,7 +58,7 @@ def test_offloads_and_ref_off_still_report_every_action(model_dir, tmp_path):
 def test_steps_run_with_the_setup_heap_frozen(model_dir, tmp_path, monkeypatch):
     # The switch's gc.collect() calls must not walk the setup's objects (torch, transformers,
     # the models: ~200 ms per call on a 2-core host); the run unfreezes the heap at its end.
-    trainer = Trainer(_cfg(model_dir, tmp_path, "run.steps=1", "run.checkpoint=false"))
+    trainer = Run(_cfg(model_dir, tmp_path, "run.steps=1", "run.checkpoint=false"))
     engine_id = id(trainer.worker.engine)
     seen = []
     plain = trainer.worker.to_rollout

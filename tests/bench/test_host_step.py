@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handoff.rollout.hostbench import host_step_cost
+from handoff.bench.host_step import host_step_cost
 
 
 def test_host_step_cost_reports_per_phase_times():

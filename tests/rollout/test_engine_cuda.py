@@ -4,7 +4,7 @@ bf16 tolerance (stated): on the tokens the engine chose, transformers' bf16 log-
 within 0.05 nats, and every greedy choice is transformers' argmax or within 0.05 nats of it
 (bf16 rounding can flip near-ties, after which free-running texts legitimately part ways).
 
-Run on the device: python3 -m pytest -q -m cuda tests/rollout/test_rollout_engine_cuda.py
+Run on the device: python3 -m pytest -q -m cuda tests/rollout/test_engine_cuda.py
 Each test puts its engines to sleep(2) at the end: memory_saver pools live as long as the
 process, so an engine that is merely dropped would keep its physical pages.
 """
@@ -68,7 +68,7 @@ def test_pool_sized_from_utilization_and_memory_really_moves(qwen3_dir, ref):
     kv_bytes, block_bytes = stats["kv_cache_bytes"], stats["kv_block_bytes"]
     _, total = torch.cuda.mem_get_info()
     own = engine.pool.region_bytes("weights")
-    budget = (util * total - own - stats["activation_peak_bytes"]  # the brief's ledger
+    budget = (util * total - own - stats["activation_peak_bytes"]  # the source's ledger
               - stats["graph_reserve_bytes"])
     assert budget - block_bytes < kv_bytes <= budget
     assert 0 < stats["activation_peak_bytes"] < 2**30

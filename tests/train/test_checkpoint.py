@@ -9,7 +9,8 @@ import torch
 
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
-from handoff.train import Actor, latest_checkpoint, load_checkpoint, save_checkpoint
+from handoff.train.actor import Actor
+from handoff.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 HERE = Path(__file__).parent
 
@@ -20,7 +21,7 @@ def ckpt(tmp_path_factory):
 
 
 def _values(actor):
-    return {float(v) for t in actor._param_tensors() + list(actor.optimizer.tensors().values())
+    return {float(v) for t in actor.part_tensors("params") + actor.part_tensors("optimizer")
             for v in t.unique()}
 
 

@@ -1,11 +1,17 @@
-"""The rates a run measures for its ledger: remap (map / unmap) and per-tensor sync host work."""
+"""The rates a run measures for its ledger (handoff.calibrate): links, remaps (map / unmap),
+the sync's copies and its host work per tensor; and a run that measures them at its start."""
+
+import json
 
 import pytest
 import torch
 
-from handoff.memory.calibrate import (measure_link_rates, measure_remap_rates,
-                                      measure_sync_copy_bps, measure_tensor_host_seconds)
+from handoff.calibrate import (measure_link_rates, measure_remap_rates, measure_sync_copy_bps,
+                               measure_tensor_host_seconds)
+from handoff.config import load_config
+from handoff.loop import Run
 from handoff.memory.regions import RegionPool
+from handoff.modelzoo import init_model
 
 
 def test_remap_rates_on_cpu_are_positive_and_leave_the_region_asleep():
@@ -29,7 +35,7 @@ def test_a_wake_is_measured_with_memory_held_and_just_freed(monkeypatch):
     weights are mapped: each timed wake sees the held block alive and the freed one gone."""
     import weakref
 
-    from handoff.memory import calibrate
+    from handoff import calibrate
 
     made, seen = [], []
     real_touched = calibrate._touched
@@ -100,7 +106,7 @@ def test_sync_copy_rate_on_cuda_is_of_the_order_of_one_large_copy():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_remap_rates_on_cuda_give_the_memory_back():
     """On the device: both rates positive, the region left asleep, its pages back to the driver."""
-    from handoff.memory.regions import aggressive_empty_cache
+    from handoff.memory.allocator import aggressive_empty_cache
 
     aggressive_empty_cache()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -125,3 +131,40 @@ def test_kernel_h2d_and_launches_behind_queued_copies_are_measured():
     idle = measure_tensor_host_seconds(device)
     queued = measure_tensor_host_seconds(device, d2h_in_flight_bytes=8 << 30)
     assert queued > 0.8 * idle
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("tiny-qwen3", tmp_path_factory.mktemp("calib-model"), dtype="float32")
+
+
+def _cfg(model, out_dir, *extra):
+    return load_config("examples/cpu-tiny.yaml", [f"model.path={model}",
+                                                   f"run.out_dir={out_dir}", *extra])
+
+
+def test_a_run_measures_its_start_rates_and_times_its_saves(model_dir, tmp_path):
+    trainer = Run(_cfg(model_dir, tmp_path, "run.steps=2"))
+    rates = trainer.rates.values
+    # Calibrated at the size the KV wake maps: the pool the engine then took.
+    assert rates["remap_bytes"] == trainer.worker.engine.stats()["kv_cache_bytes"]
+    assert rates["map_bps"] > 0 and rates["unmap_bps"] > 0
+    # ... and at the size of the weights the sync wakes (the engine pads its flat buffer;
+    # the RoPE table shares their region).
+    engine = trainer.worker.engine
+    assert rates["weights_remap_bytes"] == pytest.approx(
+        engine.pool.region_bytes("weights") - engine.model.rope_cos_sin.nbytes, rel=0.01)
+    assert rates["weights_map_bps"] > 0
+    saved = trainer.step(0, save=True)
+    assert saved["timing_s/checkpoint"] > 0
+    assert saved["timing_s/checkpoint"] < saved["timing_s/step"]
+    assert trainer.step(1)["timing_s/checkpoint"] == 0.0
+    trainer.report.start(0)
+    trainer.report.log_step(saved)
+    summary = trainer.report.finish()
+    for key in ("map_bps", "unmap_bps", "remap_bytes", "weights_map_bps", "tensor_host_s",
+                "sync_copy_bps", "sync_sample_bytes"):
+        assert summary["rates"][key] > 0
+    assert "unmap" in (tmp_path / "summary.md").read_text()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["timing_s/checkpoint"] == saved["timing_s/checkpoint"]

@@ -84,7 +84,7 @@ def test_in_process_sync_maps_then_overlaps_host_work_and_copies():
     # Mapping is not linear in size: a rate measured at the weights' size replaces map_bps.
     fast = weight_sync_seconds(shape, one, H200, D, BUCKET, weights_map_bps=10 * H200.map_bps)
     assert fast == pytest.approx(in_proc - 0.9 * full / H200.map_bps)
-    # The same card through the brief's CUDA IPC path pays per bucket instead.
+    # The same card through the source's CUDA IPC path pays per bucket instead.
     ipc = weight_sync_seconds(shape, one, H200, D, BUCKET, in_process=False)
     assert ipc == pytest.approx(2 * 2 * full / H200.d2d_bps
                                 + -(-full // BUCKET) * H200.sync_bucket_seconds)

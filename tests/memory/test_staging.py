@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from handoff.errors import HandoffError
-from handoff.memory import PinnedArena
+from handoff.memory.staging import PinnedArena
 
 
 def _model_and_adam():
@@ -29,9 +29,10 @@ def test_params_and_optimizer_state_round_trip_bit_exact(by_kernel):
     arena.stage("train", tensors)
     t = arena.offload("train")
     t.wait()
-    assert t.done() and t.bytes == sum(r.numel() * r.element_size() for r in ref)
+    assert t.bytes == sum(r.numel() * r.element_size() for r in ref)
     assert all(x.untyped_storage().nbytes() == 0 for x in tensors)
-    assert arena.is_offloaded("train")
+    with pytest.raises(HandoffError, match="already offloaded"):
+        arena.offload("train")
     assert all(x.numel() > 0 for x in tensors)  # shapes kept while the storage is gone
     arena.onload("train", by_kernel=by_kernel).wait()
     for x, r in zip(tensors, ref):
@@ -47,18 +48,19 @@ def test_offload_without_free_keeps_device_copy():
     arena.stage("x", [x])
     arena.offload("x", free_device=False).wait()
     assert x.untyped_storage().nbytes() == 4000
-    assert torch.equal(arena.host_views("x")[0].view(torch.float32), x)
+    kept = x.clone()
+    x.zero_()
+    arena.onload("x").wait()        # the host copy is what came back
+    assert torch.equal(x, kept)
 
 
 def test_host_space_reserved_once_and_reused():
     arena = PinnedArena()
     a, b = torch.randn(256), torch.randn(128)
     arena.stage("s", [a])
-    host = arena.host_views("s")[0]
     reserved = arena.bytes_staged()
     arena.stage("s", [b])                   # smaller set: same host buffer
     assert arena.bytes_staged() == reserved
-    assert arena.host_views("s")[0].data_ptr() == host.data_ptr()
     arena.stage("s", [torch.randn(4096)])   # larger: grows
     assert arena.bytes_staged() > reserved
 

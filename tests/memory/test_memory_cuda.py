@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from handoff.errors import HandoffError
-from handoff.memory import MemoryMeter, PinnedArena, RegionPool, aggressive_empty_cache
+from handoff.memory.meter import MemoryMeter
+from handoff.memory.staging import PinnedArena
+from handoff.memory.regions import RegionPool
+from handoff.memory.allocator import aggressive_empty_cache
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -211,7 +214,7 @@ def test_offload_frees_at_wait_and_a_quick_onload_waits_for_the_way_out():
 
 
 def test_expandable_segments_in_environment_is_handled():
-    code = ("import torch; from handoff.memory import RegionPool\n"
+    code = ("import torch; from handoff.memory.regions import RegionPool\n"
             "x = torch.ones(1 << 20, device='cuda')\n"
             "p = RegionPool('cuda')\n"
             "with p.region('w'):\n    w = torch.ones(1 << 24, device='cuda')\n"

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from handoff.errors import HandoffError
-from handoff.memory import PinnedArena, RegionPool
+from handoff.memory.staging import PinnedArena
+from handoff.memory.regions import RegionPool
 from handoff.memory.meter import MemoryMeter, owners
 
 

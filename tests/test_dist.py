@@ -20,7 +20,7 @@ import pytest
 JOB = """
 import sys, threading, time
 import torch, torch.distributed as dist
-from handoff.rollout.parallel import end_distributed_run
+from handoff.dist import end_distributed_run
 
 if len(sys.argv) > 1:   # alone: a 1-process group, as `handoff train` makes without torchrun
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

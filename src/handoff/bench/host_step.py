@@ -1,6 +1,6 @@
 """Host cost of one decode step: scheduler + input building + sampling inputs + postprocess.
 
-    python -m handoff.rollout.hostbench --num-seqs 256 --steps 200
+    python -m handoff.bench.host_step --num-seqs 256 --steps 200
 
 Everything an engine step does on the CPU except the model and the sampler kernels: it bounds
 how fast a GPU decode step can be issued (a CUDA-graph replay takes ~10-50 us, so a host side

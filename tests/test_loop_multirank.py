@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from handoff.config import load_config
 from handoff.errors import HandoffError
-from handoff.loop import Trainer
+from handoff.loop import Run
 from handoff.modelzoo import EOS_ID, init_model
 
 KEYS = ("reward_mean", "reward_std", "response_length", "loss", "grad_norm", "kl", "entropy",
@@ -60,7 +60,7 @@ def metrics(out_dir) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_rank(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("one-rank")
-    Trainer(load_config("examples/cpu-tiny.yaml", overrides(model_dir, out))).run()
+    Run(load_config("examples/cpu-tiny.yaml", overrides(model_dir, out))).run()
     rows = metrics(out)
     assert rows[0]["reward_std"] > 0 and rows[0]["grad_norm"] > 0 and rows[1]["kl"] > 0
     return rows
@@ -113,4 +113,4 @@ def test_two_gpu_train_logs_the_one_gpu_metrics(model_dir, tmp_path, tp):
 def test_parallel_gpus_must_match_the_processes(model_dir, tmp_path):
     cfg = load_config("examples/cpu-tiny.yaml", overrides(model_dir, tmp_path, "parallel.gpus=2"))
     with pytest.raises(HandoffError, match=r"parallel.gpus=2 but 1 process.*nproc-per-node 2"):
-        Trainer(cfg)
+        Run(cfg)

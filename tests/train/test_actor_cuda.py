@@ -7,7 +7,9 @@ from safetensors.torch import load_file
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
 from handoff.plan.shapes import PRESETS, count_params
-from handoff.train import Actor, RolloutBatch, load_checkpoint, save_checkpoint
+from handoff.train.actor import Actor
+from handoff.train.batch import RolloutBatch
+from handoff.train.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
@@ -34,7 +36,7 @@ def test_offload_frees_hbm_and_onload_restores_it_bit_exactly(ckpt):
     actor = Actor(ckpt, actor=ActorConfig(lr=1e-3, micro_batch_size=4), device="cuda")
     assert actor.memory_parts() == {"params": 2 * N, "grads": 2 * N, "optimizer": 12 * N}
     actor.update(batch())
-    tensors = actor._param_tensors() + list(actor.optimizer.tensors().values())
+    tensors = actor.part_tensors("params") + actor.part_tensors("optimizer")
     saved = [t.clone() for t in tensors]
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -73,7 +75,7 @@ def test_full_params_on_cuda_are_the_checkpoint(ckpt):
 
 def test_fsdp_offload_mode_keeps_state_on_host(ckpt):
     actor = Actor(ckpt, actor=ActorConfig(micro_batch_size=4), device="cuda", offload_mode="fsdp")
-    assert all(t.device.type == "cpu" for t in actor._param_tensors())
+    assert all(t.device.type == "cpu" for t in actor.part_tensors("params"))
     assert all(t.device.type == "cpu" for t in actor.optimizer.tensors().values())
     metrics = actor.update(batch())
     assert metrics["num_tokens"] > 0

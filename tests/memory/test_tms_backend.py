@@ -1,6 +1,6 @@
 """The torch_memory_saver backend's bookkeeping, against a stand-in saver (runs on CPU).
 
-The real thing runs in test_mem_cuda.py on the device; here we check what does not need a
+The real thing runs in test_memory_cuda.py on the device; here we check what does not need a
 GPU: per-pool tag prefixes, region bytes read from the tag's MemPool segments (and
 refreshed after a new allocation), and the tracked-outside-region error.
 """

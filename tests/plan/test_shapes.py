@@ -25,7 +25,7 @@ def test_moe_active_params():
     assert abs(load_shape("deepseek-v3").active_params / 1e9 - 37) < 1.0  # "37B activated"
     assert abs(load_shape("qwen3-30b-a3b").active_params / 1e9 - 3.3) < 0.1
     dense = load_shape("qwen3-8b")
-    assert dense.active_params == dense.num_params and not dense.is_moe
+    assert dense.active_params == dense.num_params and dense.num_experts == 0
 
 
 def test_kv_bytes_per_token():

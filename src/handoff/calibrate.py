@@ -1,0 +1,326 @@
+"""Every rate a run's ledger is priced with, measured once on the run's own card.
+
+    rates = calibrate(cfg, actor, pool)   # trainer state where the rollout phase keeps it,
+                                          # the engine not built yet
+    hw = rates.profile(hardware_profile("h200"))
+
+What is measured, and why at this size and in this state:
+* the links: pinned D2H and H2D on the copy engines, H2D by kernel (handoff.memory.host_copy,
+  as to_train copies right after the engine's sleep), a device-to-device copy;
+* map and unmap of a region the size of the KV pool the engine is about to take (mapping is
+  not linear in size), in the state the switch maps it: the weights mapped, the trainer's
+  offloaded state handed back to the driver when to_rollout hands it back, the pool's own
+  pages released seconds before; and the map of a region the weights' size;
+* the weight sync's copies: the real `sync_weights` over the actor's own tensors (a kernel
+  per tensor into the bucket, batched copies out of it), slower per byte than one large copy;
+* the sync's host work per tensor, timed while a D2H of the optimizer's size is queued (the
+  sync runs while the optimizer's offload does).
+The measurements behind these choices are in docs/PERF.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from handoff.config import Config
+from handoff.dist import wait_for_device
+from handoff.memory.allocator import aggressive_empty_cache, host_memory
+from handoff.memory.host_copy import copy_from_host
+from handoff.memory.regions import RegionPool
+from handoff.plan.hardware import HardwareProfile, hardware_profile
+from handoff.plan.kvpool import engine_weight_bytes, kv_bytes_per_token_per_card
+from handoff.plan.ledger import Dtypes, shard_size, trainer_bytes
+from handoff.plan.shapes import load_shape
+from handoff.rollout.kv_sizing import kv_pool_blocks
+from handoff.rollout.weight_copy import copy_in_batches
+from handoff.sync.weights import WeightIter, sync_weights
+
+# rates key -> the hardware profile field it replaces in the ledger
+_PROFILE_FIELDS = {"d2h_bps": "pinned_pcie_bps", "d2d_bps": "d2d_bps", "map_bps": "map_bps",
+                   "unmap_bps": "unmap_bps", "tensor_host_s": "sync_tensor_seconds",
+                   "h2d_kernel_bps": "kernel_h2d_bps", "sync_copy_bps": "sync_copy_bps"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What calibrate measured: {"d2h_bps", "h2d_bps", "d2d_bps", "h2d_kernel_bps" (CUDA),
+    "map_bps", "unmap_bps", "remap_bytes", "weights_map_bps", "weights_remap_bytes",
+    "sync_copy_bps", "sync_sample_bytes", "tensor_host_s", "bytes"}; a rate that could not be
+    measured (nothing fits) is absent and the profile's stands."""
+
+    values: dict
+
+    def get(self, key: str, default=None):
+        return self.values.get(key, default)
+
+    def profile(self, hw: HardwareProfile) -> HardwareProfile:
+        """`hw` with every measured rate in place of the profile's."""
+        return dataclasses.replace(hw, **{field: self.values[key] for key, field
+                                          in _PROFILE_FIELDS.items() if key in self.values})
+
+
+def calibrate(cfg: Config, actor, pool: RegionPool) -> Rates:
+    """Measure every rate (module docstring) on `pool`'s device. Call it with the trainer's
+    state where the rollout phase keeps it and before the engine takes its KV pool; the
+    actor's params are brought to the card for the sync's measurement and sent back."""
+    device = pool.device
+    values = measure_link_rates(device)
+    borrow = cfg.memory.param_offload
+    if borrow:
+        actor.to("device", params=True).wait()
+    values.update(measure_sync_copy_bps(device, actor.full_params,
+                                        bucket_bytes=cfg.sync.bucket_mb << 20))
+    if borrow:
+        actor.to("host", params=True).wait()
+        aggressive_empty_cache()
+    kv_bytes, weight_bytes, freed = _switch_sizes(cfg, pool)
+    on_cuda = device.type == "cuda"
+    # Four pairs: one pair's times vary by a quarter from step to step.
+    values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
+                                      held_during_wake=weight_bytes, freed_before_wake=freed,
+                                      settle_s=2.0 if on_cuda else 0.0))
+    weights = measure_remap_rates(device, weight_bytes, pool=pool, tag="calibrate_weights")
+    values.update(weights_map_bps=weights["map_bps"], weights_remap_bytes=weights["remap_bytes"])
+    in_flight = actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload else 0
+    values["tensor_host_s"] = measure_tensor_host_seconds(device, module=actor.module,
+                                                          d2h_in_flight_bytes=in_flight)
+    return Rates(values)
+
+
+def _switch_sizes(cfg: Config, pool: RegionPool) -> tuple[int, int, list]:
+    """(KV pool, engine weights) bytes the engine is about to take, each at most what is free
+    now less the wake margin and 1 GiB; and [(bytes, seconds before the KV wake)] that
+    to_rollout hands back to the driver: the optimizer once its copy ends (the params' copy
+    still to go), then the params and the sync's two buckets right before the wake. The pool
+    is sized by the engine's own rule, with the planner's activation peak and graph pool for
+    the ones the engine profiles."""
+    shape = load_shape(cfg.model.path)
+    dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
+    ro, tp = cfg.rollout, cfg.parallel.tp
+    hw = hardware_profile(cfg.hardware.name, cfg.hardware)
+    weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
+    block = int(kv_bytes_per_token_per_card(shape, tp, dtypes.kv_bytes)) * ro.block_size
+    on_cuda = pool.device.type == "cuda"
+    free, total = (torch.cuda.mem_get_info(pool.device) if on_cuda
+                   else (host_memory()[1] or 1 << 62, 0))
+    blocks = kv_pool_blocks(ro, block_bytes=block, on_cuda=on_cuda, max_model_len=ro.max_model_len,
+                            hbm_bytes=total, weights_bytes=weights,
+                            overhead_bytes=int(hw.activation_peak_bytes + hw.graph_pool_bytes))
+    room = free - pool.wake_margin_bytes - (1 << 30)
+    weights = int(max(min(weights, room), 1))
+    owners = trainer_bytes(shape, shard_size(cfg.parallel), dtypes, ref=False)
+    params = owners["params"] if cfg.memory.param_offload else 0
+    late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)
+    early = owners["optimizer"] if cfg.memory.optimizer_offload else 0
+    early = min(early, room - weights - late)
+    freed = [(int(late), 0.0)] + ([(int(early), params / hw.pinned_pcie_bps)] if early > 0 else [])
+    return int(max(min(blocks * block, room), block)), weights, freed
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median wall seconds of `fn` over `repeats` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        wait_for_device(device)
+        t0 = time.perf_counter()
+        fn()
+        wait_for_device(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_link_rates(device: torch.device, nbytes: int = 256 << 20, repeats: int = 3) -> dict:
+    """Bytes/s of a pinned D2H, a pinned H2D and a device-to-device copy (read + write); on
+    CUDA also "h2d_kernel_bps", the H2D done by a kernel."""
+    pin = device.type == "cuda"
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    other = torch.empty_like(dev)
+    d2h = _timed(lambda: host.copy_(dev, non_blocking=pin), device, repeats)
+    h2d = _timed(lambda: dev.copy_(host, non_blocking=pin), device, repeats)
+    d2d = _timed(lambda: other.copy_(dev), device, repeats)
+    rates = {"d2h_bps": nbytes / d2h, "h2d_bps": nbytes / h2d, "d2d_bps": 2 * nbytes / d2d,
+             "bytes": nbytes}
+    if pin:
+        rates["h2d_kernel_bps"] = nbytes / _timed(lambda: copy_from_host(dev, host), device,
+                                                  repeats)
+    return rates
+
+
+def _touched(nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """`nbytes` of written memory (None for 0)."""
+    return torch.ones(int(nbytes), dtype=torch.uint8, device=device) if nbytes > 0 else None
+
+
+def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
+                        pool: RegionPool | None = None, tag: str = "calibrate",
+                        held_during_wake: int = 0,
+                        freed_before_wake: Sequence[tuple[int, float]] = (),
+                        settle_s: float = 0.0) -> dict:
+    """Bytes/s of waking (map) and level-2 sleeping (unmap) one region of one `nbytes` tensor:
+    medians over `repeats` pairs after a warm-up, {"map_bps", "unmap_bps", "remap_bytes"}
+    (remap_bytes: what a wake maps, allocator granularity included).
+
+    The wake happens in a switch's state: `held_during_wake` bytes in use elsewhere,
+    `freed_before_wake` = [(bytes, seconds before the wake)] of touched memory handed back
+    at those times, the region's own pages released `settle_s` before; each sleep comes
+    `settle_s` after a wake with the region written, as a step's pool sleeps after the
+    rollout. The region is left asleep: torch_memory_saver keeps its virtual range (address
+    space only) for the life of the process. Pass the run's pool, so its meter sees it.
+    """
+    pool = pool if pool is not None else RegionPool(device)
+    with pool.region(tag):
+        block = torch.empty(int(nbytes), dtype=torch.uint8, device=pool.device)
+    block.fill_(1)  # touch every page: a CPU region is only real once written
+    pool.track(tag, block)
+    remap_bytes = pool.region_bytes(tag)
+    sleeps, wakes = [], []
+    for repeat in range(repeats + 1):
+        if repeat:
+            block.fill_(1)
+            wait_for_device(pool.device)
+            time.sleep(settle_s)
+        wait_for_device(pool.device)
+        t0 = time.perf_counter()
+        pool.sleep([tag], level=2)
+        wait_for_device(pool.device)
+        sleeps.append(time.perf_counter() - t0)
+        time.sleep(settle_s)
+        held = _touched(held_during_wake, pool.device)
+        releases = sorted(freed_before_wake, key=lambda r: -r[1])  # the earliest first
+        blocks = [_touched(n, pool.device) for n, _ in releases]
+        for i, (_, lead) in enumerate(releases):
+            blocks[i] = None
+            aggressive_empty_cache()  # the bytes go back to the driver, as in the switch
+            time.sleep(max(lead - (releases[i + 1][1] if i + 1 < len(releases) else 0.0), 0.0))
+        t1 = time.perf_counter()
+        pool.wake_up([tag])
+        wait_for_device(pool.device)
+        wakes.append(time.perf_counter() - t1)
+        del held
+    pool.sleep([tag], level=2)
+    del block
+    aggressive_empty_cache()
+    tiny = 1e-9  # a CPU resize can be below the clock's resolution
+    return {"map_bps": remap_bytes / max(statistics.median(wakes[1:]), tiny),
+            "unmap_bps": remap_bytes / max(statistics.median(sleeps[1:]), tiny),
+            "remap_bytes": remap_bytes}
+
+
+def _engine_like_loader(plan: dict):
+    """A load_weights doing per tensor what the engine's does: a name lookup (`plan`: name ->
+    (destination, expected shape, bytes)), a shape check, a touched-set entry, and the
+    engine's batched copies."""
+    def load(entries) -> None:
+        touched = set()
+
+        def copies():
+            for name, t in entries:
+                dest, expected, nbytes = plan[name]
+                if tuple(t.shape) != expected:
+                    raise AssertionError(name)
+                touched.add(name)
+                yield dest, t, nbytes
+
+        copy_in_batches(copies())
+    return load
+
+
+def measure_sync_copy_bps(device: torch.device, params: Callable[[], WeightIter], *,
+                          bucket_bytes: int, budget_bytes: int = 8 << 30,
+                          repeats: int = 3) -> dict:
+    """Bytes read + written per second by an in-process weight sync's copies, on the
+    trainer's own tensors: {"sync_copy_bps", "sync_sample_bytes"} ({} when nothing fits).
+
+    Runs the real `sync_weights` over `params()` into scratch destinations. At most
+    `budget_bytes` of tensors take part (every k-th, so the sample keeps the model's mix of
+    sizes; on CUDA no more than fits). The cache is emptied before each sync: its two
+    buckets are allocated inside the timed sync, as in a step's switch.
+    """
+    if device.type == "cuda":   # the sample's destinations and the buckets must fit
+        budget_bytes = min(budget_bytes, torch.cuda.mem_get_info(device)[0]
+                           - 2 * bucket_bytes - (1 << 30))
+    if budget_bytes <= 0:
+        return {}
+    # One walk for the sizes (under FSDP each walk all-gathers every tensor).
+    metas = [(name, tuple(t.shape), t.dtype, t.numel() * t.element_size())
+             for name, t in params()]
+    stride = max(-(-sum(m[3] for m in metas) // budget_bytes), 1)
+    plan = {name: (torch.empty(shape, dtype=dtype, device=device), shape, nbytes)
+            for i, (name, shape, dtype, nbytes) in enumerate(metas) if i % stride == 0}
+    load = _engine_like_loader(plan)
+    sample = sum(nbytes for _, _, nbytes in plan.values())
+    times = []
+    for _ in range(repeats + 1):   # the first is a warm-up
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        wait_for_device(device)
+        t0 = time.perf_counter()
+        sync_weights(((n, t) for n, t in params() if n in plan), load,
+                     bucket_bytes=bucket_bytes, device=device)
+        wait_for_device(device)
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times[1:])
+    del plan, load
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # Into the bucket and out of it, each a read and a write.
+    return {"sync_copy_bps": 4 * sample / max(seconds, 1e-9), "sync_sample_bytes": sample}
+
+
+def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module | None = None,
+                                tensors: int = 256, repeats: int = 3,
+                                d2h_in_flight_bytes: int = 0, chunk_bytes: int = 64 << 20,
+                                per_bucket: int = 25) -> float:
+    """Median wall seconds of one tensor's host-side work in an in-process weight sync.
+
+    Runs the real `sync_weights` with tiny tensors, `per_bucket` to a bucket, named and
+    walked as the actor's full_params walks `module`'s parameters (`tensors` made-up names
+    without a module), into the engine-like loader: the copies cost nothing on the device,
+    what remains is the host's dispatch and launch cost, which the ledger charges per tensor.
+    d2h_in_flight_bytes: time it while a D2H of that many bytes is queued on another stream.
+    """
+    names = ([name for name, _ in module.named_parameters()] if module is not None
+             else [f"w{i}" for i in range(tensors)])
+    tensors = len(names)
+    tiny = [torch.randn(64, device=device) for _ in names]
+    plan = {name: (torch.empty_like(t), (64,), 256) for name, t in zip(names, tiny)}
+
+    def walk():
+        if module is None:
+            yield from ((name, t.detach()) for name, t in zip(names, tiny))
+            return
+        for (name, p), t in zip(module.named_parameters(), tiny):
+            getattr(p, "_local_tensor", p).detach()   # full_params' work per parameter
+            yield name, t
+
+    load = _engine_like_loader(plan)
+
+    def one_sync() -> None:
+        sync_weights(walk(), load, bucket_bytes=per_bucket * 64 * 4, device=device)
+
+    if not d2h_in_flight_bytes or device.type != "cuda":
+        return _timed(one_sync, device, repeats) / tensors
+    chunk = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
+    host = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+    copies = torch.cuda.Stream(device)
+    one_sync()
+    wait_for_device(device)
+    with torch.cuda.stream(copies):
+        for _ in range(-(-d2h_in_flight_bytes // chunk_bytes)):
+            host.copy_(chunk, non_blocking=True)
+    compute = torch.cuda.current_stream(device)
+    times = []
+    for _ in range(repeats):   # all of them while the copies are still queued
+        t0 = time.perf_counter()
+        one_sync()
+        compute.synchronize()
+        times.append(time.perf_counter() - t0)
+    wait_for_device(device)
+    return sorted(times)[len(times) // 2] / tensors

@@ -1,0 +1,146 @@
+"""Processes and devices: which device this process drives, its process group, the mesh,
+reductions over ranks, and the end of a torchrun launch. One place for all of it.
+
+    device = resolve_device("auto")          # cuda -> this process's LOCAL_RANK, or cpu
+    init_process_group(device)               # torchrun's ranks (env://), or a 1-process group
+    mesh = init_mesh(device)                 # the trainer's 1-D FSDP mesh over every rank
+    rank, world = world_rank_size()
+    mean, std, n = mean_over_ranks(values)
+    end_distributed_run()                    # after the outputs are written
+
+A process group that already exists is reused as it is. The engine's tensor-parallel groups
+are subgroups of this one (rollout/parallel.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from handoff.errors import HandoffError
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'cpu' | 'cuda' | 'cuda:1' | 'auto' -> a concrete device (cuda -> this process's LOCAL_RANK),
+    made the current CUDA device."""
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise HandoffError(f"device {str(device)!r} is not a device name: use cpu or cuda") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HandoffError("device 'cuda' was asked for but torch sees no GPU: "
+                               "pass --device cpu (or run.device=cpu)")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise HandoffError(f"device {str(device)!r} is not supported: use cpu or cuda")
+    return device
+
+
+def with_index(device: torch.device | str) -> torch.device:
+    """`device` with its index filled in: 'cuda' is the current CUDA device (no other change)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def wait_for_compute(device: torch.device) -> None:
+    """Block until the current stream's work is done; copies on other streams run on."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block until every stream of the device is idle."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join the torchrun group (env://), or make a 1-process group when launched alone."""
+    if dist.is_initialized():
+        return
+    # With a GPU present the group gets NCCL too, even when a CPU model creates it first: a
+    # CUDA model in the same process (tests, benches) then finds the backend it needs.
+    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_mesh(device: str | torch.device) -> DeviceMesh:
+    """The 1-D mesh over every process of the default group, on `device`'s type."""
+    dev = resolve_device(device)
+    init_process_group(dev)
+    return init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+
+
+def world_rank_size() -> tuple[int, int]:
+    """(rank, world size) of the default group, or of torchrun's environment before it exists."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def check_world_size(gpus: int) -> None:
+    """Refuse a run whose parallel.gpus is not the number of processes started."""
+    world = world_rank_size()[1]
+    if world != gpus:
+        raise HandoffError(f"parallel.gpus={gpus} but {world} process(es) were started: launch "
+                           f"`torchrun --nproc-per-node {gpus} -m handoff train ...`, or set "
+                           f"parallel.gpus={world}")
+
+
+def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce over the default group (nothing to do at world size 1)."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t
+
+
+def mean_over_ranks(values: list[float]) -> tuple[float, float, int]:
+    """(mean, std, count) of per-sample values gathered over every rank."""
+    world = world_rank_size()[1]
+    # NCCL reduces device tensors only; gloo (CPU runs) host ones.
+    nccl = world > 1 and dist.get_backend() == "nccl"
+    device = with_index("cuda") if nccl else torch.device("cpu")
+    t = torch.tensor([sum(values), sum(v * v for v in values), len(values)], dtype=torch.float64,
+                     device=device)
+    if world > 1:
+        t = all_reduce_(t)
+    total, sq, n = t.tolist()
+    mean = total / max(n, 1)
+    return mean, max(sq / max(n, 1) - mean * mean, 0.0) ** 0.5, int(n)
+
+
+def end_distributed_run() -> None:
+    """Every rank, once its outputs are written: tear the groups down; a rank of a multi-process
+    launch then exits at once, with status 0, skipping the interpreter's finalization.
+
+    Why exit at once: gloo's worker threads outlive `destroy_process_group` whenever a group is
+    still referenced (FSDP2's DTensor sharding caches keep the mesh, and so the group, alive),
+    and such a thread may still run Python just after a collective completes, which takes the
+    GIL. Python ends a thread that takes the GIL while the interpreter finalizes with
+    pthread_exit, whose unwinding through gloo's C++ aborts the process ("terminate called
+    without an active exception"; tests/test_dist.py makes that race certain). The barrier
+    first makes sure every rank has finished its collectives.
+    """
+    if not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    if world > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

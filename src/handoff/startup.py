@@ -1,0 +1,51 @@
+"""What a run does before its first step, in the order the card needs it.
+
+    worker, rates = start_worker(cfg)
+
+1. the device, the process group (torchrun's ranks, or a 1-process group), the memory room
+   (pinned arena, region pool, meter);
+2. the actor and the reference, loaded onto the card;
+3. their state sent where the rollout phase keeps it (the run starts in the rollout phase);
+4. every rate the ledger prices with, measured on the card the engine is about to take;
+5. the engine, which sizes its KV pool from what is free now.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from handoff.calibrate import Rates, calibrate
+from handoff.config import Config
+from handoff.dist import check_world_size, init_process_group, resolve_device
+from handoff.memory.allocator import aggressive_empty_cache
+from handoff.memory.meter import MemoryMeter
+from handoff.memory.regions import RegionPool
+from handoff.memory.staging import PinnedArena
+from handoff.rollout.engine import Engine
+from handoff.rollout.parallel import init_tp_group
+from handoff.train.actor import build_actor, build_reference
+from handoff.worker import HybridWorker
+
+
+def start_worker(cfg: Config, *, device: str | torch.device | None = None
+                 ) -> tuple[HybridWorker, Rates]:
+    """This process's worker, in the rollout phase, and the rates measured on its card."""
+    device = resolve_device(device or cfg.run.device)
+    init_process_group(device)
+    check_world_size(cfg.parallel.gpus)
+    arena = PinnedArena(pin=device.type == "cuda")
+    pool = RegionPool(device, wake_margin_bytes=cfg.memory.wake_margin_mb << 20)
+    meter = MemoryMeter(device, pool=pool, arena=arena)
+    pool.meter = meter
+    actor = build_actor(cfg, device=device, arena=arena)
+    ref = build_reference(cfg, device=device, arena=arena)
+    mem = cfg.memory
+    if ref is not None and mem.ref_offload:
+        ref.to("host", params=True).wait()
+    if mem.param_offload or mem.optimizer_offload:
+        actor.to("host", params=mem.param_offload, optimizer=mem.optimizer_offload).wait()
+    aggressive_empty_cache()
+    rates = calibrate(cfg, actor, pool)
+    engine = Engine(cfg.model.path, cfg.rollout, device=device, dtype=cfg.model.dtype, pool=pool,
+                    tp=init_tp_group(cfg.parallel.tp))
+    return HybridWorker(cfg, actor=actor, ref=ref, engine=engine, pool=pool, meter=meter), rates

@@ -1,0 +1,88 @@
+"""RunReport: the ledger priced at the run's measured rates, and TensorBoard events that agree
+with metrics.jsonl after a resume or a fresh start."""
+
+import pytest
+
+from handoff.calibrate import Rates
+from handoff.config import load_config
+from handoff.memory.meter import MemoryMeter
+from handoff.plan.shapes import load_shape
+from handoff.run_report import RunReport, planned_actions
+
+
+def _report(tmp_path):
+    cfg = load_config("examples/cpu-tiny.yaml", ["model.path=tiny-qwen3",
+                                                 f"run.out_dir={tmp_path}", "run.steps=3"])
+    return RunReport(cfg, tmp_path, rates=Rates({}), meter=MemoryMeter("cpu"), kv_pool_bytes=0)
+
+
+def _log(report, first_step, rewards):
+    report.start(first_step)
+    for step, reward in enumerate(rewards, start=first_step + 1):
+        report.log_step({"step": step, "reward_mean": reward, "reward_std": 0.0,
+                         "response_length": 1.0, "timing_s/gen": 0.0, "timing_s/step": 0.0})
+    report._progress.stop()
+    report._tb.close()
+
+
+def test_resumed_steps_replace_the_crashed_runs_events(tmp_path):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+    _log(_report(tmp_path), 0, [0.1, 0.2, 0.3])   # steps 1-3; say step 1's checkpoint survived
+    _log(_report(tmp_path), 1, [0.5, 0.6])        # the resume repeats steps 2 and 3
+    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    points = [(e.step, round(e.value, 3)) for e in events.Scalars("reward_mean")]
+    assert points == [(1, 0.1), (2, 0.5), (3, 0.6)]
+
+
+RATES = {"d2h_bps": 5e9, "h2d_bps": 5e9, "d2d_bps": 20e9, "map_bps": 40e9, "unmap_bps": 80e9,
+         "tensor_host_s": 2e-5, "sync_copy_bps": 1000e9}
+
+
+def _cfg(model, out_dir, *extra):
+    return load_config("examples/cpu-tiny.yaml", [f"model.path={model}",
+                                                   f"run.out_dir={out_dir}", *extra])
+
+
+def test_planned_actions_move_with_the_measured_rates(tmp_path):
+    cfg = _cfg("qwen3-4b", tmp_path)
+    pool = 100e9
+    base = planned_actions(cfg, Rates(RATES), pool)
+    slower_map = planned_actions(cfg, Rates({**RATES, "map_bps": RATES["map_bps"] / 2}), pool)
+    assert slower_map["kv_cache_wake"]["seconds"] == pytest.approx(
+        2 * base["kv_cache_wake"]["seconds"])
+    assert base["kv_cache_wake"]["seconds"] == pytest.approx(pool / RATES["map_bps"])
+    # The sync maps the engine's weights too, so it moves by their bytes / the map rate.
+    weights = base["engine_weights_sync"]["bytes"]
+    assert slower_map["engine_weights_sync"]["seconds"] == pytest.approx(
+        base["engine_weights_sync"]["seconds"] + weights / RATES["map_bps"])
+    assert slower_map["engine_sleep"] == base["engine_sleep"]
+    slower_unmap = planned_actions(cfg, Rates({**RATES, "unmap_bps": RATES["unmap_bps"] / 4}), pool)
+    assert slower_unmap["engine_sleep"]["seconds"] == pytest.approx(
+        4 * base["engine_sleep"]["seconds"])
+    assert base["engine_sleep"]["seconds"] == pytest.approx((weights + pool) / RATES["unmap_bps"])
+    # Host and copies overlap: the copies set the sync's time until the host is slower.
+    tensors = load_shape("qwen3-4b").num_tensors
+    copies = 4 * weights / RATES["sync_copy_bps"]   # one dtype: into the bucket and out
+    assert tensors * RATES["tensor_host_s"] < copies
+    slower_copies = planned_actions(cfg, Rates({**RATES, "sync_copy_bps": 500e9}), pool)
+    assert slower_copies["engine_weights_sync"]["seconds"] == pytest.approx(
+        base["engine_weights_sync"]["seconds"] + copies)
+    slower_host = planned_actions(cfg, Rates({**RATES, "tensor_host_s": 5e-4}), pool)
+    assert tensors * 5e-4 > copies
+    assert slower_host["engine_weights_sync"]["seconds"] == pytest.approx(
+        base["engine_weights_sync"]["seconds"] - copies + tensors * 5e-4)
+    # Measured at the weights' own size, the sync's map uses that rate; the KV wake does not.
+    own = planned_actions(cfg, Rates({**RATES, "weights_map_bps": RATES["map_bps"] * 10}), pool)
+    assert own["engine_weights_sync"]["seconds"] == pytest.approx(
+        base["engine_weights_sync"]["seconds"] - 0.9 * weights / RATES["map_bps"])
+    assert own["kv_cache_wake"] == base["kv_cache_wake"]
+    # A measured kernel H2D rate prices the two copies that follow the engine's sleep.
+    kernel = planned_actions(cfg, Rates({**RATES, "h2d_kernel_bps": RATES["h2d_bps"] / 2}), pool)
+    for name in ("params_h2d", "ref_h2d"):
+        assert kernel[name]["seconds"] == pytest.approx(2 * base[name]["seconds"])
+    assert kernel["optimizer_h2d"] == base["optimizer_h2d"]
+    # The run's sync is in-process: no per-bucket IPC charge, whatever the profile says.
+    ipc_heavy = _cfg("qwen3-4b", tmp_path, "hardware.sync_bucket_ms=1000")
+    assert planned_actions(ipc_heavy, Rates(RATES), pool) == base
