@@ -59,7 +59,8 @@ def plan_cmd(
     response_len: Optional[int] = typer.Option(None, help="mean response tokens L"),
     max_response_len: Optional[int] = typer.Option(None, help="longest response (long tail)"),
     tokens_per_step: Optional[float] = typer.Option(None, help="generated tokens/step, all cards"),
-    step_seconds: Optional[float] = typer.Option(None, help="step time, for the switch's share"),
+    step_seconds: Optional[float] = typer.Option(None, help="measured step time (default: "
+                                                 "generation + switch + training, modelled)"),
     host_ram_gb: Optional[float] = typer.Option(None, help="host RAM per node, GB"),
     hbm_gb: Optional[float] = typer.Option(None, help="HBM per card, GB"),
     pcie_gbps: Optional[float] = typer.Option(None, help="pinned PCIe GB/s per direction"),
@@ -69,6 +70,8 @@ def plan_cmd(
     graph_pool_gb: Optional[float] = typer.Option(None, help="CUDA graph pool, GB"),
     resident_gb: Optional[float] = typer.Option(None, help="contexts, NCCL, allocator residue GB"),
     train_activation_gb: Optional[float] = typer.Option(None, help="trainer activations/card, GB"),
+    train_tflops: Optional[float] = typer.Option(None, help="trainer model TFLOP/s per card "
+                                                 "(handoff bench train-compute)"),
     config: Optional[str] = typer.Option(None, help="YAML config file"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
     markdown: bool = typer.Option(False, help="print Markdown tables"),
