@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from handoff.train import grpo
-from handoff.train.logprobs import next_token_targets, shift_to_tokens, token_head
+from handoff.train.logprobs import HEAD_RANGE, next_token_targets, shift_to_tokens, token_head
 
 
 def token_forward(module: torch.nn.Module, mb, *, chunk_tokens: int, with_entropy: bool,
@@ -33,10 +33,11 @@ def token_forward(module: torch.nn.Module, mb, *, chunk_tokens: int, with_entrop
             ent = ent.detach()
     else:
         logits = module(**kwargs, use_cache=False).logits
-        logp = grpo.token_logprobs(logits, ids)
-        ent = None
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ent = grpo.token_entropy(logits if entropy_grad else logits.detach())
+        with torch.profiler.record_function(HEAD_RANGE):
+            logp = grpo.token_logprobs(logits, ids)
+            ent = None
+            if with_entropy:
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                    ent = grpo.token_entropy(logits if entropy_grad else logits.detach())
         del logits
     return mb.per_token(logp), (mb.per_token(ent) if ent is not None else None)

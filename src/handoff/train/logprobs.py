@@ -35,6 +35,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+HEAD_RANGE = "handoff.logprob_head"   # the profiler range benches attribute head time by
+
 
 def _upcast(dtype: torch.dtype) -> torch.dtype:
     """The reductions' dtype: fp32 for bf16/fp16/fp32 weights (fp64 stays fp64 in tests)."""
@@ -56,6 +58,12 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, target_N, chunk: int, with_entropy: bool):
+        with torch.profiler.record_function(HEAD_RANGE):
+            return ChunkedTokenLogProbs._forward(ctx, hidden_NH, weight_VH, target_N, chunk,
+                                                 with_entropy)
+
+    @staticmethod
+    def _forward(ctx, hidden_NH, weight_VH, target_N, chunk: int, with_entropy: bool):
         n, fp = hidden_NH.shape[0], _upcast(weight_VH.dtype)
         logp_N = torch.empty(n, dtype=fp, device=hidden_NH.device)
         ent_N = torch.empty(n if with_entropy else 0, dtype=fp, device=hidden_NH.device)
@@ -78,6 +86,11 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp_N, grad_ent_N):
+        with torch.profiler.record_function(HEAD_RANGE):
+            return ChunkedTokenLogProbs._backward(ctx, grad_logp_N, grad_ent_N)
+
+    @staticmethod
+    def _backward(ctx, grad_logp_N, grad_ent_N):
         hidden_NH, weight_VH, target_N, logz_N, ent_N = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_ent_N = None
