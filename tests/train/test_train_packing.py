@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from handoff.config import ActorConfig
+from handoff.errors import HandoffError
 from handoff.modelzoo import init_model
 from handoff.train import Actor, RolloutBatch
 from handoff.train.attention import backend_for
@@ -151,3 +152,19 @@ def test_a_packed_token_never_attends_across_sequences(ckpt):
                 for m in (mb, mb2)]
     second = slice(lengths[0], None)
     assert not torch.allclose(leak[0][0, second], leak[1][0, second])
+
+
+def test_auto_micro_batching_resolves_to_numbers_and_explicit_values_stay():
+    from handoff.config import load_config
+    from handoff.train.actor import resolve_actor_config
+
+    cfg = load_config(None, ["model.path=tiny-qwen3", "hardware.name=cpu",
+                             "actor.micro_batch_tokens=auto", "actor.gradient_checkpointing=auto",
+                             "rollout.max_model_len=256"])
+    actor_cfg, choice = resolve_actor_config(cfg, "cpu")
+    assert actor_cfg.micro_batch_tokens == choice.tokens >= 256
+    assert actor_cfg.gradient_checkpointing is False and "recompute off" in choice.reason
+    explicit = load_config(None, ["model.path=tiny-qwen3", "actor.micro_batch_tokens=512"])
+    assert resolve_actor_config(explicit, "cpu") == (explicit.actor, None)
+    with pytest.raises(HandoffError, match="build_actor"):
+        Actor("unused", actor=cfg.actor)

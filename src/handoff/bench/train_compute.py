@@ -19,8 +19,9 @@ no padding), N = handoff.plan.trainer.matmul_params (every parameter of a tied m
 embedding table is the head's GEMM; less the input embedding when untied). MFU = model
 FLOPs / the three parts' seconds / a bf16 (model dtype) matmul's FLOP/s timed in the same
 run (n x n x n). A last, profiled repeat gives the time per category (bench/train_profile.py)
-and the kernel launches. Variants run in order and may run out of memory alone: that one is
-reported as such (with its peak) and the next one runs.
+and the kernel launches. A variant that runs out of memory is reported as such (with the peak
+it reached and the planner's model of what it needed) and the next one runs; put such a
+variant last (an interrupted FSDP backward may leave state behind).
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ def _run_variant(actor, ref, batch, cfg: Config, lengths, *, repeats, offload, p
         out["oom"] = True
         out["error"] = str(e).splitlines()[0]
         out["oom_peak_bytes"] = torch.cuda.max_memory_allocated(actor.device)
-        _restore(actor, ref, offload)
+    if out.get("oom"):
+        _restore(actor, ref, offload)       # out of the except: its frames are released
         return out
     parts = {p: {"seconds": statistics.median(r[p]["seconds"] for r in rounds),
                  "seconds_all": [r[p]["seconds"] for r in rounds],
@@ -337,6 +339,8 @@ def render(result: dict, console) -> None:
             return describe(v["settings"])
         if key in ("micro_batches", "computed_tokens", "attention"):
             return str(v[key])
+        if key == "model_gb":
+            return f"{v['predicted_activation_bytes'] / gb:.2f}"
         if v["oom"]:
             return (f"[red]OOM[/] at {v['oom_peak_bytes'] / gb:.1f} GB" if key == "act_gb"
                     else "")
@@ -348,7 +352,6 @@ def render(result: dict, console) -> None:
                 "tok_s": f"{v['tokens_per_s']:.0f}", "tflops": f"{v['model_tflops']:.3g}",
                 "mfu": f"{v['mfu']:.1%}",
                 "act_gb": f"{v['measured_activation_bytes'] / gb:.2f}",
-                "model_gb": f"{v['predicted_activation_bytes'] / gb:.2f}",
                 "peak_gb": f"{max(x['peak_bytes'] for x in p.values()) / gb:.2f}"}[key]
 
     rows = (("settings", "settings"), ("micro-batches", "micro_batches"),
