@@ -24,8 +24,10 @@ Where the numbers come from:
 * train_flops_per_s (the trainer's model FLOP/s per card): h200 from the 4B colocated step of
   2026-12-03 (2.4e15 model FLOPs in ~10.7 s of trainer compute, padded micro-batches of 16
   rows with recompute); h100-sxm assumed equal (the same GH100 compute); a100-80g scaled by
-  the bf16 matmul peaks (312 / 989); cpu from `handoff bench train-compute` on the 2-core
-  CPU box. Measure yours with that bench and pass --train-tflops.
+  the bf16 matmul peaks (312 / 989); cpu a round figure near the CPU demo's (2026-12-03,
+  2-core box shared with other jobs: ~6 N T of ~1.4K tokens in a ~43 s update, ~26 GFLOP/s,
+  switch moves included). Measure yours with `handoff bench train-compute` and pass
+  --train-tflops.
 """
 
 from __future__ import annotations
