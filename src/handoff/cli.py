@@ -59,7 +59,8 @@ def plan_cmd(
     response_len: Optional[int] = typer.Option(None, help="mean response tokens L"),
     max_response_len: Optional[int] = typer.Option(None, help="longest response (long tail)"),
     tokens_per_step: Optional[float] = typer.Option(None, help="generated tokens/step, all cards"),
-    step_seconds: Optional[float] = typer.Option(None, help="step time, for the switch's share"),
+    step_seconds: Optional[float] = typer.Option(None, help="measured step time (default: "
+                                                 "generation + switch + training, modelled)"),
     host_ram_gb: Optional[float] = typer.Option(None, help="host RAM per node, GB"),
     hbm_gb: Optional[float] = typer.Option(None, help="HBM per card, GB"),
     pcie_gbps: Optional[float] = typer.Option(None, help="pinned PCIe GB/s per direction"),
@@ -69,6 +70,8 @@ def plan_cmd(
     graph_pool_gb: Optional[float] = typer.Option(None, help="CUDA graph pool, GB"),
     resident_gb: Optional[float] = typer.Option(None, help="contexts, NCCL, allocator residue GB"),
     train_activation_gb: Optional[float] = typer.Option(None, help="trainer activations/card, GB"),
+    train_tflops: Optional[float] = typer.Option(None, help="trainer model TFLOP/s per card "
+                                                 "(handoff bench train-compute)"),
     config: Optional[str] = typer.Option(None, help="YAML config file"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
     markdown: bool = typer.Option(False, help="print Markdown tables"),
@@ -258,6 +261,50 @@ def bench_trainer_cmd(
 
     result = run_trainer_bench(model, device=device, dtype=dtype, repeats=repeats, rows=rows,
                                seq_len=seq_len, hardware=hardware, compare_fsdp=compare_fsdp)
+    _show_and_save(result, out, render)
+
+
+@bench_app.command("train-compute")
+@friendly_errors
+def bench_train_compute_cmd(
+    model: str = typer.Option(..., "--model", help="HF checkpoint dir (handoff init-model)"),
+    out: str = typer.Option("bench-train-compute.json", "--out", help="where to write the JSON"),
+    device: str = typer.Option("cuda", help="cuda | cpu (cpu: a smoke run with a tiny model)"),
+    dtype: str = typer.Option("bfloat16", help="param dtype of actor and reference"),
+    rows: int = typer.Option(256, help="sequences in the rollout batch"),
+    prompt_len: int = typer.Option(36, help="prompt tokens per sequence"),
+    response_lens: str = typer.Option("256", help="response tokens: N | N,M,... (cycled) | "
+                                      "uniform:LO:HI | longtail:MEDIAN:MAX"),
+    group: int = typer.Option(8, help="samples per prompt (the GRPO group)"),
+    variant: Optional[list[str]] = typer.Option(
+        None, "--variant", help="padded | packed | NAME:key=value,... (micro_batch_tokens, "
+        "micro_batch_size, logprob_chunk_tokens, gradient_checkpointing); repeat to compare in "
+        "one run (default: padded, packed)"),
+    micro_batch_size: int = typer.Option(16, help="rows per micro-batch of the padded variant"),
+    gradient_checkpointing: bool = typer.Option(
+        True, "--gradient-checkpointing/--no-gradient-checkpointing",
+        help="recompute in the padded variant (as examples/h200-4b.yaml did)"),
+    repeats: int = typer.Option(2, help="timed rounds per variant after a warm-up (median)"),
+    offload: bool = typer.Option(True, "--offload/--no-offload", help="ref params and optimizer "
+                                 "on the card only for their part, as in the colocated step"),
+    profile: bool = typer.Option(True, "--profile/--no-profile", help="one profiled round per "
+                                 "variant: time per category, launches"),
+    matmul_size: Optional[int] = typer.Option(None, help="n of the n^3 matmul peak (default "
+                                              "8192 on CUDA, 256 on CPU)"),
+    hardware: Optional[str] = typer.Option(None, help="profile that sizes 'auto' micro-batches "
+                                           "(default h200 on CUDA, cpu on CPU)"),
+) -> None:
+    """The step's trainer work per part (ref forward, actor forward + backward, optimizer):
+    seconds, tokens/s, model TFLOP/s, MFU against a matmul timed in the same run, peak
+    memory and a profile summary, for several micro-batching variants in one run."""
+    from handoff.bench.train_compute import render, run_train_compute_bench
+
+    result = run_train_compute_bench(
+        model, device=device, dtype=dtype, rows=rows, prompt_len=prompt_len,
+        response_lens=response_lens, group=group, variants=variant,
+        micro_batch_size=micro_batch_size, gradient_checkpointing=gradient_checkpointing,
+        repeats=repeats, offload=offload, profile=profile, matmul_size=matmul_size,
+        hardware=hardware)
     _show_and_save(result, out, render)
 
 

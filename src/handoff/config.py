@@ -23,9 +23,12 @@ from handoff.errors import ConfigError
 
 def F(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None,
       gt: float | None = None, le: float | None = None, lt: float | None = None,
-      choices: tuple | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A config field with its help text and accepted range (checked by `validate`)."""
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+      choices: tuple | None = None, default_factory: Any = dataclasses.MISSING,
+      auto: bool = False) -> Any:
+    """A config field with its help text and accepted range (checked by `validate`);
+    auto=True also accepts the string 'auto' (resolved where the field is used)."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices,
+            "auto": auto}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -62,6 +65,8 @@ class HardwareConfig:
                                      ge=0)
     sync_tensor_us: float | None = F(None, help="host work per tensor of an in-process weight "
                                      "sync, us", ge=0)
+    train_tflops: float | None = F(None, help="model TFLOP/s the trainer reaches per card "
+                                   "(`handoff bench train-compute`), for the step time", gt=0)
 
 
 @dataclass
@@ -105,9 +110,19 @@ class ActorConfig:
     clip_high: float = F(0.2, help="PPO ratio clip above 1 (clip-higher when > clip_low)", ge=0)
     kl_coef: float = F(0.0, help="KL-to-reference coefficient (0: no reference model)", ge=0)
     entropy_coef: float = F(0.0, help="entropy bonus coefficient", ge=0)
-    micro_batch_size: int = F(8, help="sequences per forward/backward", ge=1)
+    micro_batch_size: int = F(8, help="sequences per forward/backward (right-padded rows; "
+                              "used when micro_batch_tokens=0)", ge=1)
+    micro_batch_tokens: int | str = F(0, auto=True, ge=0, help=(
+        "pack whole sequences up to this many tokens per forward/backward, attention kept "
+        "inside each sequence (0: right-padded rows of micro_batch_size; auto: the budget the "
+        "card's memory leaves in the training phase, handoff.plan.trainer)"))
+    logprob_chunk_tokens: int = F(0, ge=0, help=(
+        "score this many tokens at a time in lm_head + log-softmax, recomputed in backward: no "
+        "[tokens x vocab] fp32 logits (0: the full logits)"))
     grad_clip: float = F(1.0, help="max global grad norm (0: no clipping)", ge=0)
-    gradient_checkpointing: bool = F(False, help="recompute activations in backward")
+    gradient_checkpointing: bool | str = F(False, auto=True, help=(
+        "recompute activations in backward (auto: only when a micro-batch of "
+        "handoff.plan.trainer.MIN_TOKENS_WITHOUT_RECOMPUTE tokens would not fit without it)"))
     updates_per_step: int = F(1, help="optimizer steps per rollout batch", ge=1)
 
 
@@ -211,14 +226,16 @@ def _apply(obj: Any, data: dict, prefix: str) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping of keys, got {data!r}")
     hints = _field_types(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
+    fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in data.items():
         full = f"{prefix}{key}"
-        if key not in names:
-            raise ConfigError(f"unknown config key {full!r}: known keys here are {sorted(names)}")
+        if key not in fields:
+            raise ConfigError(f"unknown config key {full!r}: known keys here are {sorted(fields)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _apply(current, value, f"{full}.")
+        elif fields[key].metadata.get("auto") and str(value).lower() == "auto":
+            setattr(obj, key, "auto")
         else:
             setattr(obj, key, _coerce(value, hints[key], full))
 
@@ -259,7 +276,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _check_field(key: str, value: Any, meta: dict) -> None:
-    if value is None:
+    if value is None or (meta.get("auto") and value == "auto"):
         return
     choices = meta.get("choices")
     if choices is not None and value not in choices:

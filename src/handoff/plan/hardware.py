@@ -21,6 +21,13 @@ Where the numbers come from:
   bandwidth scaled from the H100's 60% of peak.
 * a100-80g: PCIe Gen4 and NVLink3 figures, decode bandwidth at 60% of the 2.0 TB/s peak.
 * cpu: the CPU demo, where "HBM" is host memory and every link is a memcpy.
+* train_flops_per_s (the trainer's model FLOP/s per card): h200 from the 4B colocated step of
+  2026-12-03 (2.4e15 model FLOPs in ~10.7 s of trainer compute, padded micro-batches of 16
+  rows with recompute); h100-sxm assumed equal (the same GH100 compute); a100-80g scaled by
+  the bf16 matmul peaks (312 / 989); cpu a round figure near the CPU demo's (2026-12-03,
+  2-core box shared with other jobs: ~6 N T of ~1.4K tokens in a ~43 s update, ~26 GFLOP/s,
+  switch moves included). Measure yours with `handoff bench train-compute` and pass
+  --train-tflops.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from handoff.errors import HandoffError
 
 GB = 1e9
 GIB = 2 ** 30
+CPU_TRAIN_FLOPS = 20e9
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,9 @@ class HardwareProfile:
     # Host-to-device by a kernel (handoff.memory.host_copy), as to_train copies right after
     # the engine's sleep, when the copy engines are busy; 0: at pinned_pcie_bps.
     kernel_h2d_bps: float = 0.0
+    # Model FLOP/s the trainer reaches per card (handoff.plan.trainer: 6N T actor + 2N T ref
+    # over its compute seconds); prices the training part of the step when none is given.
+    train_flops_per_s: float = 225e12
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,28 +82,29 @@ PROFILES: dict[str, HardwareProfile] = {
         map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
-        host_ram_bytes=2048 * GB, gpus_per_node=8),
+        host_ram_bytes=2048 * GB, gpus_per_node=8, train_flops_per_s=225e12),
     "h200": HardwareProfile(
         name="h200", hbm_bytes=139 * GIB, pinned_pcie_bps=55 * GB, nvlink_bps=450 * GB,
         decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, sync_copy_bps=2500 * GB,
         map_bps=1500 * GB, unmap_bps=2000 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=25e-6,
-        host_ram_bytes=2048 * GB, gpus_per_node=8, kernel_h2d_bps=51 * GB),
+        host_ram_bytes=2048 * GB, gpus_per_node=8, kernel_h2d_bps=51 * GB,
+        train_flops_per_s=225e12),
     "a100-80g": HardwareProfile(
         name="a100-80g", hbm_bytes=80 * GB, pinned_pcie_bps=20 * GB, nvlink_bps=300 * GB,
         decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, sync_copy_bps=1000 * GB,
         map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
-        host_ram_bytes=1024 * GB, gpus_per_node=8),
+        host_ram_bytes=1024 * GB, gpus_per_node=8, train_flops_per_s=71e12),
     "cpu": HardwareProfile(
         name="cpu", hbm_bytes=16 * GB, pinned_pcie_bps=5 * GB, nvlink_bps=5 * GB,
         decode_bw_bps=20 * GB, d2d_bps=10 * GB, sync_copy_bps=10 * GB,
         map_bps=50 * GB, unmap_bps=50 * GB,
         activation_peak_bytes=0.25 * GB, graph_pool_bytes=0.0, resident_bytes=0.5 * GB,
         train_activation_bytes=0.5 * GB, sync_bucket_seconds=0.001, sync_tensor_seconds=20e-6,
-        host_ram_bytes=32 * GB, gpus_per_node=1),
+        host_ram_bytes=32 * GB, gpus_per_node=1, train_flops_per_s=CPU_TRAIN_FLOPS),
 }
 
 # config field -> (profile field, factor from the config's unit to SI)
@@ -112,6 +124,7 @@ _OVERRIDES = {
     "sync_bucket_ms": ("sync_bucket_seconds", 1e-3),
     "sync_tensor_us": ("sync_tensor_seconds", 1e-6),
     "host_ram_gb": ("host_ram_bytes", GB),
+    "train_tflops": ("train_flops_per_s", 1e12),
 }
 
 

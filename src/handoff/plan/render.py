@@ -94,6 +94,13 @@ def summary_lines(report: dict) -> list[str]:
                  f"{lay['cards_per_node']} cards = {_gb(report['pinned_host_bytes_per_node'])} GB "
                  f"per node of {_gb(report['host_ram_bytes'])} GB "
                  f"({'fits' if fits else 'does not fit'} in half of it)")
+    st = report["step"]
+    if st["modelled_seconds"] is not None:
+        given = f"; given {_secs(st['seconds'])} s" if st["source"] == "given" else ""
+        lines.append(f"step: generation {_secs(st['generation_seconds'])} s + switch "
+                     f"{_secs(st['switch_seconds'])} s + training {_secs(st['train_seconds'])} s "
+                     f"({st['train_flops_per_s'] / 1e12:.0f} TFLOP/s per card) = "
+                     f"{_secs(st['modelled_seconds'])} s modelled{given}")
     v = report["verdict"]
     util = f"{v['max_utilization']:.2f}" if v["max_utilization"] is not None else "-"
     lines.append(f"verdict: {'fits' if v['fits'] else 'DOES NOT FIT'}; mode "

@@ -6,7 +6,8 @@
 
 The report's keys are the `--json` contract (bytes in bytes, times in seconds):
 model, hardware, layout, workload, memory {train, generate}, switch {actions,
-total_bytes_per_card, total_seconds, share_of_step}, kv [rows], kv_gain,
+total_bytes_per_card, total_seconds, share_of_step}, step {seconds, source, modelled_seconds,
+generation_seconds, switch_seconds, train_seconds, ...}, kv [rows], kv_gain,
 pinned_host_bytes_per_node, verdict {fits, mode, max_utilization, reasons}.
 """
 
@@ -22,6 +23,7 @@ from handoff.plan.kvpool import (Workload, check_kv_pool, engine_weight_bytes, g
 from handoff.plan.ledger import (Dtypes, memory_by_owner, offloaded_bytes_per_card, shard_size,
                                  switch_actions, switch_summary, weight_sync_seconds)
 from handoff.plan.shapes import ModelShape, load_shape
+from handoff.plan.trainer import model_flops, train_seconds
 from handoff.plan.verdict import (HOST_FRACTION, TRAIN_PEAK_FRACTION, decide, max_safe_utilization,
                                   training_peak_bytes)
 
@@ -41,6 +43,24 @@ def auto_tp(shape: ModelShape, hw: HardwareProfile, gpus: int, dtypes: Dtypes) -
     while tp * 2 <= min(gpus, hw.gpus_per_node) and gpus % (tp * 2) == 0:
         tp *= 2
     return tp
+
+
+def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
+              switch_seconds: float, generation_seconds: float | None, *,
+              given: float | None, ref: bool, old_logprobs: bool) -> dict:
+    """The step's seconds: the given one, else generation + switch + the trainer's compute
+    (plan.trainer: model FLOPs of the card's prompt + response tokens / train_flops_per_s)."""
+    responses = workload.tokens_per_card / workload.response_len
+    tokens = workload.tokens_per_card + responses * workload.prompt_len
+    train_s = train_seconds(shape, tokens, hw, ref=ref, old_logprobs=old_logprobs)
+    modelled = (generation_seconds + switch_seconds + train_s
+                if generation_seconds is not None else None)
+    return {"seconds": given or modelled, "source": "given" if given else "modelled",
+            "modelled_seconds": modelled, "generation_seconds": generation_seconds,
+            "switch_seconds": switch_seconds, "train_seconds": train_s,
+            "train_tokens_per_card": tokens,
+            "train_flops_per_card": model_flops(shape, tokens, ref=ref, old_logprobs=old_logprobs),
+            "train_flops_per_s": hw.train_flops_per_s}
 
 
 def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
@@ -67,7 +87,8 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
     if not wl_cfg.max_response_len:
         assumed.append("no long tail (pass --max-response-len)")
     if not wl_cfg.step_seconds:
-        assumed.append("step time unknown: no share of step (pass --step-seconds)")
+        assumed.append(f"training at {hw.train_flops_per_s / 1e12:.0f} model TFLOP/s per card, "
+                       "step time modelled (pass --train-tflops or --step-seconds)")
     workload = Workload(prompt_len=wl_cfg.prompt_len, response_len=wl_cfg.response_len,
                         tokens_per_card=tokens_per_card, max_response_len=wl_cfg.max_response_len,
                         max_num_seqs=cfg.rollout.max_num_seqs)
@@ -78,7 +99,6 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
     bucket = cfg.sync.bucket_mb * 2 ** 20
     actions = switch_actions(shape, parallel, memory, hw, kv_pool_bytes=pool, dtypes=dtypes,
                              ref=ref, grad_offload=grad_offload, bucket_bytes=bucket)
-    switch = switch_summary(actions, wl_cfg.step_seconds)
     cards_per_node = min(parallel.gpus, hw.gpus_per_node)
     pinned_per_card = offloaded_bytes_per_card(actions)
     pinned_per_node = cards_per_node * pinned_per_card
@@ -89,10 +109,14 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
                     best=best if best > 0 else None, weight_bytes=dtypes.engine_bytes,
                     kv_bytes=dtypes.kv_bytes)
     req_row = next(r for r in rows if r.requested)
+    step = step_time(shape, hw, workload, switch_summary(actions)["total_seconds"],
+                     req_row.generation_seconds, given=wl_cfg.step_seconds, ref=ref,
+                     old_logprobs=cfg.actor.updates_per_step > 1)
+    switch = switch_summary(actions, step["seconds"])
     verdict = decide(shape, parallel, memory, hw, workload=workload, dtypes=dtypes, ref=ref,
                      utilization=util, pinned_per_node=pinned_per_node, sync_seconds=sync_seconds,
                      generation_seconds=req_row.generation_seconds,
-                     tail_seconds=req_row.tail_seconds, step_seconds=wl_cfg.step_seconds)
+                     tail_seconds=req_row.tail_seconds, step_seconds=step["seconds"])
     memory_owners = memory_by_owner(shape, parallel, memory, hw, kv_pool_bytes=pool,
                                     dtypes=dtypes, ref=ref)
     return {
@@ -114,6 +138,7 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
                    "train_peak_bytes": training_peak_bytes(shape, shard_size(parallel), dtypes, hw),
                    "train_peak_limit_bytes": TRAIN_PEAK_FRACTION * hw.hbm_bytes},
         "switch": {**switch, "weight_sync_seconds": sync_seconds},
+        "step": step,
         "kv": [r.to_dict() for r in rows],
         "kv_gain": generation_gain(rows),
         "pinned_host_bytes_per_card": pinned_per_card,
@@ -138,6 +163,7 @@ PLAN_FLAGS = {
     "decode_tbps": "hardware.decode_bw_tbps", "activation_gb": "hardware.activation_peak_gb",
     "graph_pool_gb": "hardware.graph_pool_gb", "resident_gb": "hardware.resident_gb",
     "train_activation_gb": "hardware.train_activation_gb",
+    "train_tflops": "hardware.train_tflops",
 }
 
 

@@ -21,6 +21,7 @@ over ranks divides the world back out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -28,23 +29,32 @@ import torch
 from handoff.config import ActorConfig, Config
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena
+from handoff.plan.trainer import MicroBatchChoice
 from handoff.train import grpo
 from handoff.train.batch import RolloutBatch
 from handoff.dist import all_reduce_
+from handoff.train.forward import token_forward
 from handoff.train.model import ShardedModel
 from handoff.train.optim import MixedPrecisionAdamW, local_shard
 
 
 class Actor(ShardedModel):
     trainable = True
+    micro_batch_choice: MicroBatchChoice | None = None   # set by build_actor for 'auto'
 
     def __init__(self, path: str, *, actor: ActorConfig, device: str | torch.device = "cpu",
                  dtype: str = "bfloat16", offload_mode: str = "arena",
                  arena: PinnedArena | None = None, role: str = "actor"):
         self.cfg = actor
+        if not isinstance(actor.micro_batch_tokens, int) or not isinstance(
+                actor.gradient_checkpointing, bool):
+            raise HandoffError("actor.micro_batch_tokens / gradient_checkpointing are 'auto': "
+                               "build the actor with build_actor(cfg, ...), which resolves them")
         super().__init__(path, role=role, device=device, dtype=dtype,
                          micro_batch_size=actor.micro_batch_size, offload_mode=offload_mode,
-                         arena=arena, gradient_checkpointing=actor.gradient_checkpointing)
+                         arena=arena, gradient_checkpointing=actor.gradient_checkpointing,
+                         micro_batch_tokens=actor.micro_batch_tokens,
+                         logprob_chunk_tokens=actor.logprob_chunk_tokens)
         self.optimizer = MixedPrecisionAdamW(self.module.named_parameters(), lr=actor.lr,
                                              weight_decay=actor.weight_decay)
         self._parts["grads"] = self._grad_tensors
@@ -99,30 +109,20 @@ class Actor(ShardedModel):
         tokens = all_reduce_(batch.response_mask.sum().to(self.device, torch.float32))
         scale = self.world_size / max(float(tokens.item()), 1.0)
         sums = torch.zeros(len(grpo.LossSums.NAMES), device=self.device)
-        for start, stop, real in self._micro_ranges(len(batch), self.micro_batch_size):
-            mb = batch.rows(start, stop)
-            logits_BTV, ids_BT = self._logits(mb)
-            width = ids_BT.shape[1]
-
-            def on_device(t: torch.Tensor) -> torch.Tensor:
-                return t[:, :width].to(self.device, non_blocking=True)
-
-            logp_BT = grpo.token_logprobs(logits_BTV, ids_BT)
-            with torch.set_grad_enabled(cfg.entropy_coef > 0):
-                ent_BT = grpo.token_entropy(logits_BTV if cfg.entropy_coef > 0
-                                            else logits_BTV.detach())
+        for mb, real in self._micro_batches(batch):
+            logp, ent = token_forward(self.module, mb, chunk_tokens=self.logprob_chunk_tokens,
+                                      with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
+            old = mb.gather(batch.old_logprobs)
             s = grpo.grpo_loss_sums(
-                logp_BT,
-                on_device(mb.old_logprobs) if mb.old_logprobs is not None else logp_BT.detach(),
-                mb.advantages.to(self.device), on_device(mb.response_mask),
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                ref_logp_BT=on_device(mb.ref_logprobs) if cfg.kl_coef > 0 else None,
-                kl_coef=cfg.kl_coef, entropy_BT=ent_BT, entropy_coef=cfg.entropy_coef)
+                logp, old if old is not None else logp.detach(), mb.advantages(batch.advantages),
+                mb.gather(batch.response_mask), clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                ref_logp_BT=mb.gather(batch.ref_logprobs) if cfg.kl_coef > 0 else None,
+                kl_coef=cfg.kl_coef, entropy_BT=ent, entropy_coef=cfg.entropy_coef)
             # A dummy micro-batch only keeps FSDP's collectives paired across ranks.
             (s.loss * (scale if real else 0.0)).backward()
             if real:
                 sums += s.stacked()
-            del logits_BTV, logp_BT, ent_BT, s
+            del logp, ent, s
         return all_reduce_(sums)
 
     def step(self) -> float:
@@ -146,18 +146,60 @@ class Actor(ShardedModel):
         return math.sqrt(float(all_reduce_(sq).item()))
 
 
+def resolve_actor_config(cfg: Config, device: str | torch.device
+                         ) -> tuple[ActorConfig, MicroBatchChoice | None]:
+    """cfg.actor with 'auto' micro_batch_tokens / gradient_checkpointing decided from the
+    memory the card has in the training phase (handoff.plan.trainer.pick_micro_batch: the
+    hardware profile's HBM, or the device's if smaller, less the trainer state and the
+    resident bytes); the choice is returned with its reason (None when nothing was auto)."""
+    a = cfg.actor
+    if a.micro_batch_tokens != "auto" and a.gradient_checkpointing != "auto":
+        return a, None
+    from handoff.plan.hardware import hardware_profile
+    from handoff.plan.ledger import Dtypes, shard_size
+    from handoff.plan.shapes import load_shape
+    from handoff.plan.trainer import pick_micro_batch
+
+    hw = hardware_profile(cfg.hardware.name, cfg.hardware)
+    dev = torch.device(device) if str(device) != "auto" else None
+    if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(dev).total_memory
+        hw = dataclasses.replace(hw, hbm_bytes=min(hw.hbm_bytes, total))
+    # Padded rows: the micro-batch is micro_batch_size rows of up to max_model_len tokens.
+    tokens = a.micro_batch_tokens if a.micro_batch_tokens != 0 else (
+        a.micro_batch_size * cfg.rollout.max_model_len)
+    choice = pick_micro_batch(load_shape(cfg.model.path), hw,
+                              dtypes=Dtypes.for_model(cfg.model.dtype),
+                              shard=shard_size(cfg.parallel),
+                              checkpointing=a.gradient_checkpointing,
+                              logprob_chunk_tokens=a.logprob_chunk_tokens,
+                              longest_sequence=cfg.rollout.max_model_len, tokens=tokens)
+    resolved = dataclasses.replace(
+        a, gradient_checkpointing=choice.checkpointing,
+        micro_batch_tokens=choice.tokens if a.micro_batch_tokens == "auto" else a.micro_batch_tokens)
+    return resolved, choice
+
+
 def build_actor(cfg: Config, *, device: str | torch.device,
                 arena: PinnedArena | None = None) -> Actor:
-    """The actor from a run config: model.path / model.dtype, actor.*, memory.offload_mode."""
-    return Actor(cfg.model.path, actor=cfg.actor, device=device, dtype=cfg.model.dtype,
-                 offload_mode=cfg.memory.offload_mode, arena=arena)
+    """The actor from a run config: model.path / model.dtype, actor.* ('auto' resolved by
+    resolve_actor_config, the choice kept as actor.micro_batch_choice), memory.offload_mode."""
+    actor_cfg, choice = resolve_actor_config(cfg, device)
+    actor = Actor(cfg.model.path, actor=actor_cfg, device=device, dtype=cfg.model.dtype,
+                  offload_mode=cfg.memory.offload_mode, arena=arena)
+    actor.micro_batch_choice = choice
+    return actor
 
 
 def build_reference(cfg: Config, *, device: str | torch.device,
                     arena: PinnedArena | None = None) -> ShardedModel | None:
-    """The frozen reference model, or None when actor.kl_coef == 0 (no KL term at all)."""
+    """The frozen reference model, or None when actor.kl_coef == 0 (no KL term at all); its
+    forwards use the actor's micro-batches and log-prob head."""
     if cfg.actor.kl_coef == 0:
         return None
+    actor_cfg, _ = resolve_actor_config(cfg, device)
     return ShardedModel(cfg.model.path, role="ref", device=device, dtype=cfg.model.dtype,
-                        micro_batch_size=cfg.actor.micro_batch_size,
+                        micro_batch_size=actor_cfg.micro_batch_size,
+                        micro_batch_tokens=actor_cfg.micro_batch_tokens,
+                        logprob_chunk_tokens=actor_cfg.logprob_chunk_tokens,
                         offload_mode=cfg.memory.offload_mode, arena=arena)

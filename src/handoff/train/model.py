@@ -20,12 +20,16 @@ back; on a CPU run "cpu" means host and "device" means back. With memory.offload
 FSDP2's CPUOffloadPolicy keeps params (and grads, optimizer) on the host for good and copies
 each layer in per forward, so `to()` moves nothing.
 
+Micro-batches are right-padded rows of micro_batch_size, or whole sequences packed up to
+micro_batch_tokens (train/packing.py, attention per sequence in train/attention.py); the
+head scores tokens in chunks of logprob_chunk_tokens without [tokens x vocab] fp32 logits
+when that is > 0 (train/logprobs.py).
+
 Shape legend: B sequences, T tokens, V vocabulary.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Iterator
 
 import torch
@@ -34,10 +38,13 @@ from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena, Transfer
-from handoff.train import grpo
+from handoff.train import attention
 from handoff.train.batch import RolloutBatch
 from handoff.dist import all_reduce_, init_mesh, resolve_device
+from handoff.train.forward import token_forward
+from handoff.train.logprobs import install_token_head
 from handoff.train.optim import local_shard
+from handoff.train.packing import build_micro_batch, micro_batch_rows
 
 _HOST_NAMES = ("host", "cpu")
 
@@ -66,18 +73,33 @@ def load_hf_model(path: str, dtype: torch.dtype, gradient_checkpointing: bool) -
     if not (Path(path) / "config.json").is_file():
         raise HandoffError(f"{path!r} is not an HF checkpoint directory (no config.json): pass a "
                            "directory written by save_pretrained or `handoff init-model`")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    # SDPA for padded rows, varlen for packed ones: one registered name (train/attention.py).
+    attention.register()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                 attn_implementation=attention.ATTN_IMPLEMENTATION)
     model.config.use_cache = False
     if not hasattr(getattr(model, "model", None), "layers"):
         raise HandoffError(f"{type(model).__name__} has no model.layers: the trainer supports "
                            "decoder-only Llama / Qwen2 / Qwen3 style checkpoints")
-    if gradient_checkpointing:
+    install_token_head(model)
+    set_activation_checkpointing(model, gradient_checkpointing)
+    return model
+
+
+def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """Recompute each decoder layer's activations in backward (or stop doing so); works on a
+    model FSDP2 has already wrapped (the layers keep their transformers flag)."""
+    if on:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.2x
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    return model
+    elif any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        if hasattr(model, "activation_checkpointing_disable"):
+            model.activation_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_disable()
 
 
 class ShardedModel:
@@ -87,7 +109,8 @@ class ShardedModel:
 
     def __init__(self, path: str, *, role: str = "ref", device: str | torch.device = "cpu",
                  dtype: str = "bfloat16", micro_batch_size: int = 8, offload_mode: str = "arena",
-                 arena: PinnedArena | None = None, gradient_checkpointing: bool = False):
+                 arena: PinnedArena | None = None, gradient_checkpointing: bool = False,
+                 micro_batch_tokens: int = 0, logprob_chunk_tokens: int = 0):
         if offload_mode not in ("arena", "fsdp"):
             raise HandoffError(f"offload_mode={offload_mode!r}: choose arena or fsdp")
         self.role = role
@@ -96,6 +119,10 @@ class ShardedModel:
         self.world_size = self.mesh.size()
         self.dtype = getattr(torch, dtype)
         self.micro_batch_size = micro_batch_size
+        # > 0: whole sequences packed up to this many tokens per micro-batch (train/packing.py)
+        self.micro_batch_tokens = micro_batch_tokens
+        # > 0: the head scores this many tokens at a time, no full logits (train/logprobs.py)
+        self.logprob_chunk_tokens = logprob_chunk_tokens
         self.offload_mode = offload_mode
         self.arena = arena if arena is not None else PinnedArena(pin=self.device.type == "cuda")
         model = load_hf_model(path, self.dtype, gradient_checkpointing and self.trainable)
@@ -202,22 +229,20 @@ class ShardedModel:
 
     # ---- forward --------------------------------------------------------------------------
 
-    def _logits(self, mb: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of a micro-batch trimmed to its longest row; right padding is never attended
-        to by a real token under the causal mask, so no attention mask is passed."""
-        t = max(int(mb.attention_mask.sum(1).max()), 1)
-        ids_BT = mb.input_ids[:, :t].to(self.device, non_blocking=True)
-        return self.module(input_ids=ids_BT, use_cache=False).logits, ids_BT
-
-    def _micro_ranges(self, rows: int, size: int) -> list[tuple[int, int, bool]]:
-        """(start, stop, real) micro-batches; every rank runs the same count (FSDP collectives
-        must pair up), so a rank with fewer rows repeats its first one as a discarded dummy."""
-        if rows == 0:
+    def _micro_batches(self, batch: RolloutBatch):
+        """(micro-batch, real) pairs; every rank runs the same count (FSDP collectives must
+        pair up), so a rank with fewer repeats its first one as a discarded dummy."""
+        if len(batch) == 0:
             raise HandoffError(f"{self.role} got an empty batch: every rank needs at least one row")
-        count = math.ceil(rows / size)
+        lengths = [int(n) for n in batch.attention_mask.sum(1).tolist()]
+        groups = micro_batch_rows(lengths, micro_batch_tokens=self.micro_batch_tokens,
+                                  micro_batch_size=self.micro_batch_size)
+        count = len(groups)
         count_all = int(all_reduce_(torch.tensor([count], device=self.device), "max").item())
-        return [(i * size, min(rows, (i + 1) * size), True) if i < count else
-                (0, min(rows, size), False) for i in range(count_all)]
+        for i in range(count_all):
+            rows = groups[i] if i < count else groups[0]
+            yield build_micro_batch(batch, rows, lengths, self.device,
+                                    packed=self.micro_batch_tokens > 0), i < count
 
     @torch.no_grad()
     def log_probs(self, batch: RolloutBatch, *, with_entropy: bool = True
@@ -228,15 +253,14 @@ class ShardedModel:
         b, t = batch.input_ids.shape
         logp_BT = torch.zeros(b, t, dtype=torch.float32, device=self.device)
         ent_BT = torch.zeros_like(logp_BT) if with_entropy else None
-        for start, stop, real in self._micro_ranges(b, self.micro_batch_size):
-            logits_BTV, ids_BT = self._logits(batch.rows(start, stop))
-            if not real:
-                continue
-            width = ids_BT.shape[1]
-            logp_BT[start:stop, :width] = grpo.token_logprobs(logits_BTV, ids_BT)
-            if with_entropy:
-                ent_BT[start:stop, :width] = grpo.token_entropy(logits_BTV)
-            del logits_BTV
+        for mb, real in self._micro_batches(batch):
+            logp, ent = token_forward(self.module, mb, chunk_tokens=self.logprob_chunk_tokens,
+                                      with_entropy=with_entropy)
+            if real:
+                mb.scatter(logp_BT, logp)
+                if with_entropy:
+                    mb.scatter(ent_BT, ent)
+            del logp, ent
         out = batch.input_ids.device
         return logp_BT.to(out), (ent_BT.to(out) if with_entropy else None)
 
