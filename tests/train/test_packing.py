@@ -11,7 +11,8 @@ import torch
 from handoff.config import ActorConfig
 from handoff.errors import HandoffError
 from handoff.modelzoo import init_model
-from handoff.train import Actor, RolloutBatch
+from handoff.train.actor import Actor
+from handoff.train.batch import RolloutBatch
 from handoff.train.attention import backend_for
 from handoff.train.grpo import group_advantages
 from handoff.train.logprobs import chunked_token_logprobs

@@ -9,7 +9,8 @@ import torch
 
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
-from handoff.train import Actor, RolloutBatch
+from handoff.train.actor import Actor
+from handoff.train.batch import RolloutBatch
 from handoff.train import attention
 from handoff.train.grpo import group_advantages
 from handoff.train.logprobs import chunked_token_logprobs
