@@ -68,3 +68,28 @@ def test_steps_run_with_the_setup_heap_frozen(model_dir, tmp_path, monkeypatch):
     assert seen and engine_id not in seen[0]   # frozen objects are outside the collector's view
     assert gc.get_freeze_count() == 0
     assert engine_id in {id(o) for o in gc.get_objects()}
+
+
+def test_benchmark_lengths_and_rates_from_an_earlier_run(model_dir, tmp_path, monkeypatch):
+    """rollout.response_lengths gives each sample its own length (EOS ignored) and the row
+    reports the engine's step; run.rates_file prices the ledger with an earlier run's rates
+    and skips the start-up measurements."""
+    import handoff.startup as startup
+
+    first = Run(_cfg(model_dir, tmp_path / "a", "run.steps=1", "run.checkpoint=false",
+                     "rollout.max_tokens=8", "rollout.response_lengths=uniform:min=1,max=6"))
+    summary = first.run()
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert 1 <= rows[0]["response_length"] <= 6
+    assert rows[0]["engine/kv_blocks"] > 0 and rows[0]["engine/peak_running"] > 0
+    assert rows[0]["engine/decode_steps"] == 5   # the longest sample: 6 tokens, one by prefill
+    assert rows[0]["prompt_length"] > 0
+    monkeypatch.setattr(startup, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
+    second = Run(_cfg(model_dir, tmp_path / "b", "run.steps=1", "run.checkpoint=false",
+                      f"run.rates_file={tmp_path / 'a' / 'summary.json'}"))
+    assert second.rates.values == summary["rates"]
+    from handoff.errors import HandoffError
+
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(HandoffError, match="no measured rates"):
+        Run(_cfg(model_dir, tmp_path / "c", f"run.rates_file={tmp_path / 'bad.json'}"))

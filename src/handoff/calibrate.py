@@ -21,14 +21,17 @@ The measurements behind these choices are in docs/PERF.md.
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from handoff.config import Config
 from handoff.dist import wait_for_device
+from handoff.errors import HandoffError
 from handoff.memory.allocator import aggressive_empty_cache, host_memory
 from handoff.memory.host_copy import copy_from_host
 from handoff.memory.regions import RegionPool
@@ -57,6 +60,21 @@ class Rates:
 
     def get(self, key: str, default=None):
         return self.values.get(key, default)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Rates":
+        """The rates of an earlier run: its summary.json (or a JSON of the rates alone)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise HandoffError(f"run.rates_file={str(path)!r} cannot be read as JSON ({e}): "
+                               "pass the summary.json of a finished run on this card") from None
+        values = data.get("rates", data) if isinstance(data, dict) else None
+        if not isinstance(values, dict) or "d2h_bps" not in values:
+            raise HandoffError(f"run.rates_file={str(path)!r} holds no measured rates: pass the "
+                               "summary.json of a finished `handoff train` run")
+        return cls(values)
 
     def profile(self, hw: HardwareProfile) -> HardwareProfile:
         """`hw` with every measured rate in place of the profile's."""

@@ -304,8 +304,22 @@ def bench_train_compute_cmd(
         response_lens=response_lens, group=group, variants=variant,
         micro_batch_size=micro_batch_size, gradient_checkpointing=gradient_checkpointing,
         repeats=repeats, offload=offload, profile=profile, matmul_size=matmul_size,
-        hardware=hardware)
+        hardware=hardware, on_variant=functools.partial(_variant_done, out))
     _show_and_save(result, out, render)
+
+
+def _variant_done(out: str, result: dict, variant: dict) -> None:
+    """One line per finished variant, and the JSON so far at `out` (a run cut short keeps it)."""
+    import json
+
+    if variant["oom"]:
+        line = f"{variant['name']}: out of memory ({variant['error']})"
+    else:
+        line = (f"{variant['name']}: {variant['compute_seconds']:.2f} s, "
+                f"{variant['model_tflops']:.0f} TFLOP/s, MFU {variant['mfu']:.1%}")
+    console.print(line, highlight=False)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 @app.command("train", context_settings={"allow_extra_args": False})

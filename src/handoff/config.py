@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from handoff.errors import ConfigError
+from handoff.lengths import ResponseLengths
 
 
 def F(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None,
@@ -100,6 +101,10 @@ class RolloutConfig:
     top_k: int = F(0, help="keep the k most likely tokens (0: all)", ge=0)
     n: int = F(4, help="samples per prompt (the GRPO group size)", ge=1)
     max_tokens: int = F(64, help="most new tokens per sample", ge=1)
+    response_lengths: str | None = F(None, help="benchmarks: each sample's length drawn from "
+                                     "fixed:N, uniform:min=A,max=B or lognormal:median=M,"
+                                     "sigma=S,max=X (EOS ignored, capped at max_tokens); "
+                                     "None: the model's own lengths")
 
 
 @dataclass
@@ -163,6 +168,9 @@ class RunConfig:
     save_every: int = F(0, help="checkpoint every N steps (0: only at the end)", ge=0)
     checkpoint: bool = F(True, help="write checkpoints (false: a benchmark run that keeps none)")
     resume: bool = F(False, help="resume from the last complete checkpoint in out_dir")
+    rates_file: str | None = F(None, help="price the ledger with the rates an earlier run on "
+                               "this card measured (its summary.json) instead of measuring them "
+                               "at start (handoff bench sweep's points)")
 
 
 @dataclass
@@ -309,6 +317,11 @@ def validate(cfg: Any, prefix: str = "") -> None:
 
 
 def _check_cross_fields(cfg: Config) -> None:
+    if cfg.rollout.response_lengths is not None:
+        try:
+            ResponseLengths.parse(cfg.rollout.response_lengths)
+        except ValueError as e:
+            raise ConfigError(f"rollout.response_lengths: {e}") from None
     p = cfg.parallel
     if p.shard_size is not None and p.gpus % p.shard_size != 0:
         raise ConfigError(f"parallel.shard_size={p.shard_size} does not divide parallel.gpus={p.gpus}: "

@@ -29,6 +29,7 @@ import torch
 from handoff.config import Config, to_dict
 from handoff.dist import mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
+from handoff.lengths import ResponseLengths
 from handoff.memory.allocator import frozen_gc_heap
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_report import RunReport, console
@@ -40,8 +41,23 @@ from handoff.train.checkpoint import (latest_checkpoint, load_checkpoint, publis
 from handoff.worker import SwitchRecord
 
 
+# Engine counters a step row reports as this step's share (stats() gives them since start).
+_ENGINE_COUNTERS = ("preemptions", "decode_steps", "decode_seconds")
+
+
 def _prompt_seed(seed: int, step: int, index: int) -> int:
     return (seed * 1_000_003 + step) * 1_000_033 + index
+
+
+def sampling_params(rollout, seed: int) -> SamplingParams:
+    """One prompt's SamplingParams; with rollout.response_lengths each sample gets its own
+    length from the distribution (a function of the prompt's seed), EOS ignored."""
+    if rollout.response_lengths is None:
+        return SamplingParams.from_config(rollout, seed=seed)
+    lengths = ResponseLengths.parse(rollout.response_lengths).draw(seed=seed, count=rollout.n)
+    return SamplingParams.from_config(rollout, seed=seed, ignore_eos=True,
+                                      sample_max_tokens=[min(n, rollout.max_tokens)
+                                                         for n in lengths])
 
 
 @dataclass
@@ -51,14 +67,19 @@ class Scored:
     batch: RolloutBatch
     rewards: list[float]
     lengths: list[int]
+    prompt_lengths: list[int]
 
 
-def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord, *,
-             world: int, gen_s: float, train_s: float, checkpoint_s: float, step_s: float) -> dict:
-    """The step's metrics row (rewards and lengths averaged over every rank)."""
+def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord,
+             engine: dict, *, world: int, gen_s: float, train_s: float, checkpoint_s: float,
+             step_s: float) -> dict:
+    """The step's metrics row (rewards and lengths averaged over every rank; the engine's
+    numbers, `engine` = its stats after the step's generate with this step's preemptions,
+    are this rank's)."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
     length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
     tokens, _, _ = mean_over_ranks([float(sum(scored.lengths))])
+    prompt_mean, _, _ = mean_over_ranks([float(n) for n in scored.prompt_lengths])
     sync = switch.sync
     row = {
         "step": step + 1, "reward_mean": reward_mean, "reward_std": reward_std,
@@ -71,6 +92,11 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         # bucket was handed over; the rest waits for the device).
         "sync/wake_s": switch.weights_wake_seconds, "sync/host_s": sync.host_seconds,
         "sync/copy_s": sync.seconds,
+        "prompt_length": prompt_mean,
+        "engine/kv_blocks": engine["num_blocks"], "engine/kv_bytes": engine["kv_cache_bytes"],
+        "engine/peak_running": engine["peak_running"], "engine/preemptions": engine["preemptions"],
+        "engine/decode_steps": engine["decode_steps"],
+        "engine/decode_s": engine["decode_seconds"],
     }
     if sync.verified_buckets:   # sync.verify: every bucket's checksum matched on both sides
         row["sync/verified_buckets"] = sync.verified_buckets
@@ -164,8 +190,7 @@ class Run:
         mine = [problems[i] for i in indices]
         ids = [self.task.encode_prompt(p, self.tokenizer, chat=self.cfg.data.chat_template)
                for p in mine]
-        params = [SamplingParams.from_config(self.cfg.rollout,
-                                             seed=_prompt_seed(self.cfg.run.seed, step, i))
+        params = [sampling_params(self.cfg.rollout, _prompt_seed(self.cfg.run.seed, step, i))
                   for i in indices]
         return mine, ids, indices, params
 
@@ -184,7 +209,8 @@ class Run:
                 lengths.append(len(sample.token_ids))
         batch = RolloutBatch.from_tokens(prompts_rep, responses, rewards,
                                          group_size=self.cfg.rollout.n, pad_id=self.pad_id)
-        return Scored(batch.to(self.worker.device), rewards, lengths)
+        return Scored(batch.to(self.worker.device), rewards, lengths,
+                      [len(ids) for ids in prompts_rep])
 
     def step(self, step: int, *, save: bool = False) -> dict:
         """One GRPO step; with `save`, checkpoint after the update (trainer state on device)."""
@@ -192,9 +218,13 @@ class Run:
         worker.begin_step(step)
         t_step = time.perf_counter()
         problems, prompt_ids, indices, params = self._prompts(step)
+        before = worker.engine.stats()
         t0 = time.perf_counter()
         outs = worker.generate(prompt_ids, params)
         gen_s = time.perf_counter() - t0
+        engine = worker.engine.stats()
+        for counter in _ENGINE_COUNTERS:   # this step's share of the engine's counters
+            engine[counter] -= before[counter]
         scored = self._score(problems, prompt_ids, indices, outs)
         to_train = worker.to_train()
         t0 = time.perf_counter()
@@ -207,7 +237,7 @@ class Run:
         checkpoint_s = time.perf_counter() - t0 if save else 0.0
         to_rollout = worker.to_rollout()
         switch = SwitchRecord.merged([to_train, ref_moves, optimizer_moves, to_rollout])
-        return step_row(step, scored, update, switch, world=self.world, gen_s=gen_s,
+        return step_row(step, scored, update, switch, engine, world=self.world, gen_s=gen_s,
                         train_s=train_s, checkpoint_s=checkpoint_s,
                         step_s=time.perf_counter() - t_step)
 
@@ -220,16 +250,23 @@ class Run:
                                f"run.steps={cfg.run.steps}: raise run.steps to train further")
         if self.report is not None:
             self.report.start(self.start_step)
-        with frozen_gc_heap():   # the switch's gc.collect() calls skip the setup's objects
-            for step in range(self.start_step, cfg.run.steps):
-                done = step + 1
-                save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
-                    cfg.run.save_every and done % cfg.run.save_every == 0))
-                row = self.step(step, save=save)
-                if self.report is not None:
-                    self.report.log_step(row)
-                if self.pending_checkpoint is not None:
-                    publish_checkpoint(self.pending_checkpoint)
+        try:
+            with frozen_gc_heap():   # the switch's gc.collect() calls skip the setup's objects
+                for step in range(self.start_step, cfg.run.steps):
+                    done = step + 1
+                    save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
+                        cfg.run.save_every and done % cfg.run.save_every == 0))
+                    row = self.step(step, save=save)
+                    if self.report is not None:
+                        self.report.log_step(row)
+                    if self.pending_checkpoint is not None:
+                        publish_checkpoint(self.pending_checkpoint)
+        except BaseException:
+            # Who held the card up to the failure (an out-of-memory point of a sweep says
+            # which owner did not fit from it).
+            if self.rank == 0:
+                self.worker.meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
+            raise
         return self.report.finish() if self.report is not None else {}
 
 

@@ -6,7 +6,8 @@
    (pinned arena, region pool, meter);
 2. the actor and the reference, loaded onto the card;
 3. their state sent where the rollout phase keeps it (the run starts in the rollout phase);
-4. every rate the ledger prices with, measured on the card the engine is about to take;
+4. every rate the ledger prices with, measured on the card the engine is about to take (or
+   read from an earlier run's summary.json: run.rates_file);
 5. the engine, which sizes its KV pool from what is free now.
 """
 
@@ -45,7 +46,7 @@ def start_worker(cfg: Config, *, device: str | torch.device | None = None
     if mem.param_offload or mem.optimizer_offload:
         actor.to("host", params=mem.param_offload, optimizer=mem.optimizer_offload).wait()
     aggressive_empty_cache()
-    rates = calibrate(cfg, actor, pool)
+    rates = Rates.load(cfg.run.rates_file) if cfg.run.rates_file else calibrate(cfg, actor, pool)
     engine = Engine(cfg.model.path, cfg.rollout, device=device, dtype=cfg.model.dtype, pool=pool,
                     tp=init_tp_group(cfg.parallel.tp))
     return HybridWorker(cfg, actor=actor, ref=ref, engine=engine, pool=pool, meter=meter), rates

@@ -176,6 +176,23 @@ def test_stop_ids_and_length_limits(qwen3_dir, ref):
     assert len(out.token_ids) == 32 - 13 and out.finish_reason == "length"
 
 
+def test_each_sample_ends_at_its_own_length(qwen3_dir, ref):
+    """sample_max_tokens (benchmark workloads): every sample of a prompt stops at its own
+    length, the shared prefix and the greedy tokens unchanged; lengths that do not match n
+    are refused."""
+    engine = Engine(str(qwen3_dir), ref.cfg(max_model_len=64))
+    prompt = ref.mixed_prompts[3]
+    greedy = ref.greedy(qwen3_dir, prompt, 9)
+    lengths = (3, 9, 1)
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, n=3, ignore_eos=True,
+                                                   max_tokens=9, sample_max_tokens=lengths))[0]
+    assert [len(o.token_ids) for o in out.outputs] == list(lengths)
+    assert all(o.token_ids == greedy[:len(o.token_ids)] for o in out.outputs)
+    assert engine.stats()["peak_running"] == 3
+    with pytest.raises(HandoffError, match="n=2 lengths"):
+        SamplingParams(n=2, sample_max_tokens=(4,))
+
+
 def test_steps_staged_ahead_drop_tokens_of_stopped_sequences(qwen3_dir, ref):
     """Decode steps are launched before the previous step's tokens are known: a sequence
     that stops in step n is in step n+1 too, and that token must vanish without a trace

@@ -251,8 +251,9 @@ def run_train_compute_bench(model: str, *, device: str = "cuda", dtype: str = "b
                             micro_batch_size: int = 16, gradient_checkpointing: bool = True,
                             repeats: int = 2, offload: bool = True, profile: bool = True,
                             matmul_size: int | None = None, hardware: str | None = None,
-                            seed: int = 0) -> dict:
-    """Run every variant on one synthetic batch; returns a JSON-ready dict."""
+                            seed: int = 0, on_variant=None) -> dict:
+    """Run every variant on one synthetic batch; returns a JSON-ready dict. `on_variant(result
+    so far)` is called after each variant (a long run shows and keeps what it has)."""
     if rows % group:
         raise HandoffError(f"--rows {rows} is not a multiple of --group {group}")
     cfg = Config()
@@ -282,6 +283,19 @@ def run_train_compute_bench(model: str, *, device: str = "cuda", dtype: str = "b
     n = matmul_size or (8192 if dev.type == "cuda" else 256)
     peak = matmul_flops_per_s(dev, actor.dtype, n)
     results = []
+    result = {
+        "model": model, "dtype": dtype, "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "num_params": shape.num_params, "matmul_params": n_mm, "hardware_profile": cfg.hardware.name,
+        "batch": {"rows": rows, "group": group, "prompt_len": prompt_len,
+                  "response_lens": response_lens, "tokens": tokens, "longest": max(lengths),
+                  "padded_tokens": rows * max(lengths)},
+        "flops_formula": "6 N T (actor forward + backward) + 2 N T (ref forward), N = "
+                         "matmul params, T = real tokens",
+        "model_flops": flops, "offload": offload, "repeats": repeats,
+        "matmul": {"n": n, "dtype": str(actor.dtype), "flops_per_s": peak},
+        "variants": results}
+
     for name, settings in specs:
         vcfg = Config()
         vcfg.model, vcfg.hardware, vcfg.rollout = cfg.model, cfg.hardware, cfg.rollout
@@ -296,18 +310,9 @@ def run_train_compute_bench(model: str, *, device: str = "cuda", dtype: str = "b
                      measured_bytes_per_token=r["measured_activation_bytes"]
                      / r["largest_micro_batch_tokens"])
         results.append(r)
-    return {
-        "model": model, "dtype": dtype, "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "num_params": shape.num_params, "matmul_params": n_mm, "hardware_profile": cfg.hardware.name,
-        "batch": {"rows": rows, "group": group, "prompt_len": prompt_len,
-                  "response_lens": response_lens, "tokens": tokens, "longest": max(lengths),
-                  "padded_tokens": rows * max(lengths)},
-        "flops_formula": "6 N T (actor forward + backward) + 2 N T (ref forward), N = "
-                         "matmul params, T = real tokens",
-        "model_flops": flops, "offload": offload, "repeats": repeats,
-        "matmul": {"n": n, "dtype": str(actor.dtype), "flops_per_s": peak},
-        "variants": results}
+        if on_variant is not None:
+            on_variant(result, r)
+    return result
 
 
 def describe(st: dict) -> str:

@@ -206,6 +206,7 @@ class Engine:
                                      sample_index=j, key=sample_key(seed, j), stop_ids=stop))
         for seq in seqs:
             self.scheduler.add(seq)
+        self.scheduler.peak_running = 0
         bar = _progress_bar(len(seqs)) if progress else None
         try:
             staged = None
@@ -359,7 +360,8 @@ class Engine:
             "free_blocks": b.num_free_blocks, "cached_free_blocks": b.num_cached_free_blocks,
             "prefix_cache_queries": b.prefix_queries, "prefix_cache_hits": b.prefix_hits,
             "prefix_cache_hit_rate": b.prefix_hits / max(b.prefix_queries, 1),
-            "preemptions": self.scheduler.num_preemptions, **self._counters,
+            "preemptions": self.scheduler.num_preemptions,
+            "peak_running": self.scheduler.peak_running, **self._counters,
             "max_num_seqs": self.cfg.max_num_seqs, "max_model_len": self.max_model_len,
             "weights_version": self.weights_version, "paused": self._paused,
             "awake": {t: self.pool.is_awake(t) for t in TAGS},

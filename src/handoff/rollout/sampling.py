@@ -39,9 +39,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     max_tokens: int = 64
     ignore_eos: bool = False
+    # One length per sample (n of them), each in place of max_tokens: benchmark workloads
+    # (rollout.response_lengths) give every sequence its own length.
+    sample_max_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.sample_max_tokens = tuple(int(t) for t in self.sample_max_tokens)
         checks = [
             (self.temperature >= 0, f"temperature={self.temperature} is negative: use 0 (greedy) or more"),
             (0 < self.top_p <= 1, f"top_p={self.top_p} is outside (0, 1]: use e.g. 0.95 or 1.0 (off)"),
@@ -49,6 +53,9 @@ class SamplingParams:
             (self.n >= 1, f"n={self.n} asks for no samples: use n >= 1"),
             (self.max_tokens >= 1, f"max_tokens={self.max_tokens} allows no tokens: use >= 1"),
             (self.seed is None or self.seed >= 0, f"seed={self.seed} is negative: use a seed >= 0"),
+            (not self.sample_max_tokens or (len(self.sample_max_tokens) == self.n
+                                            and min(self.sample_max_tokens) >= 1),
+             f"sample_max_tokens={self.sample_max_tokens} must hold n={self.n} lengths >= 1"),
         ]
         for ok, message in checks:
             if not ok:

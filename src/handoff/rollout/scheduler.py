@@ -31,6 +31,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.peak_running = 0   # most sequences running at once (the engine resets it per call)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,6 +62,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
+        self.peak_running = max(self.peak_running, len(self.running))
         return admitted
 
     def _reserve_decode(self) -> list[Sequence]:
@@ -90,7 +92,7 @@ class Scheduler:
 
     def _ends_by_length(self, seq: Sequence, ahead: int = 0) -> bool:
         num_tokens = seq.num_tokens + ahead
-        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+        return (num_tokens - seq.num_prompt_tokens >= seq.max_tokens
                 or num_tokens >= self.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:

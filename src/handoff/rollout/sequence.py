@@ -25,7 +25,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_index", "sample_index", "params", "token_ids",
                  "num_tokens", "num_prompt_tokens", "logprobs", "stop_ids", "key", "status",
-                 "finish_reason", "block_table", "num_cached_tokens", "row")
+                 "finish_reason", "block_table", "num_cached_tokens", "row", "max_tokens")
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, *,
                  request_index: int, sample_index: int, key: int, stop_ids: frozenset[int]):
@@ -33,6 +33,8 @@ class Sequence:
         self.request_index = request_index
         self.sample_index = sample_index
         self.params = params
+        self.max_tokens = (params.sample_max_tokens[sample_index] if params.sample_max_tokens
+                           else params.max_tokens)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = self.num_tokens
