@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from handoff.config import Config, load_config
@@ -46,3 +48,8 @@ def test_missing_and_broken_files(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
 
+
+
+@pytest.mark.parametrize("example", sorted(Path("examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_loads(example):
+    load_config(example)

@@ -243,6 +243,51 @@ def bench_engine_cmd(
     _show_and_save(result, out, render)
 
 
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HandoffError(f"{flag} {text!r} is not a comma-separated list of numbers: "
+                           "write e.g. 0.5,0.6,0.7") from None
+
+
+@bench_app.command("sweep", context_settings={"allow_extra_args": False})
+@friendly_errors
+def bench_sweep_cmd(
+    config: str = typer.Argument(..., help="YAML config of the run to sweep"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="overrides key.sub=value"),
+    out: str = typer.Option("sweep", "--out", help="directory of sweep.json / .md / .png "
+                            "and the points' runs (running again adds points)"),
+    utils: Optional[str] = typer.Option(None, help="gpu_memory_utilization points, e.g. "
+                                        "0.5,0.6 (default: 0.50 up by 0.05 to the boundary; "
+                                        "with --offloads: each set's highest safe one)"),
+    offloads: Optional[str] = typer.Option(None, help="offload sets to sweep: none, ref, "
+                                           "params+ref, all (default: the config's)"),
+    steps: int = typer.Option(3, help="steps per point (the first is a warm-up)"),
+    exclusive: bool = typer.Option(True, "--exclusive/--no-exclusive",
+                                   help="also run the engine alone on the card"),
+    timeout: float = typer.Option(600.0, help="seconds a point may run"),
+) -> None:
+    """gpu_memory_utilization from 0.5 to the out-of-memory boundary, the real colocated loop
+    at each point, the planner's curve beside it: the source's closing practice."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from handoff.bench.sweep import run_sweep
+
+    with Progress(SpinnerColumn(), TextColumn("[bold]sweep"), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console) as bar:
+        task = bar.add_task("", total=None)
+        state = run_sweep(config, list(overrides or []), out_dir=out,
+                          utils=_float_list(utils, "--utils") if utils else None,
+                          offloads=[o.strip() for o in offloads.split(",")] if offloads else None,
+                          steps=steps, exclusive=exclusive, timeout_s=timeout,
+                          progress=lambda text: bar.update(task, description=text))
+    from pathlib import Path
+
+    console.print((Path(out) / "sweep.md").read_text(), highlight=False, markup=False)
+    console.print(f"wrote {out}/sweep.json, sweep.md, sweep.png ({len(state['points'])} points)")
+
+
 @bench_app.command("trainer")
 @friendly_errors
 def bench_trainer_cmd(

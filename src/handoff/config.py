@@ -145,6 +145,10 @@ class DataConfig:
     answer_field: str = F("answer", help="field that holds the reference answer")
     difficulty: int = F(1, help="arithmetic: digits per operand", ge=1, le=9)
     ops: str = F("+-", help="arithmetic: operators to draw from, a mix of + - *")
+    context_chars: int = F(0, help="arithmetic: a filler passage of about this many characters "
+                           "before each question (reasoning-length prompts for benchmarks; "
+                           "one token per character with the presets' byte-level tokenizer)",
+                           ge=0)
     prompts_per_step: int = F(8, help="prompts per step (each sampled rollout.n times)", ge=1)
     chat_template: bool = F(True, help="apply the tokenizer's chat template when it has one")
 

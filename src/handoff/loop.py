@@ -60,6 +60,21 @@ def sampling_params(rollout, seed: int) -> SamplingParams:
                                                          for n in lengths])
 
 
+def step_prompts(cfg: Config, task, tokenizer, step: int, *, rank: int = 0, world: int = 1,
+                 tp: int = 1) -> tuple[list, list[list[int]], list[int], list[SamplingParams]]:
+    """(problems, their prompt ids, their global indices, their SamplingParams) of the prompts
+    rank `rank`'s engine generates in step `step` (the task's stream advances by one step).
+
+    Rank r trains on prompts i with i % world == r; a TP group of ranks [g*tp, (g+1)*tp)
+    shares one engine, so every rank of it generates the prompts of all its ranks."""
+    problems = task.sample(cfg.data.prompts_per_step)
+    indices = [i for i in range(len(problems)) if i % world // tp == rank // tp]
+    mine = [problems[i] for i in indices]
+    ids = [task.encode_prompt(p, tokenizer, chat=cfg.data.chat_template) for p in mine]
+    params = [sampling_params(cfg.rollout, _prompt_seed(cfg.run.seed, step, i)) for i in indices]
+    return mine, ids, indices, params
+
+
 @dataclass
 class Scored:
     """This rank's samples of one step, scored: the batch to train on and what to log."""
@@ -178,22 +193,6 @@ class Run:
 
     # ---------------------------------------------------------------- one step
 
-    def _prompts(self, step: int) -> tuple[list, list[list[int]], list[int], list]:
-        """(problems, their prompt ids, their global indices, their SamplingParams) of the
-        prompts this rank's engine generates.
-
-        Rank r trains on prompts i with i % world == r; a TP group of ranks [g*tp, (g+1)*tp)
-        shares one engine, so every rank of it generates the prompts of all its ranks."""
-        problems = self.task.sample(self.cfg.data.prompts_per_step)
-        tp = self.worker.engine.tp.size
-        indices = [i for i in range(len(problems)) if i % self.world // tp == self.rank // tp]
-        mine = [problems[i] for i in indices]
-        ids = [self.task.encode_prompt(p, self.tokenizer, chat=self.cfg.data.chat_template)
-               for p in mine]
-        params = [sampling_params(self.cfg.rollout, _prompt_seed(self.cfg.run.seed, step, i))
-                  for i in indices]
-        return mine, ids, indices, params
-
     def _score(self, problems: list, prompt_ids: list[list[int]], indices: list[int],
                outs: list) -> Scored:
         """Reward every sample this rank trains on; the batch on the worker's device."""
@@ -217,7 +216,9 @@ class Run:
         worker = self.worker
         worker.begin_step(step)
         t_step = time.perf_counter()
-        problems, prompt_ids, indices, params = self._prompts(step)
+        problems, prompt_ids, indices, params = step_prompts(
+            self.cfg, self.task, self.tokenizer, step, rank=self.rank, world=self.world,
+            tp=worker.engine.tp.size)
         before = worker.engine.stats()
         t0 = time.perf_counter()
         outs = worker.generate(prompt_ids, params)

@@ -92,3 +92,12 @@ def test_system_prompt_and_bad_settings():
         ArithmeticTask(digits=0)
     with pytest.raises(HandoffError, match="at least one"):
         ArithmeticTask().sample(0)
+
+
+def test_a_filler_passage_lengthens_the_prompt_and_keeps_the_problem():
+    plain, long = ArithmeticTask(seed=3), ArithmeticTask(seed=3, context_chars=500)
+    for i in range(5):
+        a, b = plain.get(i), long.get(i)
+        assert b.answer == a.answer and b.metadata == a.metadata
+        assert b.prompt.endswith(a.prompt) and len(b.prompt) == len(a.prompt) + 500 + 9
+    assert long.get(0).prompt != long.get(1).prompt

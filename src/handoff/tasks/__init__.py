@@ -26,7 +26,8 @@ __all__ = ["ArithmeticTask", "DatasetTask", "GSM8KTask", "Problem", "Score", "Ta
 def build_task(data: DataConfig, *, seed: int = 0) -> Task:
     """The task that `data.task` names, configured from the `data` section."""
     if data.task == "arithmetic":
-        return ArithmeticTask(digits=data.difficulty, ops=data.ops, seed=seed)
+        return ArithmeticTask(digits=data.difficulty, ops=data.ops, seed=seed,
+                              context_chars=data.context_chars)
     if data.path is None:
         raise HandoffError(f"data.task={data.task} reads its problems from a file: set "
                            "data.path to a JSONL or Parquet file")

@@ -7,6 +7,8 @@
 Difficulty is `digits` per operand (`data.difficulty`) and the operators drawn from `ops`
 (`+`, `-`, `*`); subtraction puts the larger operand first so answers are never negative.
 Problem i is a pure function of (seed, i), so a resumed run continues the same stream.
+With `context_chars` each question follows a filler passage of that many characters: prompts
+of a reasoning workload's length for benchmarks (`handoff bench sweep`).
 
 The reward. The required format is one short line: the number alone ("10", " 10.") or
 the problem's own equation ending in it ("7 + 3 = 10"; "7+3=10", and "7 x 3" for "7 * 3").
@@ -40,13 +42,23 @@ _SAME_OP = {"x": "*", "\u00d7": "*"}
 _ANY_INTEGER = re.compile(r"[-+]?\d+")
 
 
+def _filler(rng: random.Random, chars: int) -> str:
+    """About `chars` characters of made-up lowercase words (a long prompt's bulk)."""
+    words, size = [], -1      # the joined length: words plus the spaces between them
+    while size < chars:
+        word = "".join(rng.choice("etaoinshrdlucmfwyp") for _ in range(rng.randint(2, 9)))
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)[:chars]
+
+
 class ArithmeticTask(Task):
     """`a op b` with `digits`-digit operands; the answer is an integer."""
 
     name = "arithmetic"
 
     def __init__(self, *, digits: int = 1, ops: str = "+-", seed: int = 0,
-                 system_prompt: str | None = None) -> None:
+                 system_prompt: str | None = None, context_chars: int = 0) -> None:
         super().__init__(seed=seed)
         if not 1 <= digits <= 9:
             raise HandoffError(f"data.difficulty={digits}: digits per operand must be 1..9")
@@ -56,6 +68,7 @@ class ArithmeticTask(Task):
         self.digits = digits
         self.ops = "".join(dict.fromkeys(ops))  # keep order, drop repeats
         self.system_prompt = system_prompt
+        self.context_chars = context_chars
 
     def _operand(self, rng: random.Random) -> int:
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
@@ -71,7 +84,10 @@ class ArithmeticTask(Task):
         if op == "-" and b > a:
             a, b = b, a
         value = a + b if op == "+" else a - b if op == "-" else a * b
-        messages = [{"role": "user", "content": PROMPT.format(a=a, op=op, b=b)}]
+        question = PROMPT.format(a=a, op=op, b=b)
+        if self.context_chars:
+            question = f"Notes: {_filler(rng, self.context_chars)}\n\n{question}"
+        messages = [{"role": "user", "content": question}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return Problem(messages=tuple(messages), answer=str(value), index=index,

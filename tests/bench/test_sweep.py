@@ -1,0 +1,65 @@
+"""`handoff bench sweep` on CPU: points in their own processes, planned beside measured, an
+out-of-memory point as the boundary, files written and added to."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from handoff.bench.sweep import failed_point
+from handoff.cli import app
+from handoff.modelzoo import init_model
+
+KEYS = ("kv_pool_bytes", "generation_seconds", "tokens_per_second", "decode_step_seconds")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("tiny-qwen3", tmp_path_factory.mktemp("sweep-model"), dtype="float32")
+
+
+def _sweep(out, model_dir, *args):
+    result = CliRunner().invoke(app, ["bench", "sweep", "examples/cpu-tiny.yaml",
+                                      f"model.path={model_dir}",
+                                      "rollout.response_lengths=uniform:min=2,max=8",
+                                      *args, "--steps", "2", "--out", str(out)],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "sweep.json").read_text())
+
+
+def test_two_points_an_exclusive_card_and_a_boundary(model_dir, tmp_path):
+    state = _sweep(tmp_path, model_dir, "--utils", "0.5,0.6")
+    assert sorted(state["points"]) == ["all@0.50", "all@0.60"]
+    for point in [*state["points"].values(), state["exclusive"]]:
+        assert point["measured"]["status"] == "ok"
+        for key in KEYS:
+            assert point["measured"][key] > 0 and point["planned"][key] > 0
+        assert point["measured"]["peak_running"] >= 1
+    first, second = (state["points"][k]["measured"] for k in ("all@0.50", "all@0.60"))
+    assert "d2h_bps" in first["rates"] and second["rates"] == first["rates"]  # measured once
+    assert set(first["probes_driver_used"]) == {"before resume weights", "after update_weights",
+                                                "after resume kv_cache"}
+    # A pool too small for one sequence is the boundary; the points above it are not run,
+    # the earlier points stay, and the files are written again.
+    state = _sweep(tmp_path, model_dir, "rollout.num_blocks=3", "--utils", "0.7,0.8",
+                   "--no-exclusive")
+    assert sorted(state["points"]) == ["all@0.50", "all@0.60", "all@0.70"]
+    assert state["boundary"]["all"]["util"] == 0.7
+    assert state["boundary"]["all"]["owner"] == "engine KV pool (sizing at start)"
+    text = (tmp_path / "sweep.md").read_text()
+    assert "all@0.60" in text and "Boundary of `all`: utilization 0.70" in text
+    assert "exclusive card" in text and (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_a_failure_says_out_of_memory_and_who_did_not_fit(tmp_path):
+    log = ("step 1 ...\nerror: cannot wake ['kv_cache']: needs 100.00 GiB + margin 256.0 MiB "
+           "but the driver has 40.00 GiB free; at probe 'after params offload': ...")
+    got = failed_point(log, tmp_path)
+    assert got["status"] == "out_of_memory" and got["owner"] == "engine KV pool (wake)"
+    assert got["message"].startswith("error: cannot wake")
+    torch_oom = failed_point("Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory.",
+                             tmp_path)
+    assert torch_oom["owner"].startswith("trainer")
+    other = failed_point("error: model.path='x' is not an HF checkpoint directory", tmp_path)
+    assert other["status"] == "error" and other["owner"] is None
