@@ -26,17 +26,29 @@ err_console = Console(stderr=True)
 
 
 def friendly_errors(fn: Callable) -> Callable:
-    """Turn a HandoffError into one red line and exit code 2."""
+    """Turn a HandoffError into one red line and exit code 2; refuse a NaN or infinite
+    number option first (click's FLOAT accepts both, and every range check passes NaN)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            check_finite_options(kwargs)
             return fn(*args, **kwargs)
         except HandoffError as e:
             err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
             sys.exit(2)
 
     return wrapper
+
+
+def check_finite_options(values: dict) -> None:
+    """Raise HandoffError naming the first float option whose value is NaN or infinite."""
+    import math
+
+    for name, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise HandoffError(f"--{name.replace('_', '-')} {value} is not a finite number: "
+                               "pass a real value (see --help)")
 
 
 @app.command("plan")
@@ -163,8 +175,17 @@ def bench_memory_cmd(
     """Pinned copy floor, arena offload/onload, full duplex, region sleep/wake, level 1."""
     from handoff.bench.memory import render, run_memory_bench
 
+    _positive(size_gib=size_gib, kv_gib=kv_gib, repeats=repeats)
     result = run_memory_bench(size_gib=size_gib, kv_gib=kv_gib, repeats=repeats, device=device)
     _show_and_save(result, out, render)
+
+
+def _positive(**options: float) -> None:
+    """Refuse a size or count option that is not above 0, naming it."""
+    for name, value in options.items():
+        if not value > 0:
+            raise HandoffError(f"--{name.replace('_', '-')} {value} is not positive: pass a "
+                               "value above 0")
 
 
 def _show_and_save(result: dict, out: str, render: Callable) -> None:
@@ -230,6 +251,8 @@ def bench_engine_cmd(
     """Engine decode step vs transformers generate and the HBM floor; the public workload."""
     from handoff.bench.engine import render, run_engine_bench
 
+    _positive(prompt_len=prompt_len, new_tokens=new_tokens, hf_new_tokens=hf_new_tokens,
+              public_seqs=public_seqs, util=util)
     result = run_engine_bench(
         models=[m.strip() for m in models.split(",") if m.strip()],
         batches=_int_list(batches, "--batches"), prompt_len=prompt_len, new_tokens=new_tokens,
@@ -256,6 +279,7 @@ def bench_trainer_cmd(
     """Actor/ref offload and onload per part, measured vs the ledger of `handoff plan`."""
     from handoff.bench.trainer import render, run_trainer_bench
 
+    _positive(repeats=repeats, rows=rows, seq_len=seq_len)
     result = run_trainer_bench(model, device=device, dtype=dtype, repeats=repeats, rows=rows,
                                seq_len=seq_len, hardware=hardware, compare_fsdp=compare_fsdp)
     _show_and_save(result, out, render)
