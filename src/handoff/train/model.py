@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena, Transfer
+from handoff.model_files import check_loading_info
 from handoff.train import grpo
 from handoff.train.batch import RolloutBatch
 from handoff.train.dist import all_reduce_, init_mesh, resolve_device
@@ -70,7 +71,11 @@ def load_hf_model(path: str, dtype: torch.dtype, gradient_checkpointing: bool) -
     if not (Path(path) / "config.json").is_file():
         raise HandoffError(f"{path!r} is not an HF checkpoint directory (no config.json): pass a "
                            "directory written by save_pretrained or `handoff init-model`")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    # A tensor of the wrong shape, or none at all, would be a random init: refused instead.
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="sdpa", ignore_mismatched_sizes=True,
+        output_loading_info=True)
+    check_loading_info(path, info)
     model.config.use_cache = False
     if not hasattr(getattr(model, "model", None), "layers"):
         raise HandoffError(f"{type(model).__name__} has no model.layers: the trainer supports "
