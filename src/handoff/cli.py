@@ -119,12 +119,14 @@ def init_model_cmd(
     dtype: str = typer.Option(None, help="bfloat16 | float32 (default: bfloat16; float32 for "
                               "smollm2-135m-instruct)"),
     device: str = typer.Option("cpu", help="where to initialise (cuda is faster for big shapes)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="write into a directory that "
+                                   "already holds files (refused without it)"),
 ) -> None:
     """Write an HF checkpoint (config.json, model.safetensors, tokenizer): random-init of a
     preset shape, or the real SmolLM2-135M-Instruct converted from its GGUF."""
     from handoff.modelzoo import init_model
 
-    path = init_model(preset, out, seed=seed, dtype=dtype, device=device)
+    path = init_model(preset, out, seed=seed, dtype=dtype, device=device, overwrite=overwrite)
     console.print(f"wrote {preset} checkpoint to {path}")
 
 
@@ -291,6 +293,8 @@ def train_cmd(
     config: str = typer.Argument(..., help="YAML config, e.g. examples/cpu-demo.yaml"),
     overrides: Optional[list[str]] = typer.Argument(None, help="overrides key.sub=value"),
     resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace the earlier run in "
+                                   "run.out_dir (refused without it or --resume)"),
 ) -> None:
     """Colocated sync GRPO: generate, switch, train, switch back; planned vs measured at the end."""
     from handoff.config import load_config
@@ -298,13 +302,21 @@ def train_cmd(
 
     from handoff.demo_model import resolve_model_path
 
-    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else []))
+    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else [])
+                      + (["run.overwrite=true"] if overwrite else []))
     cfg.model.path = resolve_model_path(cfg.model.path)
     preflight(cfg)
     from handoff.loop import train
-    from handoff.rollout.parallel import end_distributed_run
+    from handoff.rollout.parallel import end_distributed_run, world_rank_size
+    from handoff.run_dir import interrupted_message
 
-    train(cfg)
+    try:
+        train(cfg)
+    except KeyboardInterrupt:
+        if world_rank_size()[0] == 0:
+            err_console.print(f"[bold yellow]{interrupted_message(cfg, f'handoff train {config}')}"
+                              "[/]", highlight=False, soft_wrap=True)
+        sys.exit(130)
     # Not after an error: the other ranks may sit in a collective.
     end_distributed_run()
 

@@ -20,17 +20,18 @@ and after a resume.
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from pathlib import Path
 
 import torch
 
-from handoff.config import Config, to_dict
+from handoff.config import Config
 from handoff.errors import HandoffError
 from handoff.memory import frozen_gc_heap
 from handoff.rollout.parallel import world_rank_size
 from handoff.rollout.sampling import SamplingParams
+from handoff.run_dir import claim_out_dir, trim_metrics, write_run_config
 from handoff.run_report import RunReport, console
 from handoff.tasks import build_task
 from handoff.train.batch import RolloutBatch
@@ -59,6 +60,15 @@ def _mean_over_ranks(values: list[float]) -> tuple[float, float, int]:
     return mean, max(sq / max(n, 1) - mean * mean, 0.0) ** 0.5, int(n)
 
 
+def check_finite_update(update: dict, step: int) -> None:
+    """Stop before a non-finite loss or gradient norm reaches the weights' checkpoint."""
+    bad = [k for k in ("loss", "grad_norm") if k in update and not math.isfinite(update[k])]
+    if bad:
+        raise HandoffError(f"step {step} gave a non-finite {bad[0]} ({update[bad[0]]}): the "
+                           "weights are no longer trustworthy and no checkpoint of them is "
+                           "written; resume from the last checkpoint with a lower actor.lr")
+
+
 class Trainer:
     """Owns the worker, the task, the tokenizer and the output files of one run."""
 
@@ -69,8 +79,9 @@ class Trainer:
         self.rank, self.world = world_rank_size()
         self.out_dir = Path(cfg.run.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
-        if self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.run_lock = None
+        if self.rank == 0:   # refuses a used out_dir or a live run's before any work
+            self.run_lock = claim_out_dir(cfg)
         else:  # one voice per run: rank 0 prints, the others load their models quietly
             from transformers.utils import logging as hf_logging
 
@@ -86,7 +97,7 @@ class Trainer:
         if cfg.run.resume:
             self._resume()
         if self.rank == 0:
-            self._drop_stale_outputs()
+            trim_metrics(self.out_dir, self.start_step)
         self.report = RunReport(cfg, self.worker, self.out_dir) if self.rank == 0 else None
 
     # ---------------------------------------------------------------- checkpoints
@@ -101,22 +112,6 @@ class Trainer:
         state = self.worker.load_trainer_state(lambda actor: load_checkpoint(self.ckpt_dir, actor))
         self.start_step = int(state["step"])
         self.task.load_state_dict(state["extra"]["task"])
-
-    def _drop_stale_outputs(self) -> None:
-        """Keep only the metrics rows of steps up to start_step (none on a fresh start).
-
-        Rows after a resumed checkpoint's step came from a step that never completed its
-        checkpoint, and rows in the out_dir of a fresh start belong to an earlier run: both
-        are dropped, so no step is lost or counted twice. An earlier summary goes too: until
-        this run finishes, `handoff report` says it did not.
-        """
-        for name in ("summary.json", "summary.md"):
-            (self.out_dir / name).unlink(missing_ok=True)
-        metrics = self.out_dir / "metrics.jsonl"
-        if metrics.is_file():
-            kept = [line for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= self.start_step]
-            metrics.write_text("".join(line + "\n" for line in kept))
 
     def _save(self, step: int) -> Path:
         """Write checkpoint `step` unpublished: it counts once its metrics row is written."""
@@ -168,6 +163,7 @@ class Trainer:
         batch.ref_logprobs = worker.ref_log_probs(batch)
         update = worker.update(batch)
         train_seconds = time.perf_counter() - t0
+        check_finite_update(update, step + 1)   # before a checkpoint could keep NaN weights
         t0 = time.perf_counter()
         self.pending_checkpoint = self._save(step + 1) if save else None
         checkpoint_seconds = time.perf_counter() - t0 if save else 0.0
@@ -207,22 +203,26 @@ class Trainer:
                                f"run.steps={cfg.run.steps}: raise run.steps to train further")
         if self.report is not None:
             self.report.start(self.start_step)
-        with frozen_gc_heap():   # the switch's gc.collect() calls skip the setup's objects
-            for step in range(self.start_step, cfg.run.steps):
-                done = step + 1
-                save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
-                    cfg.run.save_every and done % cfg.run.save_every == 0))
-                row = self.step(step, save=save)
-                if self.report is not None:
-                    self.report.log_step(row)
-                if self.pending_checkpoint is not None:
-                    publish_checkpoint(self.pending_checkpoint)
-        return self.report.finish() if self.report is not None else {}
+        try:
+            with frozen_gc_heap():   # the switch's gc.collect() calls skip the setup's objects
+                for step in range(self.start_step, cfg.run.steps):
+                    done = step + 1
+                    save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
+                        cfg.run.save_every and done % cfg.run.save_every == 0))
+                    row = self.step(step, save=save)
+                    if self.report is not None:
+                        self.report.log_step(row)
+                    if self.pending_checkpoint is not None:
+                        publish_checkpoint(self.pending_checkpoint)
+            return self.report.finish() if self.report is not None else {}
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
 
 
 def train(cfg: Config) -> dict:
     """Run `cfg` to the end; returns the summary (rank 0; {} elsewhere)."""
-    if world_rank_size()[0] == 0:
-        (Path(cfg.run.out_dir)).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run.out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    return Trainer(cfg).run()
+    trainer = Trainer(cfg)
+    if trainer.rank == 0:   # after the resume: a failed one leaves the run's config as it was
+        write_run_config(cfg)
+    return trainer.run()
