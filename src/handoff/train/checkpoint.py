@@ -147,7 +147,8 @@ def checkpoint_bytes(actor: Actor) -> int:
 
 def _is_disk_full(error: BaseException, root: Path, need: int) -> bool:
     """Whether a failed save ran out of disk: ENOSPC (or a quota, a file size limit) anywhere
-    in the error, torch's "file write failed", or less free space than a checkpoint needs."""
+    in the error, torch's zip writer's "file write failed" / "unexpected pos" (a short write),
+    or less free space than a checkpoint needs."""
     seen, todo = [], [error]
     while todo:
         e = todo.pop()
@@ -160,7 +161,8 @@ def _is_disk_full(error: BaseException, root: Path, need: int) -> bool:
     for e in seen:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             return True
-        if any(text in str(e) for text in ("No space left", "file write failed", "quota")):
+        if any(text in str(e) for text in ("No space left", "file write failed",
+                                            "unexpected pos", "quota")):
             return True
     return _free_bytes(root) < need
 
