@@ -59,6 +59,7 @@ class RunLock:
     """An exclusive flock on out_dir's lock file, held until `release` or the process ends."""
 
     def __init__(self, out_dir: Path):
+        self._fd: int | None = None
         self.path = out_dir / LOCK_FILE
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -73,7 +74,7 @@ class RunLock:
                                "run.out_dir") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd: int | None = fd
+        self._fd = fd
 
     def release(self) -> None:
         if self._fd is not None:
