@@ -110,8 +110,12 @@ class Trainer:
                               "starting at step 0[/]", highlight=False)
             return
         state = self.worker.load_trainer_state(lambda actor: load_checkpoint(self.ckpt_dir, actor))
+        task_state = state["extra"].get("task") if isinstance(state["extra"], dict) else None
+        if not isinstance(task_state, dict):
+            raise HandoffError(f"{state['path']}/meta.json records no data position (extra.task): "
+                               "it was not written by `handoff train`; start over with --overwrite")
         self.start_step = int(state["step"])
-        self.task.load_state_dict(state["extra"]["task"])
+        self.task.load_state_dict(task_state)
 
     def _save(self, step: int) -> Path:
         """Write checkpoint `step` unpublished: it counts once its metrics row is written."""
