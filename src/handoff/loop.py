@@ -207,26 +207,26 @@ class Trainer:
                                f"run.steps={cfg.run.steps}: raise run.steps to train further")
         if self.report is not None:
             self.report.start(self.start_step)
-        try:
-            with frozen_gc_heap():   # the switch's gc.collect() calls skip the setup's objects
-                for step in range(self.start_step, cfg.run.steps):
-                    done = step + 1
-                    save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
-                        cfg.run.save_every and done % cfg.run.save_every == 0))
-                    row = self.step(step, save=save)
-                    if self.report is not None:
-                        self.report.log_step(row)
-                    if self.pending_checkpoint is not None:
-                        publish_checkpoint(self.pending_checkpoint)
-            return self.report.finish() if self.report is not None else {}
-        finally:
-            if self.run_lock is not None:
-                self.run_lock.release()
+        with frozen_gc_heap():   # the switch's gc.collect() calls skip the setup's objects
+            for step in range(self.start_step, cfg.run.steps):
+                done = step + 1
+                save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
+                    cfg.run.save_every and done % cfg.run.save_every == 0))
+                row = self.step(step, save=save)
+                if self.report is not None:
+                    self.report.log_step(row)
+                if self.pending_checkpoint is not None:
+                    publish_checkpoint(self.pending_checkpoint)
+        return self.report.finish() if self.report is not None else {}
 
 
 def train(cfg: Config) -> dict:
     """Run `cfg` to the end; returns the summary (rank 0; {} elsewhere)."""
     trainer = Trainer(cfg)
-    if trainer.rank == 0:   # after the resume: a failed one leaves the run's config as it was
-        write_run_config(cfg)
-    return trainer.run()
+    try:
+        if trainer.rank == 0:   # after the resume: a failed one leaves the run's config as it was
+            write_run_config(cfg)
+        return trainer.run()
+    finally:
+        if trainer.run_lock is not None:   # the run is over: out_dir is free for the next
+            trainer.run_lock.release()

@@ -32,14 +32,16 @@ def preflight(cfg: Config) -> dict | None:
         _check_checkpoint_room(cfg)
     if cfg.hardware.name == "cpu":
         return None
+    from handoff.plan.advice import advice_text
     from handoff.plan.report import build_plan
 
     plan = build_plan(cfg, ref=cfg.actor.kl_coef > 0)
     verdict = plan["verdict"]
     if not verdict["fits"]:
         reasons = "; ".join(r for r in verdict["reasons"] if r.startswith("does not fit"))
-        raise HandoffError(f"the planner says this run cannot fit: {reasons}; {verdict['fix']}. "
-                           "Run `handoff plan --config CONFIG` for the full ledger")
+        raise HandoffError(f"the planner says this run cannot fit: {reasons}; "
+                           f"{advice_text(verdict['advice'])}. Run `handoff plan --config "
+                           "CONFIG` for the full ledger")
     return plan
 
 
