@@ -90,7 +90,8 @@ def check_model_dir(path: str | Path, *, flag: str = "--model", tokenizer: bool 
     model = Path(path)
     if tokenizer and not any((model / name).is_file() for name in TOKENIZER_FILES):
         raise HandoffError(f"{model} has no tokenizer files ({' or '.join(TOKENIZER_FILES)}): "
-                           "save the tokenizer next to the weights (tokenizer.save_pretrained(DIR))")
+                           "save the tokenizer next to the weights "
+                           "(tokenizer.save_pretrained(DIR))")
     for file in weight_files(model):
         check_safetensors(file)
 

@@ -1,7 +1,7 @@
 """A run's output directory: who may write to it, and reading what a crash may have cut short.
 
     check_out_dir(cfg)                 # preflight, every rank: read-only, refuses a used out_dir
-    lock = claim_out_dir(cfg)          # rank 0, before any file is written; lock.release() at the end
+    lock = claim_out_dir(cfg)          # rank 0, before any file is written; lock.release()
     rows, problem = read_metrics(out_dir / "metrics.jsonl")
 
 An out_dir holds a run when any of RUN_FILES is in it. A fresh start there is refused unless
@@ -177,7 +177,8 @@ def interrupted_message(cfg: Config, command: str) -> str:
     from handoff.train.checkpoint import checkpoint_step, latest_checkpoint
 
     if not cfg.run.checkpoint:
-        return "interrupted: this run keeps no checkpoints (run.checkpoint=false): nothing to resume"
+        return ("interrupted: this run keeps no checkpoints (run.checkpoint=false): nothing to "
+                "resume")
     root = Path(cfg.run.out_dir) / "checkpoints"
     try:
         latest = latest_checkpoint(root)

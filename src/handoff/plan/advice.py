@@ -30,14 +30,16 @@ _FLAGS = {"parallel.gpus": "--gpus", "parallel.tp": "--tp",
 
 def _tp_sizes(gpus: int, shape: ModelShape, near: int) -> list[int]:
     """Engine TP sizes that divide the cards and suit the heads, closest to `near` first."""
-    sizes = [tp for tp in range(1, gpus + 1) if gpus % tp == 0 and not tp_layout_problems(shape, tp)]
+    sizes = [tp for tp in range(1, gpus + 1)
+             if gpus % tp == 0 and not tp_layout_problems(shape, tp)]
     return sorted(sizes, key=lambda tp: (abs(math.log2(tp / near)), tp))
 
 
 def _layouts(cfg: Config, shape: ModelShape) -> Iterator[tuple[int, int, int | None, bool]]:
     """(cards, engine TP, shard size, offloads on) to try, least change first."""
     p, m = cfg.parallel, cfg.memory
-    offloads = [False] if m.param_offload and m.optimizer_offload and m.ref_offload else [False, True]
+    all_on = m.param_offload and m.optimizer_offload and m.ref_offload
+    offloads = [False] if all_on else [False, True]
     yield from ((p.gpus, p.tp, p.shard_size, on) for on in offloads)
     for tp in _tp_sizes(p.gpus, shape, p.tp):
         if tp != p.tp:

@@ -99,7 +99,8 @@ def kv_shortfall(utilization: float, hw: HardwareProfile, weights_bytes: float) 
     return (f"KV pool would be {pool / GB:.1f} GB at gpu_memory_utilization={utilization:g}: "
             f"engine weights need {weights_bytes / GB:.1f} GB + activations "
             f"{hw.activation_peak_bytes / GB:.1f} GB + CUDA graphs "
-            f"{hw.graph_pool_bytes / GB:.1f} GB of {engine_budget_bytes(utilization, hw) / GB:.1f} GB")
+            f"{hw.graph_pool_bytes / GB:.1f} GB of "
+            f"{engine_budget_bytes(utilization, hw) / GB:.1f} GB")
 
 
 def kv_row(utilization: float, shape: ModelShape, hw: HardwareProfile, *, tp: int,
