@@ -1,4 +1,5 @@
-"""The loop's edge cases on CPU: a fresh start in a used out_dir, offloads and the ref off."""
+"""The loop's edge cases on CPU: a fresh start in a used out_dir (overwritten or resumed),
+offloads and the ref off."""
 
 import gc
 import json
@@ -21,20 +22,28 @@ def _cfg(model_dir, out_dir, *extra):
                                                    f"run.out_dir={out_dir}", *extra])
 
 
-@pytest.mark.parametrize("resume", ["false", "true"])
-def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, resume, capsys):
+@pytest.mark.parametrize("how", ["run.overwrite=true", "run.resume=true"])
+def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, how, capsys):
     # An earlier run (no checkpoint published, e.g. run.checkpoint=false or killed in step 1)
     # left rows; this run starts at step 0, so appending to them would count steps twice.
+    # (Without --resume or --overwrite the out_dir is refused: tests/test_run_dir.py.)
     stale = "".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2, 3))
     (tmp_path / "metrics.jsonl").write_text(stale)
     (tmp_path / "summary.json").write_text("{}")
-    trainer = Run(_cfg(model_dir, tmp_path, f"run.resume={resume}"))
+    trainer = Run(_cfg(model_dir, tmp_path, how))
     assert trainer.start_step == 0
-    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    metrics = tmp_path / "metrics.jsonl"
+    assert not metrics.exists() or metrics.read_text() == ""
     # The earlier run's summary would make `handoff report` call this unfinished run done.
     assert not (tmp_path / "summary.json").exists()
-    # A resume that finds nothing to resume from says so instead of silently restarting.
-    assert ("no complete checkpoint" in capsys.readouterr().out) == (resume == "true")
+    # A resume that finds nothing to resume from says so instead of silently restarting,
+    # and says which rows it drops; an overwrite says what it removed.
+    out = capsys.readouterr()
+    resume = how == "run.resume=true"
+    assert ("no complete checkpoint" in out.out) == resume
+    assert ("dropping 3 metrics row(s)" in out.err) == resume
+    assert ("overwrite: removed the earlier run's metrics.jsonl, summary.json" in out.err) == (
+        not resume)
 
 
 def test_offloads_and_ref_off_still_report_every_action(model_dir, tmp_path):

@@ -19,6 +19,8 @@ def cfg(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps(PRESETS["tiny-qwen3"]))
     (model / "tokenizer.json").write_text("{}")
+    header = b'{"__metadata__":{"format":"pt"}}'   # a complete safetensors file, no tensors
+    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     return load_config("examples/cpu-tiny.yaml", [f"model.path={model}",
                                                    f"run.out_dir={tmp_path / 'run'}",
                                                    "run.steps=3", "run.resume=true"])
@@ -65,10 +67,15 @@ def _free_disk(monkeypatch, free):
 
 
 def test_checkpoint_bytes_are_params_master_and_adam(cfg):
-    n = load_shape(cfg.model.path).num_params
-    assert checkpoint_bytes(cfg) == 12 * n  # cpu-tiny is fp32: its params are their own master
+    from handoff.train.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
+
+    shape = load_shape(cfg.model.path)
+    n, files = shape.num_params, shape.num_tensors
+    # cpu-tiny is fp32: its params are their own master; a file per tensor and moment.
+    assert checkpoint_bytes(cfg) == 12 * n + 3 * files * FILE_OVERHEAD_BYTES + RNG_FILE_BYTES
     # bf16 params 2 + fp32 master 4 + Adam 8: a 4B model's checkpoint is ~56 GB.
-    assert checkpoint_bytes(_with(cfg, "model.dtype=bfloat16")) == 14 * n
+    assert checkpoint_bytes(_with(cfg, "model.dtype=bfloat16")) == (
+        14 * n + 4 * files * FILE_OVERHEAD_BYTES + RNG_FILE_BYTES)
 
 
 def test_a_run_whose_checkpoints_cannot_fit_the_disk_is_refused(cfg, monkeypatch):

@@ -12,11 +12,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # import each other: the engine and the trainer know nothing of one another.
 FLOORS = {
     "handoff": 0, "errors": 0, "units": 0, "lengths": 0,
-    "config": 1, "demo_model": 1,
+    "config": 1, "demo_model": 1, "model_files": 1,
     "plan": 2, "dist": 2, "tasks": 2,
     "memory": 3, "sync": 3,
     "rollout": 4, "train": 4, "modelzoo": 4,
-    "calibrate": 5,
+    "calibrate": 5, "run_dir": 5,
     "worker": 6, "run_report": 6, "preflight": 6,
     "startup": 7,
     "loop": 8,

@@ -23,20 +23,33 @@ bench_app = typer.Typer(no_args_is_help=True,
 app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True)
+PLAN_DOES_NOT_FIT = 3   # `handoff plan`'s exit status when the verdict is "does not fit"
 
 
 def friendly_errors(fn: Callable) -> Callable:
-    """Turn a HandoffError into one red line and exit code 2."""
+    """Turn a HandoffError into one red line and exit code 2; refuse a NaN or infinite
+    number option first (click's FLOAT accepts both, and every range check passes NaN)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            check_finite_options(kwargs)
             return fn(*args, **kwargs)
         except HandoffError as e:
             err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
             sys.exit(2)
 
     return wrapper
+
+
+def check_finite_options(values: dict) -> None:
+    """Raise HandoffError naming the first float option whose value is NaN or infinite."""
+    import math
+
+    for name, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise HandoffError(f"--{name.replace('_', '-')} {value} is not a finite number: "
+                               "pass a real value (see --help)")
 
 
 @app.command("plan")
@@ -77,7 +90,10 @@ def plan_cmd(
     markdown: bool = typer.Option(False, help="print Markdown tables"),
     plot: Optional[str] = typer.Option(None, help="also draw the utilization sweep to this PNG"),
 ) -> None:
-    """What moves at each switch, the KV-pool tax, and whether to colocate at all."""
+    """What moves at each switch, the KV-pool tax, and whether to colocate at all.
+
+    A run that does not fit gets the whole plan too, with the verdict "does not fit", every
+    reason and a change that re-plans to a fit; the exit status is then 3."""
     import json
 
     from handoff.plan.render import render_markdown, render_rich
@@ -86,8 +102,6 @@ def plan_cmd(
     flags = dict(locals())
     cfg, auto_tp = plan_config(config, overrides, flags)
     report = build_plan(cfg, ref=ref, grad_offload=grad_offload, auto_tp_size=auto_tp)
-    if not report["verdict"]["fits"]:
-        raise HandoffError(report["verdict"]["fix"])
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     elif markdown:
@@ -98,6 +112,8 @@ def plan_cmd(
         from handoff.plan.plot import plot_utilization
 
         err_console.print(f"wrote {plot_utilization(report, plot)}")
+    if not report["verdict"]["fits"]:
+        sys.exit(PLAN_DOES_NOT_FIT)
 
 
 @app.command("init-model")
@@ -110,12 +126,14 @@ def init_model_cmd(
     dtype: str = typer.Option(None, help="bfloat16 | float32 (default: bfloat16; float32 for "
                               "smollm2-135m-instruct)"),
     device: str = typer.Option("cpu", help="where to initialise (cuda is faster for big shapes)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="write into a directory that "
+                                   "already holds files (refused without it)"),
 ) -> None:
     """Write an HF checkpoint (config.json, model.safetensors, tokenizer): random-init of a
     preset shape, or the real SmolLM2-135M-Instruct converted from its GGUF."""
     from handoff.modelzoo import init_model
 
-    path = init_model(preset, out, seed=seed, dtype=dtype, device=device)
+    path = init_model(preset, out, seed=seed, dtype=dtype, device=device, overwrite=overwrite)
     console.print(f"wrote {preset} checkpoint to {path}")
 
 
@@ -166,8 +184,17 @@ def bench_memory_cmd(
     """Pinned copy floor, arena offload/onload, full duplex, region sleep/wake, level 1."""
     from handoff.bench.memory import render, run_memory_bench
 
+    _positive(size_gib=size_gib, kv_gib=kv_gib, repeats=repeats)
     result = run_memory_bench(size_gib=size_gib, kv_gib=kv_gib, repeats=repeats, device=device)
     _show_and_save(result, out, render)
+
+
+def _positive(**options: float) -> None:
+    """Refuse a size or count option that is not above 0, naming it."""
+    for name, value in options.items():
+        if not value > 0:
+            raise HandoffError(f"--{name.replace('_', '-')} {value} is not positive: pass a "
+                               "value above 0")
 
 
 def _show_and_save(result: dict, out: str, render: Callable) -> None:
@@ -233,6 +260,8 @@ def bench_engine_cmd(
     """Engine decode step vs transformers generate and the HBM floor; the public workload."""
     from handoff.bench.engine import render, run_engine_bench
 
+    _positive(prompt_len=prompt_len, new_tokens=new_tokens, hf_new_tokens=hf_new_tokens,
+              public_seqs=public_seqs, util=util)
     result = run_engine_bench(
         models=[m.strip() for m in models.split(",") if m.strip()],
         batches=_int_list(batches, "--batches"), prompt_len=prompt_len, new_tokens=new_tokens,
@@ -304,6 +333,7 @@ def bench_trainer_cmd(
     """Actor/ref offload and onload per part, measured vs the ledger of `handoff plan`."""
     from handoff.bench.trainer import render, run_trainer_bench
 
+    _positive(repeats=repeats, rows=rows, seq_len=seq_len)
     result = run_trainer_bench(model, device=device, dtype=dtype, repeats=repeats, rows=rows,
                                seq_len=seq_len, hardware=hardware, compare_fsdp=compare_fsdp)
     _show_and_save(result, out, render)
@@ -373,6 +403,8 @@ def train_cmd(
     config: str = typer.Argument(..., help="YAML config, e.g. examples/cpu-demo.yaml"),
     overrides: Optional[list[str]] = typer.Argument(None, help="overrides key.sub=value"),
     resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace the earlier run in "
+                                   "run.out_dir (refused without it or --resume)"),
 ) -> None:
     """Colocated sync GRPO: generate, switch, train, switch back; planned vs measured at the end."""
     from handoff.config import load_config
@@ -380,13 +412,21 @@ def train_cmd(
 
     from handoff.demo_model import resolve_model_path
 
-    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else []))
+    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else [])
+                      + (["run.overwrite=true"] if overwrite else []))
     cfg.model.path = resolve_model_path(cfg.model.path)
     preflight(cfg)
     from handoff.loop import train
-    from handoff.dist import end_distributed_run
+    from handoff.dist import end_distributed_run, world_rank_size
+    from handoff.run_dir import interrupted_message
 
-    train(cfg)
+    try:
+        train(cfg)
+    except KeyboardInterrupt:
+        if world_rank_size()[0] == 0:
+            err_console.print(f"[bold yellow]{interrupted_message(cfg, f'handoff train {config}')}"
+                              "[/]", highlight=False, soft_wrap=True)
+        sys.exit(130)
     # Not after an error: the other ranks may sit in a collective.
     end_distributed_run()
 

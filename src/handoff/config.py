@@ -10,6 +10,7 @@ accepted range. This module imports no torch: `handoff plan` uses it on a laptop
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -172,6 +173,8 @@ class RunConfig:
     save_every: int = F(0, help="checkpoint every N steps (0: only at the end)", ge=0)
     checkpoint: bool = F(True, help="write checkpoints (false: a benchmark run that keeps none)")
     resume: bool = F(False, help="resume from the last complete checkpoint in out_dir")
+    overwrite: bool = F(False, help="replace an earlier run in out_dir (its metrics, summary, "
+                        "config and checkpoints); without it a used out_dir is refused")
     rates_file: str | None = F(None, help="price the ledger with the rates an earlier run on "
                                "this card measured (its summary.json) instead of measuring them "
                                "at start (handoff bench sweep's points)")
@@ -198,7 +201,7 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
     """Turn a YAML/CLI value into the field's declared type, or raise naming the field."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -219,15 +222,24 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             as_float = float(value)
         except ValueError:
             raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4") from None
+        if not math.isfinite(as_float):
+            raise ConfigError(f"{key}={value!r} is not a finite number: pass a whole number in "
+                              f"{_range_text(meta)} ({meta['help']})")
         if as_float != int(as_float):
             raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4")
         return int(as_float)
     if tp is float:
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r} is not a number: use a value such as 0.5") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}={value!r} is not a finite number: pass a value in "
+                              f"{_range_text(meta)} ({meta['help']})")
+        return number
     if tp is str:
+        if value is None:
+            raise ConfigError(f"{key} is empty (YAML null): give it a value")
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}={value!r} is not a string")
         return str(value)
@@ -238,18 +250,18 @@ def _apply(obj: Any, data: dict, prefix: str) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping of keys, got {data!r}")
     hints = _field_types(type(obj))
-    fields = {f.name: f for f in dataclasses.fields(obj)}
+    metas = {f.name: dict(f.metadata) for f in dataclasses.fields(obj)}
     for key, value in data.items():
         full = f"{prefix}{key}"
-        if key not in fields:
-            raise ConfigError(f"unknown config key {full!r}: known keys here are {sorted(fields)}")
+        if key not in metas:
+            raise ConfigError(f"unknown config key {full!r}: known keys here are {sorted(metas)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _apply(current, value, f"{full}.")
-        elif fields[key].metadata.get("auto") and str(value).lower() == "auto":
+        elif metas[key].get("auto") and str(value).lower() == "auto":
             setattr(obj, key, "auto")
         else:
-            setattr(obj, key, _coerce(value, hints[key], full))
+            setattr(obj, key, _coerce(value, hints[key], full, metas[key]))
 
 
 def set_key(cfg: Config, dotted: str, raw: str) -> None:
@@ -294,17 +306,25 @@ def _check_field(key: str, value: Any, meta: dict) -> None:
     if choices is not None and value not in choices:
         raise ConfigError(f"{key}={value!r} is not accepted: choose one of {', '.join(map(str, choices))}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        lo = ("[", meta["ge"]) if meta.get("ge") is not None else ("(", meta.get("gt"))
-        hi = ("]", meta["le"]) if meta.get("le") is not None else (")", meta.get("lt"))
+        # NaN compares false with every bound, so a range check alone would let it through.
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number: pass a value in "
+                              f"{_range_text(meta)} ({meta['help']})")
         bad = ((meta.get("ge") is not None and value < meta["ge"])
                or (meta.get("gt") is not None and value <= meta["gt"])
                or (meta.get("le") is not None and value > meta["le"])
                or (meta.get("lt") is not None and value >= meta["lt"]))
         if bad:
-            lo_s = f"{lo[0]}{lo[1] if lo[1] is not None else '-inf'}"
-            hi_s = f"{hi[1] if hi[1] is not None else 'inf'}{hi[0]}"
-            raise ConfigError(f"{key}={value} is out of range {lo_s}, {hi_s}: pass a value inside it "
-                              f"({meta['help']})")
+            raise ConfigError(f"{key}={value} is out of range {_range_text(meta)}: pass a value "
+                              f"inside it ({meta['help']})")
+
+
+def _range_text(meta: dict) -> str:
+    """A field's accepted range as an interval, e.g. (0, 1] or [1, inf)."""
+    lo = ("[", meta["ge"]) if meta.get("ge") is not None else ("(", meta.get("gt"))
+    hi = ("]", meta["le"]) if meta.get("le") is not None else (")", meta.get("lt"))
+    return (f"{lo[0]}{lo[1] if lo[1] is not None else '-inf'}, "
+            f"{hi[1] if hi[1] is not None else 'inf'}{hi[0]}")
 
 
 def validate(cfg: Any, prefix: str = "") -> None:
@@ -333,6 +353,18 @@ def _check_cross_fields(cfg: Config) -> None:
     if p.gpus % p.tp != 0:
         raise ConfigError(f"parallel.tp={p.tp} does not divide parallel.gpus={p.gpus}: "
                           "pick a divisor of the card count")
+    ro = cfg.rollout
+    if ro.max_tokens >= ro.max_model_len:
+        raise ConfigError(f"rollout.max_tokens={ro.max_tokens} leaves no room for a prompt in "
+                          f"rollout.max_model_len={ro.max_model_len}: lower max_tokens or raise "
+                          "max_model_len above it")
+    run = cfg.run
+    if not run.out_dir.strip():
+        raise ConfigError("run.out_dir is empty (it would mean the current directory): name "
+                          "a directory for the run's files, e.g. run.out_dir=runs/my-run")
+    if run.resume and run.overwrite:
+        raise ConfigError("run.resume and run.overwrite are both set: resume continues the run "
+                          "in out_dir, overwrite replaces it; pick one")
 
 
 def to_dict(cfg: Any) -> dict:

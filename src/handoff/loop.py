@@ -19,19 +19,20 @@ and after a resume.
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from handoff.config import Config, to_dict
+from handoff.config import Config
 from handoff.dist import mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.memory.allocator import frozen_gc_heap
 from handoff.rollout.sampling import SamplingParams
+from handoff.run_dir import claim_out_dir, trim_metrics, write_run_config
 from handoff.run_report import RunReport, console
 from handoff.startup import start_worker
 from handoff.tasks import build_task
@@ -125,6 +126,15 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
     return row
 
 
+def check_finite_update(update: dict, step: int) -> None:
+    """Stop before a non-finite loss or gradient norm reaches the weights' checkpoint."""
+    bad = [k for k in ("loss", "grad_norm") if k in update and not math.isfinite(update[k])]
+    if bad:
+        raise HandoffError(f"step {step} gave a non-finite {bad[0]} ({update[bad[0]]}): the "
+                           "weights are no longer trustworthy and no checkpoint of them is "
+                           "written; resume from the last checkpoint with a lower actor.lr")
+
+
 class Run:
     """One training run: the worker, the task, the tokenizer and the output files."""
 
@@ -135,8 +145,9 @@ class Run:
         self.rank, self.world = world_rank_size()
         self.out_dir = Path(cfg.run.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
-        if self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.run_lock = None
+        if self.rank == 0:   # refuses a used out_dir or a live run's before any work
+            self.run_lock = claim_out_dir(cfg)
         else:  # one voice per run: rank 0 prints, the others load their models quietly
             from transformers.utils import logging as hf_logging
 
@@ -152,7 +163,7 @@ class Run:
         if cfg.run.resume:
             self._resume()
         if self.rank == 0:
-            self._drop_stale_outputs()
+            trim_metrics(self.out_dir, self.start_step)
         self.report = (RunReport(cfg, self.out_dir, rates=self.rates, meter=self.worker.meter,
                                  kv_pool_bytes=self.worker.pool.region_bytes("kv_cache"))
                        if self.rank == 0 else None)
@@ -167,24 +178,12 @@ class Run:
                               "starting at step 0[/]", highlight=False)
             return
         state = self.worker.load_trainer_state(lambda actor: load_checkpoint(self.ckpt_dir, actor))
+        task_state = state["extra"].get("task") if isinstance(state["extra"], dict) else None
+        if not isinstance(task_state, dict):
+            raise HandoffError(f"{state['path']}/meta.json records no data position (extra.task): "
+                               "it was not written by `handoff train`; start over with --overwrite")
         self.start_step = int(state["step"])
-        self.task.load_state_dict(state["extra"]["task"])
-
-    def _drop_stale_outputs(self) -> None:
-        """Keep only the metrics rows of steps up to start_step (none on a fresh start).
-
-        Rows after a resumed checkpoint's step came from a step that never completed its
-        checkpoint, and rows in the out_dir of a fresh start belong to an earlier run: both
-        are dropped, so no step is lost or counted twice. An earlier summary goes too: until
-        this run finishes, `handoff report` says it did not.
-        """
-        for name in ("summary.json", "summary.md"):
-            (self.out_dir / name).unlink(missing_ok=True)
-        metrics = self.out_dir / "metrics.jsonl"
-        if metrics.is_file():
-            kept = [line for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= self.start_step]
-            metrics.write_text("".join(line + "\n" for line in kept))
+        self.task.load_state_dict(task_state)
 
     def _save(self, step: int) -> Path:
         """Write checkpoint `step` unpublished: it counts once its metrics row is written."""
@@ -233,6 +232,7 @@ class Run:
         scored.batch.old_logprobs, scored.batch.ref_logprobs = logprobs["old"], logprobs["ref"]
         update, optimizer_moves = worker.update(scored.batch)
         train_s = time.perf_counter() - t0
+        check_finite_update(update, step + 1)   # before a checkpoint could keep NaN weights
         t0 = time.perf_counter()
         self.pending_checkpoint = self._save(step + 1) if save else None
         checkpoint_s = time.perf_counter() - t0 if save else 0.0
@@ -273,7 +273,11 @@ class Run:
 
 def train(cfg: Config) -> dict:
     """Run `cfg` to the end; returns the summary (rank 0; {} elsewhere)."""
-    if world_rank_size()[0] == 0:
-        (Path(cfg.run.out_dir)).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run.out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    return Run(cfg).run()
+    run = Run(cfg)
+    try:
+        if run.rank == 0:   # after the resume: a failed one leaves the run's config as it was
+            write_run_config(cfg)
+        return run.run()
+    finally:
+        if run.run_lock is not None:   # the run is over: out_dir is free for the next
+            run.run_lock.release()

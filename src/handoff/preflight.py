@@ -12,18 +12,17 @@ from pathlib import Path
 
 from handoff.config import Config
 from handoff.errors import HandoffError
+from handoff.model_files import cap_context, check_model_dir
+from handoff.run_dir import check_out_dir
 
 
 def preflight(cfg: Config) -> dict | None:
-    """Raise HandoffError naming cause and fix when `cfg` cannot run; returns the plan on GPUs."""
-    model = Path(cfg.model.path)
-    if not (model / "config.json").is_file():
-        raise HandoffError(f"model.path={cfg.model.path!r} is not an HF checkpoint directory "
-                           "(no config.json): create one with `handoff init-model --preset "
-                           "tiny-qwen3 --out DIR` or point model.path at a downloaded model")
-    if not any((model / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise HandoffError(f"{model} has no tokenizer files: save the tokenizer next to the "
-                           "weights (tokenizer.save_pretrained(DIR))")
+    """Raise HandoffError naming cause and fix when `cfg` cannot run; returns the plan on GPUs.
+
+    May lower rollout.max_model_len to the model's context length (with a warning)."""
+    check_model_dir(cfg.model.path, flag="model.path")
+    cap_context(cfg)
+    check_out_dir(cfg)
     if cfg.data.prompts_per_step % cfg.parallel.gpus:
         raise HandoffError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not split "
                            f"over parallel.gpus={cfg.parallel.gpus} ranks: use a multiple of it")
@@ -33,15 +32,16 @@ def preflight(cfg: Config) -> dict | None:
         _check_checkpoint_room(cfg)
     if cfg.hardware.name == "cpu":
         return None
+    from handoff.plan.advice import advice_text
     from handoff.plan.report import build_plan
 
     plan = build_plan(cfg, ref=cfg.actor.kl_coef > 0)
     verdict = plan["verdict"]
     if not verdict["fits"]:
-        reasons = "; ".join(verdict["reasons"])
-        raise HandoffError(f"the planner says this run cannot fit: {reasons}. Run `handoff plan "
-                           f"--config CONFIG` for the full ledger and turn on offloads or lower "
-                           "rollout.gpu_memory_utilization")
+        reasons = "; ".join(r for r in verdict["reasons"] if r.startswith("does not fit"))
+        raise HandoffError(f"the planner says this run cannot fit: {reasons}; "
+                           f"{advice_text(verdict['advice'])}. Run `handoff plan --config "
+                           "CONFIG` for the full ledger")
     return plan
 
 
@@ -56,23 +56,25 @@ def _check_resume(cfg: Config) -> None:
 
 def _start_step(ckpt_dir: Path) -> int:
     """The step of the latest complete checkpoint (0 when there is none)."""
-    import json
-
-    from handoff.train.checkpoint import latest_checkpoint
+    from handoff.train.checkpoint import checkpoint_step, latest_checkpoint
 
     latest = latest_checkpoint(ckpt_dir)
-    return json.loads((latest / "meta.json").read_text())["step"] if latest else 0
+    return checkpoint_step(latest) if latest else 0
 
 
 def checkpoint_bytes(cfg: Config) -> int:
     """Bytes of one checkpoint: the params in model.dtype plus, as the trainer keeps them,
-    the fp32 master copy (none for fp32 params) and Adam's two fp32 moments."""
+    the fp32 master copy (none for fp32 params) and Adam's two fp32 moments; one file per
+    tensor, each with its overhead; every rank's RNG states."""
     from handoff.plan.ledger import Dtypes
     from handoff.plan.shapes import load_shape
+    from handoff.train.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
 
     d = Dtypes.for_model(cfg.model.dtype)
-    return load_shape(cfg.model.path).num_params * (d.param_bytes + d.master_bytes
-                                                    + d.optimizer_bytes)
+    shape = load_shape(cfg.model.path)
+    files = shape.num_tensors * (1 + (1 if d.master_bytes else 0) + 2)
+    return (shape.num_params * (d.param_bytes + d.master_bytes + d.optimizer_bytes)
+            + files * FILE_OVERHEAD_BYTES + cfg.parallel.gpus * RNG_FILE_BYTES)
 
 
 def _check_checkpoint_room(cfg: Config) -> None:

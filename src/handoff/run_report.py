@@ -27,6 +27,7 @@ from handoff.memory.meter import MemoryMeter, plot_timeline
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
 from handoff.plan.shapes import load_shape
+from handoff.run_dir import read_metrics
 from handoff.units import fmt_bytes
 
 console = Console()
@@ -71,8 +72,7 @@ class RunReport:
         # A resumed run's summary covers the whole run: the loop has already trimmed
         # metrics.jsonl to the steps before first_step.
         if first_step > 0 and self.metrics_path.is_file():
-            self.rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines()
-                         if line.strip()]
+            self.rows = read_metrics(self.metrics_path)[0]
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -224,6 +224,9 @@ def _share(s: dict) -> str:
     return f"{100 * s['switch_share']:.1f}%" if s["switch_share"] is not None else "-"
 
 
+SHOWN_KEYS = ("reward_mean", "response_length", "timing_s/gen", "timing_s/step")
+
+
 def show_run(run_dir: str | Path) -> dict:
     """`handoff report RUN_DIR`: the per-step metrics and the planned-vs-measured table."""
     from handoff.errors import HandoffError
@@ -233,7 +236,9 @@ def show_run(run_dir: str | Path) -> dict:
     if not metrics_path.is_file():
         raise HandoffError(f"{run_dir} holds no metrics.jsonl: pass the run.out_dir of a "
                            "`handoff train` run")
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows, problem = read_metrics(metrics_path, required=SHOWN_KEYS)
+    if problem:
+        console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
     t = Table(title=f"{run_dir}: {len(rows)} steps")
     for col in ("step", "reward", "length", "kl", "gen s", "switch s", "step s"):
         t.add_column(col, justify="right")
@@ -246,6 +251,11 @@ def show_run(run_dir: str | Path) -> dict:
     if not summary_path.is_file():
         console.print("[yellow]no summary.json: the run did not finish[/]")
         return {}
-    summary = json.loads(summary_path.read_text())
-    console.print(summary_table(summary))
+    try:
+        summary = json.loads(summary_path.read_text())
+        console.print(summary_table(summary))
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        console.print(f"[yellow]{summary_path} is damaged (not the summary of a finished run): "
+                      "its table is not shown[/]", highlight=False)
+        return {}
     return summary

@@ -1,5 +1,5 @@
 """`handoff plan` as a user meets it: no torch, fast, bad input -> one line and exit 2, and
-the --json / --markdown forms."""
+the --json / --markdown forms (a run that does not fit: tests/plan/test_plan_does_not_fit.py)."""
 
 import json
 import subprocess
@@ -45,9 +45,6 @@ def invoke(*args):
     (["--util", "1.5"], "gpu_memory_utilization=1.5 is out of range", "(0, 1]"),
     (["--util", "-0.1"], "gpu_memory_utilization=-0.1 is out of range", "(0, 1]"),
     (["--model", "qwen3-999b"], "neither a preset", "use one of"),
-    (["--model", "llama3-70b", "--gpus", "8"], "does not fit", ">= 32 cards"),
-    (["--model", "qwen3-32b", "--gpus", "8", "--tp", "1"], "KV pool would be -28.0 GB",
-     "raise --util to >= 0.90"),
     (["--gpus", "8", "--tp", "3"], "does not divide", "divisor"),
     (["--hardware", "tpu-v9"], "unknown hardware", "choose one of"),
     (["--gpus", "0"], "parallel.gpus=0", "[1"),

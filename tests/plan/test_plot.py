@@ -15,9 +15,10 @@ def test_plan_plot_writes_the_sweep(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-def test_plan_plot_is_not_drawn_for_a_plan_that_fails(tmp_path):
+def test_plan_plot_is_drawn_for_a_plan_that_does_not_fit(tmp_path):
+    """The whole plan is the answer then too (exit 3), the sweep with its empty pools."""
     out = tmp_path / "sweep.png"
-    result = CliRunner().invoke(app, ["plan", "--model", "llama3-70b", "--gpus", "8",
+    result = CliRunner().invoke(app, ["plan", "--model", "qwen3-32b", "--gpus", "1",
                                       "--hardware", "h100-sxm", "--plot", str(out)])
-    assert result.exit_code == 2
-    assert not out.exists()
+    assert result.exit_code == 3, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

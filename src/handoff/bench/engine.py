@@ -157,7 +157,8 @@ def public_workload(path: Path, *, num_seqs: int, lengths: tuple[int, int],
 def _checkpoint(preset: str, workdir: Path, device: torch.device, dtype: str) -> Path:
     from handoff.modelzoo import init_model
 
-    path = init_model(preset, workdir / preset, dtype=dtype, device=str(device))
+    # The bench's own scratch directory: a preset benched twice is written again.
+    path = init_model(preset, workdir / preset, dtype=dtype, device=str(device), overwrite=True)
     free(device)
     return path
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from handoff.errors import HandoffError
 from handoff.plan.hardware import GB, HardwareProfile
 from handoff.plan.shapes import ModelShape
 
@@ -92,26 +91,16 @@ def kv_pool_bytes(utilization: float, hw: HardwareProfile, weights_bytes: float)
             - hw.graph_pool_bytes)
 
 
-def min_utilization(hw: HardwareProfile, weights_bytes: float, kv_min_bytes: float = 0.0) -> float:
-    """Smallest utilization (on a 0.05 grid) whose KV pool holds `kv_min_bytes`."""
-    need = (weights_bytes + hw.activation_peak_bytes + hw.graph_pool_bytes + kv_min_bytes)
-    return math.ceil(need / hw.hbm_bytes / 0.05 - 1e-9) * 0.05
-
-
-def check_kv_pool(utilization: float, hw: HardwareProfile, weights_bytes: float, tp: int) -> None:
-    """Raise a HandoffError naming the bytes and the fix when the pool comes out negative."""
+def kv_shortfall(utilization: float, hw: HardwareProfile, weights_bytes: float) -> str | None:
+    """Why the engine gets no KV pool at `utilization` (bytes named), or None when it gets one."""
     pool = kv_pool_bytes(utilization, hw, weights_bytes)
     if pool > 0:
-        return
-    need = min_utilization(hw, weights_bytes, kv_min_bytes=1 * GB)
-    ceiling = 1 - hw.resident_bytes / hw.hbm_bytes
-    fix = (f"raise --util to >= {need:.2f} or raise --tp" if need <= ceiling
-           else f"raise --tp above {tp} (the weights alone leave no room on one card)")
-    raise HandoffError(
-        f"KV pool would be {pool / GB:.1f} GB at gpu_memory_utilization={utilization:g}: engine "
-        f"weights need {weights_bytes / GB:.1f} GB + activations "
-        f"{hw.activation_peak_bytes / GB:.1f} GB + CUDA graphs {hw.graph_pool_bytes / GB:.1f} GB "
-        f"of {engine_budget_bytes(utilization, hw) / GB:.1f} GB; {fix}")
+        return None
+    return (f"KV pool would be {pool / GB:.1f} GB at gpu_memory_utilization={utilization:g}: "
+            f"engine weights need {weights_bytes / GB:.1f} GB + activations "
+            f"{hw.activation_peak_bytes / GB:.1f} GB + CUDA graphs "
+            f"{hw.graph_pool_bytes / GB:.1f} GB of "
+            f"{engine_budget_bytes(utilization, hw) / GB:.1f} GB")
 
 
 def kv_row(utilization: float, shape: ModelShape, hw: HardwareProfile, *, tp: int,

@@ -31,7 +31,10 @@ def plot_utilization(report: dict, path: str | Path) -> Path:
     ax_c.plot(util, [r["concurrency"] for r in rows], "o-", color="#4c72b0")
     ax_c.set_ylabel("concurrent sequences c", color="#4c72b0")
     ax_c.set_ylim(bottom=0)
-    ax_gen.plot(util, [r["generation_seconds"] for r in rows], "o-", color="#55a868")
+    # No sequence fits a pool at that utilization (a plan that does not fit): no point.
+    gen = [r["generation_seconds"] if r["generation_seconds"] is not None else float("nan")
+           for r in rows]
+    ax_gen.plot(util, gen, "o-", color="#55a868")
     ax_gen.set_xlabel("gpu_memory_utilization")
     ax_gen.set_ylabel("generation time per step, s")
     ax_gen.set_ylim(bottom=0)
@@ -41,7 +44,7 @@ def plot_utilization(report: dict, path: str | Path) -> Path:
                 for ax in (ax_kv, ax_gen):
                     ax.axvline(r["utilization"], linestyle=style, color="black", linewidth=1)
                 ax_gen.annotate(f"{label} {r['utilization']:g}",
-                                (r["utilization"], r["generation_seconds"]),
+                                (r["utilization"], r["generation_seconds"] or 0.0),
                                 textcoords="offset points", xytext=(4, 8), fontsize=8)
     model, layout = report["model"], report["layout"]
     fig.suptitle(f"{model['name']} on {layout['gpus']} x {report['hardware']['name']}, "

@@ -6,6 +6,8 @@ shown in GB (1e9 bytes), seconds and milliseconds, while `--json` keeps bytes an
 
 from __future__ import annotations
 
+from handoff.plan.advice import advice_text
+
 GB = 1e9
 
 
@@ -106,6 +108,8 @@ def summary_lines(report: dict) -> list[str]:
     lines.append(f"verdict: {'fits' if v['fits'] else 'DOES NOT FIT'}; mode "
                  f"{v['mode'] or '-'}; highest safe gpu_memory_utilization {util}")
     lines += [f"  - {r}" for r in v["reasons"]]
+    if not v["fits"]:
+        lines.append(f"to fit: {advice_text(v.get('advice'))}")
     return lines
 
 

@@ -8,7 +8,8 @@ The report's keys are the `--json` contract (bytes in bytes, times in seconds):
 model, hardware, layout, workload, memory {train, generate}, switch {actions,
 total_bytes_per_card, total_seconds, share_of_step}, step {seconds, source, modelled_seconds,
 generation_seconds, switch_seconds, train_seconds, ...}, kv [rows], kv_gain,
-pinned_host_bytes_per_node, verdict {fits, mode, max_utilization, reasons}.
+pinned_host_bytes_per_node, verdict {fits, mode, max_utilization, reasons, fix, advice}
+(advice: {overrides, flags, mode} of a plan that fits, or null).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import dataclasses
 
 from handoff.config import Config
 from handoff.errors import HandoffError
+from handoff.plan.advice import advice_text, find_fitting_plan
 from handoff.plan.hardware import HardwareProfile, hardware_profile
-from handoff.plan.kvpool import (Workload, check_kv_pool, engine_weight_bytes, generation_gain,
-                                 kv_pool_bytes, kv_table)
+from handoff.plan.kvpool import (Workload, engine_weight_bytes, generation_gain, kv_pool_bytes,
+                                 kv_table)
 from handoff.plan.ledger import (Dtypes, memory_by_owner, offloaded_bytes_per_card, shard_size,
                                  switch_actions, switch_summary, weight_sync_seconds)
 from handoff.plan.shapes import ModelShape, load_shape
@@ -64,8 +66,10 @@ def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
 
 
 def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
-               auto_tp_size: bool = False) -> dict:
-    """Every table of `handoff plan` as one dict; raises HandoffError on unusable input."""
+               auto_tp_size: bool = False, advise: bool = True) -> dict:
+    """Every table of `handoff plan` as one dict, whether the run fits or not; raises
+    HandoffError only on unusable input. A plan that does not fit carries, with `advise`,
+    the smallest change that re-plans to one that fits (plan/advice.py)."""
     shape = load_shape(cfg.model.path)
     hw = hardware_profile(cfg.hardware.name, cfg.hardware)
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
@@ -94,8 +98,7 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
                         max_num_seqs=cfg.rollout.max_num_seqs)
 
     weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
-    check_kv_pool(util, hw, weights, parallel.tp)
-    pool = kv_pool_bytes(util, hw, weights)
+    pool = kv_pool_bytes(util, hw, weights)   # negative: a reason of the verdict
     bucket = cfg.sync.bucket_mb * 2 ** 20
     actions = switch_actions(shape, parallel, memory, hw, kv_pool_bytes=pool, dtypes=dtypes,
                              ref=ref, grad_offload=grad_offload, bucket_bytes=bucket)
@@ -119,6 +122,12 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
                      tail_seconds=req_row.tail_seconds, step_seconds=step["seconds"])
     memory_owners = memory_by_owner(shape, parallel, memory, hw, kv_pool_bytes=pool,
                                     dtypes=dtypes, ref=ref)
+    if not verdict.fits and advise:
+        verdict.advice = find_fitting_plan(
+            dataclasses.replace(cfg, parallel=parallel),
+            lambda trial: build_plan(trial, ref=ref, grad_offload=grad_offload,
+                                     advise=False)["verdict"])
+        verdict.fix = f"{verdict.fix}; {advice_text(verdict.advice)}"
     return {
         "model": {"name": shape.name, "params": shape.num_params,
                   "active_params": shape.active_params, "layers": shape.num_layers,

@@ -3,11 +3,15 @@
     v = decide(shape, cfg.parallel, cfg.memory, hw, ...)
     v.fits, v.mode, v.max_utilization, v.reasons
 
-Hard limits (any one failing: the run does not fit):
+Hard limits (any one failing: the run does not fit; every failing one is a reason):
 * training peak 16N/n + activations <= TRAIN_PEAK_FRACTION x HBM (70 GB of an 80 GB card:
   NCCL buffers, the allocator and the engine's resident pool take the rest);
 * pinned host state per node <= HOST_FRACTION of host RAM (the source: 16N <= half of it);
-* the engine's weights must leave a KV pool at the highest safe utilization (else: more TP).
+* the engine's weights must leave a KV pool at the highest safe utilization (else: more TP),
+  and at the requested one;
+* the engine's TP must divide the attention heads, and divide or be a multiple of the KV
+  heads (the engine's shard rules).
+What to change instead is not guessed here: plan/advice.py searches for a plan that fits.
 
 The highest safe utilization is derived from memory, not looked up: during generation the
 card also holds what no allocator gives back (the profile's resident bytes), the trainer
@@ -32,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from handoff.config import MemoryConfig, ParallelConfig
 from handoff.plan.hardware import GB, HardwareProfile
 from handoff.plan.kvpool import (Workload, engine_weight_bytes, kv_bytes_per_token_per_card,
-                                 kv_pool_bytes)
+                                 kv_pool_bytes, kv_shortfall)
 from handoff.plan.ledger import Dtypes, shard_size, trainer_bytes
 from handoff.plan.shapes import ModelShape
 
@@ -54,8 +58,9 @@ class Verdict:
     max_utilization: float | None
     min_tp: int | None
     reasons: list[str] = field(default_factory=list)
-    fix: str | None = None            # one line for the CLI when it does not fit
+    fix: str | None = None            # one line when it does not fit: the cause, the advice
     long_tail_share: float | None = None
+    advice: dict | None = None        # plan/advice.py: the overrides of a plan that fits
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +113,17 @@ def min_engine_tp(shape: ModelShape, hw: HardwareProfile, *, utilization: float,
     return None
 
 
+def tp_layout_problems(shape: ModelShape, tp: int) -> list[str]:
+    """Why the engine cannot shard this model over `tp` ranks (empty: it can)."""
+    problems = []
+    if shape.num_heads % tp:
+        problems.append(f"engine TP {tp} does not divide the {shape.num_heads} attention heads")
+    kv = shape.num_kv_heads
+    if not shape.kv_latent_dim and kv % tp and tp % kv:
+        problems.append(f"engine TP {tp} and the {kv} KV heads do not divide one another")
+    return problems
+
+
 def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB"
 
@@ -119,7 +135,7 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
            step_seconds: float | None = None) -> Verdict:
     """Fits or not, colocate / colocate_async / disaggregate, the safe utilization, why."""
     reasons: list[str] = []
-    fixes: list[str] = []
+    fixes: list[str] = []   # one entry per hard limit that fails
     shard = shard_size(parallel)
     peak = training_peak_bytes(shape, shard, dtypes, hw)
     limit = TRAIN_PEAK_FRACTION * hw.hbm_bytes
@@ -129,15 +145,16 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
         reasons.append(f"does not fit: training state {_gb(state)} per card "
                        f"({dtypes.train_state_bytes}N/{shard}) + activations "
                        f"{_gb(hw.train_activation_bytes)} > {_gb(limit)} "
-                       f"({TRAIN_PEAK_FRACTION:.1%} of HBM)")
-        fixes.append(f"shard the trainer over >= {cards} cards (--gpus/--shard-size)")
+                       f"({TRAIN_PEAK_FRACTION:.1%} of HBM): the trainer needs a shard "
+                       f"group of >= {cards} cards")
+        fixes.append("training peak")
     else:
         reasons.append(f"training peak {_gb(peak)} per card fits under {_gb(limit)}")
     host_limit = HOST_FRACTION * hw.host_ram_bytes
     if pinned_per_node > host_limit:
         reasons.append(f"does not fit: {_gb(pinned_per_node)} pinned host RAM per node > half "
                        f"of {_gb(hw.host_ram_bytes)}")
-        fixes.append("spread the run over more nodes or pass the real --host-ram-gb")
+        fixes.append("pinned host RAM")
     max_util = max_safe_utilization(shape, parallel, memory, hw, dtypes=dtypes, ref=ref)
     left = trainer_left_bytes(shape, parallel, memory, dtypes, ref)
     weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
@@ -148,11 +165,10 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
         if left and (max_util <= 0 or min_tp is None):
             reasons.append(f"does not fit: {_gb(left)} of trainer state stays on the card during "
                            f"generation, leaving the engine no KV pool")
-            fixes.append("enable --optimizer-offload and --param-offload")
         else:
             reasons.append(f"does not fit: engine weights {_gb(weights)} per card (TP="
                            f"{parallel.tp}) leave no KV pool at utilization {max_util:.2f}")
-            fixes.append(f"raise --tp to >= {min_tp}" if min_tp else "use more cards")
+        fixes.append("KV pool at the safe utilization")
     else:
         kept = f"; {_gb(left)} of trainer state stays on the card" if left else ""
         reasons.append(f"highest safe gpu_memory_utilization {max_util:.2f}: "
@@ -162,6 +178,13 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
             reasons.append(f"KV pool capped: {_gb(kv_pool_bytes(max_util, hw, weights))} at "
                            f"{max_util:.2f}, {_gb(kv_pool_bytes(1.0, hw, weights))} on an "
                            "exclusive card")
+    shortfall = kv_shortfall(utilization, hw, weights)
+    if shortfall is not None:
+        reasons.append(f"does not fit: {shortfall}")
+        fixes.append("KV pool at the requested utilization")
+    for problem in tp_layout_problems(shape, parallel.tp):
+        reasons.append(f"does not fit: {problem}")
+        fixes.append("engine TP layout")
     if 0 < max_util < utilization:
         reasons.append(f"requested utilization {utilization:g} is above the safe {max_util:.2f}: "
                        "expect OOMs that come and go between steps")
@@ -180,7 +203,7 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
     fix = None
     if fixes:
         first = next(r for r in reasons if r.startswith("does not fit"))
-        fix = f"{shape.name} on {parallel.gpus} cards {first}; " + "; ".join(fixes)
+        fix = f"{shape.name} on {parallel.gpus} cards {first}"
     return Verdict(fits=fits, mode=mode, max_utilization=max_util, min_tp=min_tp,
                    reasons=reasons, fix=fix, long_tail_share=tail_share)
 

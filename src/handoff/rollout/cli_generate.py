@@ -26,14 +26,14 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     from transformers import AutoTokenizer
 
     from handoff.config import RolloutConfig
+    from handoff.model_files import check_model_dir
     from handoff.rollout.engine import Engine
-    from handoff.rollout.models import read_hf_config
     from handoff.rollout.sampling import SamplingParams
 
     if not prompts:
         raise HandoffError("no prompt given: pass --prompt TEXT (repeat it for several)")
     _check_launch(tp)
-    read_hf_config(model)  # a missing checkpoint is named before the tokenizer complains
+    check_model_dir(model)  # config, tokenizer and weights named before a loader complains
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:

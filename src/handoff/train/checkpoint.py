@@ -6,36 +6,46 @@
 
 Layout under the root:
   step_00000010_<id>/   torch.distributed.checkpoint files (every rank's shards of the params
-                        and of the fp32 master / Adam moments), rng_rank<r>.pt, meta.json
+                        and of the fp32 master / Adam moments), rng_rank<r>.json, meta.json
   latest                the name of the newest complete directory (one line)
 A save writes everything into `.tmp_<name>/` with fsync, renames it into place, then replaces
 `latest` atomically (write latest.tmp, fsync, rename). A process killed at any moment leaves
 `latest` naming a complete checkpoint (or no `latest` at all before the first one); leftover
 `.tmp_*` directories are removed by the next save. Loading works on any world size for the
 weights and optimizer (DCP reshards); RNG states are restored when the world size matches.
+
+What a load trusts (checkpoint_files.py): `latest` must name a directory of its own root;
+meta.json (JSON) records the model's identity, checked before anything loads, and the sha256
+of every other file, checked before DCP opens one; DCP's pickled `.metadata` is read with an
+allow-list of classes; RNG states are JSON. A save that fails for want of disk space says
+so, how much it needed, and that the previous checkpoint is intact.
 """
 
 from __future__ import annotations
 
-import io
+import errno
 import json
 import os
-import random
+import re
 import shutil
 import uuid
 from pathlib import Path
 
-import numpy as np
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
 from handoff.train.actor import Actor
+from handoff.train.checkpoint_files import (FILE_OVERHEAD_BYTES, FORMAT, META, RNG_FILE_BYTES,
+                                            SafeReader, check_identity, file_hashes,
+                                            model_identity, read_json, rng_state,
+                                            set_rng_state, verify_files)
 
 LATEST = "latest"
 KEEP_LAST = 2  # complete checkpoints kept after a publish (preflight counts the disk by it)
+_NAME = re.compile(r"step_\d+_[A-Za-z0-9]+")   # what `latest` may name: no path, no dots
 
 
 def _state(actor: Actor) -> dict:
@@ -48,22 +58,6 @@ def _state(actor: Actor) -> dict:
         optim[key] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
                                         shape=p.shape, stride=p.stride())
     return {"model": model, "optim": optim}
-
-
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": np.random.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _fsync(path: Path) -> None:
@@ -114,21 +108,85 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
     # holds one tensor at a time on the host.
     writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=False,
                                   per_thread_copy_ahead=0)
-    dcp.save(_state(actor), storage_writer=writer)
-    buf = _serialize(_rng_state(actor.device))
-    _write_durable(tmp / f"rng_rank{rank}.pt", buf)
+    try:
+        dcp.save(_state(actor), storage_writer=writer)
+        _write_durable(tmp / f"rng_rank{rank}.json", json.dumps(rng_state(actor.device)).encode())
+        dist.barrier()
+        if rank == 0:
+            meta = {"format": FORMAT, "step": step, "optimizer_step": actor.optimizer.step_count,
+                    "world_size": actor.world_size, "extra": extra or {},
+                    "model": model_identity(actor.module, actor.dtype),
+                    "files": file_hashes(tmp)}
+            _write_durable(tmp / META, json.dumps(meta).encode())
+            _fsync(tmp)
+    except (Exception, CheckpointException) as e:   # DCP's errors derive from BaseException
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(e, root, checkpoint_bytes(actor)):
+            raise HandoffError(_disk_full_message(root, step, checkpoint_bytes(actor))) from e
+        raise
     dist.barrier()
     if rank == 0:
-        meta = {"step": step, "optimizer_step": actor.optimizer.step_count,
-                "world_size": actor.world_size, "extra": extra or {}}
-        _write_durable(tmp / "meta.json", json.dumps(meta).encode())
-        _fsync(tmp)
         os.rename(tmp, final)
         _fsync(root)
         if publish:
             publish_checkpoint(final, keep=keep)
     dist.barrier()
     return final
+
+
+def checkpoint_bytes(actor: Actor) -> int:
+    """Bytes one checkpoint of `actor` takes on disk (all ranks): its tensors, each file's
+    overhead and the ranks' RNG states (preflight estimates the same from the model shape)."""
+    state = _state(actor)
+    tensors = [t for part in state.values() for t in part.values()]
+    return (sum(t.numel() * t.element_size() for t in tensors)
+            + len(tensors) * FILE_OVERHEAD_BYTES + actor.world_size * RNG_FILE_BYTES)
+
+
+def _is_disk_full(error: BaseException, root: Path, need: int) -> bool:
+    """Whether a failed save ran out of disk: ENOSPC (or a quota, a file size limit) anywhere
+    in the error, torch's zip writer's "file write failed" / "unexpected pos" (a short write),
+    or less free space than a checkpoint needs."""
+    seen, todo = [], [error]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+    for e in seen:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return True
+        if any(text in str(e) for text in ("No space left", "file write failed",
+                                            "unexpected pos", "quota")):
+            return True
+    return _free_bytes(root) < need
+
+
+def _free_bytes(root: Path) -> int:
+    where = root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free
+
+
+def _disk_full_message(root: Path, step: int, need: int) -> str:
+    try:
+        last = latest_checkpoint(root)
+    except HandoffError:
+        last = None
+    kept = (f"the last checkpoint ({last.name}, step {checkpoint_step(last)}) is intact"
+            if last is not None else "no earlier checkpoint exists")
+    return (f"checkpoint step {step} could not be written to {root}: the disk is full (one "
+            f"checkpoint needs {_size(need)}, {_size(_free_bytes(root))} are free); {kept}: "
+            "free some space (or set run.checkpoint=false) and resume with --resume")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def publish_checkpoint(path: str | Path, *, keep: int = KEEP_LAST) -> None:
@@ -143,53 +201,92 @@ def publish_checkpoint(path: str | Path, *, keep: int = KEEP_LAST) -> None:
     _prune(root, keep, path.name)
 
 
-def _serialize(obj: object) -> bytes:
-    bio = io.BytesIO()
-    torch.save(obj, bio)
-    return bio.getvalue()
-
-
 def _prune(root: Path, keep: int, newest: str) -> None:
     """Delete complete checkpoints beyond the newest `keep` (never the one `latest` names)."""
-    done = sorted((p for p in root.glob("step_*") if (p / "meta.json").is_file()),
-                  key=lambda p: (json.loads((p / "meta.json").read_text())["step"], p.stat().st_mtime))
+    done = sorted((p for p in root.glob("step_*") if _NAME.fullmatch(p.name)
+                   and (p / META).is_file()),
+                  key=lambda p: (int(p.name.split("_")[1]), p.stat().st_mtime))
     for old in done[:-max(keep, 1)]:
         if old.name != newest:
             shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The directory `latest` names, or None when no checkpoint was completed yet."""
-    pointer = Path(root) / LATEST
+    """The directory `latest` names, or None when no checkpoint was completed yet.
+
+    `latest` must name a directory of `root` itself (step_<n>_<id>: no path, no `..`, no
+    symbolic link out of it)."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_symlink():
+        raise HandoffError(f"{pointer} is a symbolic link: handoff writes it as a file naming "
+                           "a step_* directory next to it; replace it with such a file")
     if not pointer.is_file():
         return None
-    path = Path(root) / pointer.read_text().strip()
-    if not (path / "meta.json").is_file():
+    name = pointer.read_text(errors="replace").strip()
+    path = root / name
+    if not _NAME.fullmatch(name) or path.is_symlink() or path.resolve().parent != root.resolve():
+        raise HandoffError(f"{pointer} names {name[:80]!r}, not a step_* directory of {root}: "
+                           "a checkpoint is only read from its own directory; point latest at "
+                           "one of its step_* directories")
+    if not (path / META).is_file():
         raise HandoffError(f"{pointer} names {path.name}, which is incomplete or missing: "
                            "the checkpoint directory was edited by hand; point latest at a "
                            "step_* directory that has meta.json")
     return path
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a complete checkpoint directory was saved at (one line if meta.json is bad)."""
+    step = read_json(path / META, "checkpoint's meta.json").get("step")
+    if type(step) is not int or step < 0:
+        raise HandoffError(f"{path / META} has no valid step ({step!r}): point `latest` at "
+                           "another checkpoint")
+    return step
+
+
+def _on_rank0(check) -> None:
+    """Run `check` on rank 0 and raise its HandoffError on every rank (none waits alone)."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            check()
+        except HandoffError as e:
+            error = str(e)
+    error = _broadcast(error)
+    if error is not None:
+        raise HandoffError(error)
+
+
 def load_checkpoint(root: str | Path, actor: Actor) -> dict | None:
     """Load the latest checkpoint under `root` into `actor` in place (collective).
 
-    Returns {"step", "extra", "path"}, or None when there is nothing to resume from.
-    """
+    Returns {"step", "extra", "path"}, or None when there is nothing to resume from. Before
+    anything is read into the actor: meta.json's format and the model's identity, then every
+    file against its sha256 (rank 0), then DCP's metadata through the allow-list."""
     path = latest_checkpoint(root)
     if path is None:
         return None
     actor._require_on_device("params", "optimizer")
-    meta = json.loads((path / "meta.json").read_text())
-    state = _state(actor)
+    meta = read_json(path / META, "checkpoint's meta.json")
+    if meta.get("format") != FORMAT:
+        raise HandoffError(f"{path} was written by an older handoff (format "
+                           f"{meta.get('format', 1)}, without file hashes): it cannot be "
+                           "verified; resume it with the handoff that wrote it, or start over "
+                           "with --overwrite")
+    step = checkpoint_step(path)
+    check_identity(path, meta.get("model"), model_identity(actor.module, actor.dtype))
+    _on_rank0(lambda: verify_files(path, meta.get("files")))
+    reader = SafeReader(path, meta["files"])
+    reader.check()
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    except Exception as e:  # DCP reports a shape or key mismatch in many forms
+        dcp.load(_state(actor), storage_reader=reader)
+    except (Exception, CheckpointException) as e:   # DCP's errors derive from BaseException
         raise HandoffError(f"checkpoint {path} does not fit this model ({type(e).__name__}): it "
                            "was written by another model.path or dtype; point run.out_dir at a "
-                           "fresh directory or resume with the config that wrote it") from e
-    actor.optimizer.step_count = meta["optimizer_step"]
-    rng_file = path / f"rng_rank{dist.get_rank()}.pt"
-    if meta["world_size"] == actor.world_size and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False), actor.device)
-    return {"step": meta["step"], "extra": meta["extra"], "path": str(path)}
+                           "fresh directory or resume with the config that wrote it") from None
+    actor.optimizer.step_count = int(meta.get("optimizer_step", 0))
+    rng_file = path / f"rng_rank{dist.get_rank()}.json"
+    if meta.get("world_size") == actor.world_size and rng_file.is_file():
+        set_rng_state(rng_file, actor.device)
+    return {"step": step, "extra": meta.get("extra", {}), "path": str(path)}

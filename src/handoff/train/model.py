@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena, Transfer
+from handoff.model_files import check_loading_info
 from handoff.train import attention
 from handoff.train.batch import RolloutBatch
 from handoff.dist import all_reduce_, init_mesh, resolve_device
@@ -75,8 +76,11 @@ def load_hf_model(path: str, dtype: torch.dtype, gradient_checkpointing: bool) -
                            "directory written by save_pretrained or `handoff init-model`")
     # SDPA for padded rows, varlen for packed ones: one registered name (train/attention.py).
     attention.register()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                 attn_implementation=attention.ATTN_IMPLEMENTATION)
+    # A tensor of the wrong shape, or none at all, would be a random init: refused instead.
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION,
+        ignore_mismatched_sizes=True, output_loading_info=True)
+    check_loading_info(path, info)
     model.config.use_cache = False
     if not hasattr(getattr(model, "model", None), "layers"):
         raise HandoffError(f"{type(model).__name__} has no model.layers: the trainer supports "

@@ -1,0 +1,191 @@
+"""A run's output directory: who may write to it, and reading what a crash may have cut short.
+
+    check_out_dir(cfg)                 # preflight, every rank: read-only, refuses a used out_dir
+    lock = claim_out_dir(cfg)          # rank 0, before any file is written; lock.release()
+    rows, problem = read_metrics(out_dir / "metrics.jsonl")
+
+An out_dir holds a run when any of RUN_FILES is in it. A fresh start there is refused unless
+the user asks to continue it (`--resume`) or to replace it (`--overwrite`, which removes those
+files and nothing else), so an earlier run's metrics, summary, config and checkpoints are never
+erased or mixed with a new run's without a word. The claim takes an exclusive `flock` on
+`.handoff.lock` in out_dir: a second live run on the same out_dir is refused, and a run that
+crashed holds nothing (the kernel drops the lock with the process). Only rank 0 claims: it
+alone writes out_dir's files (the other ranks write their checkpoint shards, under its lead).
+
+metrics.jsonl is appended one row per step, so a crash mid-write leaves a last line cut short:
+`read_metrics` returns the rows before the first bad line and says which line it was, so
+`handoff report` and `--resume` keep working.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from rich.console import Console
+
+from handoff.config import Config, to_dict
+from handoff.errors import HandoffError
+
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
+             "memory_timeline.jsonl", "memory_timeline.png", "tensorboard", "checkpoints")
+LOCK_FILE = ".handoff.lock"
+
+console = Console(stderr=True)
+
+
+def earlier_run(out_dir: Path) -> list[str]:
+    """The run files (RUN_FILES) already in out_dir."""
+    return [name for name in RUN_FILES if (out_dir / name).exists()]
+
+
+def check_out_dir(cfg: Config) -> None:
+    """Refuse an out_dir that is not a directory, or holds a run this one would erase."""
+    out = Path(cfg.run.out_dir)
+    for where in (out, *out.parents):
+        if where.exists() and not where.is_dir():
+            raise HandoffError(f"run.out_dir={cfg.run.out_dir!r}: {where} is a file, not a "
+                               "directory: point run.out_dir at a directory (created if missing)")
+    found = earlier_run(out) if out.is_dir() else []
+    if found and not (cfg.run.resume or cfg.run.overwrite):
+        raise HandoffError(f"run.out_dir={cfg.run.out_dir!r} holds an earlier run "
+                           f"({', '.join(found)}): pass --resume to continue it, --overwrite "
+                           "(run.overwrite=true) to replace it, or choose another run.out_dir")
+
+
+class RunLock:
+    """An exclusive flock on out_dir's lock file, held until `release` or the process ends."""
+
+    def __init__(self, out_dir: Path):
+        self._fd: int | None = None
+        self.path = out_dir / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise HandoffError(f"run.out_dir={str(out_dir)!r} is in use by a live run (pid "
+                               f"{owner}): wait for it to end, or choose another "
+                               "run.out_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)   # closing the descriptor drops the flock
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def claim_out_dir(cfg: Config) -> RunLock:
+    """Rank 0: create out_dir, lock it, check it again under the lock, apply --overwrite."""
+    check_out_dir(cfg)
+    out = Path(cfg.run.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HandoffError(f"cannot create run.out_dir={cfg.run.out_dir!r} ({e.strerror}): "
+                           "choose a directory you can write to") from None
+    lock = RunLock(out)
+    check_out_dir(cfg)   # a run that ended between the first check and the lock left files
+    if cfg.run.overwrite:
+        found = earlier_run(out)
+        for name in found:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        if found:
+            console.print(f"[yellow]overwrite: removed the earlier run's {', '.join(found)} "
+                          f"from {out}[/]", highlight=False, soft_wrap=True)
+    return lock
+
+
+def write_run_config(cfg: Config) -> None:
+    """config.json of the run (atomic: a crash leaves the old one or the new one)."""
+    path = Path(cfg.run.out_dir) / "config.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(to_dict(cfg), indent=1))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- metrics.jsonl
+
+
+def read_metrics(path: Path, *, required: tuple[str, ...] = ()) -> tuple[list[dict], str | None]:
+    """(rows before the first bad line, a one-line note naming that line, or None).
+
+    A row is a JSON object with an integer "step" and the `required` keys; anything else
+    (a line cut short by a crash, bytes that are not JSON) ends the readable part."""
+    rows: list[dict] = []
+    lines = path.read_text(errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if (not isinstance(row, dict) or type(row.get("step")) is not int
+                or any(key not in row for key in required)):
+            later = sum(1 for rest in lines[number:] if rest.strip())
+            skipped = f"; {later} later line(s) skipped" if later else ""
+            return rows, (f"{path} line {number} is not a complete metrics row (a write cut "
+                          f"short by a crash?): using the {len(rows)} row(s) before it{skipped}")
+        rows.append(row)
+    return rows, None
+
+
+def trim_metrics(out_dir: Path, start_step: int) -> None:
+    """Keep the metrics rows of steps up to start_step (none on a fresh start), say what goes.
+
+    Rows after a resumed checkpoint's step came from steps that never completed their
+    checkpoint: dropped, so no step is counted twice. A summary goes too: until this run
+    finishes, `handoff report` says it did not."""
+    for name in ("summary.json", "summary.md"):
+        (out_dir / name).unlink(missing_ok=True)
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    rows, problem = read_metrics(path)
+    if problem:
+        console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
+    kept = [row for row in rows if row["step"] <= start_step]
+    if len(kept) < len(rows):
+        console.print(f"[yellow]resume: dropping {len(rows) - len(kept)} metrics row(s) after "
+                      f"step {start_step}, the last checkpoint (their steps are run again)[/]",
+                      highlight=False, soft_wrap=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- an interrupted run
+
+
+def interrupted_message(cfg: Config, command: str) -> str:
+    """What a run stopped by Ctrl-C can resume from, and how (one line)."""
+    from handoff.train.checkpoint import checkpoint_step, latest_checkpoint
+
+    if not cfg.run.checkpoint:
+        return ("interrupted: this run keeps no checkpoints (run.checkpoint=false): nothing to "
+                "resume")
+    root = Path(cfg.run.out_dir) / "checkpoints"
+    try:
+        latest = latest_checkpoint(root)
+    except HandoffError as e:
+        return f"interrupted; its checkpoints cannot be resumed: {e}"
+    if latest is None:
+        return (f"interrupted before the first checkpoint: `{command} --resume` starts again "
+                "at step 0")
+    return (f"interrupted: the run can resume from step {checkpoint_step(latest)} ({latest}) "
+            f"with `{command} --resume`")

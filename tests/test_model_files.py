@@ -1,0 +1,120 @@
+"""A model directory a user got wrong: truncated, missing or mis-shaped weights, no tokenizer,
+a context the model does not have; and `init-model --out` over something already there."""
+
+import hashlib
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from handoff.cli import app
+from handoff.config import load_config
+from handoff.errors import HandoffError
+from handoff.model_files import check_model_dir
+from handoff.modelzoo import init_model
+from handoff.preflight import preflight
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return init_model("tiny-qwen3", tmp_path_factory.mktemp("good-model"), dtype="float32")
+
+
+@pytest.fixture
+def model(good, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(good, copy)
+    return copy
+
+
+def _one_error_line(res) -> str:
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and lines and lines[-1].startswith("error:"), res.output
+    assert "Traceback" not in res.output
+    return lines[-1]
+
+
+def _train(model, out, *extra):
+    return runner.invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model}",
+                               f"run.out_dir={out}", *extra], terminal_width=400)
+
+
+def test_truncated_or_missing_weights_are_named_before_loading(model, tmp_path):
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    line = _one_error_line(_train(model, tmp_path / "run"))
+    assert f"{weights} is truncated: its header describes" in line
+    weights.write_bytes(b"\x00\x01")
+    assert "is truncated or not a safetensors file" in _one_error_line(
+        _train(model, tmp_path / "run"))
+    weights.unlink()
+    assert "has no *.safetensors weights" in _one_error_line(_train(model, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()   # refused before anything was written
+
+
+def test_a_tensor_of_the_wrong_shape_or_none_is_refused_by_the_trainer(model):
+    from handoff.config import ActorConfig
+    from handoff.train.actor import Actor
+
+    weights = model / "model.safetensors"
+    state = load_file(str(weights))
+    state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(100, 64)
+    save_file(state, str(weights), metadata={"format": "pt"})
+    check_model_dir(model)   # complete: only the model knows the shape is wrong
+    with pytest.raises(HandoffError, match=r"tensor model.layers.0.mlp.up_proj.weight has "
+                                           r"shape \(100, 64\), its config.json makes it "
+                                           r"\(128, 64\)"):
+        Actor(str(model), actor=ActorConfig(), dtype="float32")
+    del state["model.layers.0.mlp.up_proj.weight"]
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(HandoffError, match="lacks tensor model.layers.0.mlp.up_proj.weight"):
+        Actor(str(model), actor=ActorConfig(), dtype="float32")
+
+
+def test_generate_without_tokenizer_files_says_so(model):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    line = _one_error_line(runner.invoke(app, ["generate", "--model", str(model), "--prompt",
+                                               "hi"], terminal_width=400))
+    assert "has no tokenizer files" in line and "prompt 0 is empty" not in line
+
+
+def test_max_model_len_past_the_models_positions_is_capped_with_a_warning(good, tmp_path,
+                                                                         capsys):
+    cfg = load_config("examples/cpu-tiny.yaml", [f"model.path={good}",
+                                                 f"run.out_dir={tmp_path}",
+                                                 "rollout.max_model_len=100000"])
+    preflight(cfg)
+    assert cfg.rollout.max_model_len == 512   # tiny-qwen3's max_position_embeddings
+    assert "rollout.max_model_len=100000 is above the model's max_position_embeddings=512: " \
+           "capped at 512" in " ".join(capsys.readouterr().err.split())
+    too_long = load_config("examples/cpu-tiny.yaml", [f"model.path={good}",
+                                                      f"run.out_dir={tmp_path}",
+                                                      "rollout.max_model_len=100000",
+                                                      "rollout.max_tokens=600"])
+    with pytest.raises(HandoffError, match="max_tokens=600 leaves no room for a prompt in the "
+                                           "model's 512 positions"):
+        preflight(too_long)
+
+
+def _digest(path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
+
+
+def test_init_model_over_an_existing_model_or_a_file_is_refused(model, tmp_path):
+    before = _digest(model)
+    line = _one_error_line(runner.invoke(app, ["init-model", "--preset", "tiny-llama", "--out",
+                                               str(model)], terminal_width=400))
+    assert "already holds files" in line and "--overwrite" in line
+    assert _digest(model) == before
+    line = _one_error_line(runner.invoke(app, ["init-model", "--preset", "tiny-qwen3", "--out",
+                                               str(model / "config.json")], terminal_width=400))
+    assert "is a file, not a directory" in line
+    res = runner.invoke(app, ["init-model", "--preset", "tiny-llama", "--out", str(model),
+                              "--overwrite"])
+    assert res.exit_code == 0, res.output
+    assert '"model_type": "llama"' in (model / "config.json").read_text()

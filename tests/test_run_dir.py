@@ -1,0 +1,175 @@
+"""A run's out_dir: a used one is refused unless asked (every byte kept), --overwrite removes
+only a run's files, one live run per out_dir, a crash's cut-short metrics line, Ctrl-C."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from handoff.cli import app
+from handoff.config import load_config
+from handoff.errors import HandoffError
+from handoff.modelzoo import init_model
+from handoff.run_dir import (check_out_dir, claim_out_dir, interrupted_message, read_metrics,
+                             trim_metrics)
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("tiny-qwen3", tmp_path_factory.mktemp("run-dir-model"), dtype="float32")
+
+
+def _cfg(out_dir, *extra, model="tiny-qwen3"):
+    return load_config("examples/cpu-tiny.yaml", [f"model.path={model}",
+                                                   f"run.out_dir={out_dir}", *extra])
+
+
+def _earlier_run(out: Path) -> None:
+    """What a finished run leaves (the content does not matter, only that it survives)."""
+    (out / "checkpoints" / "step_00000002_abc").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000002_abc" / "meta.json").write_text('{"step": 2}')
+    (out / "checkpoints" / "latest").write_text("step_00000002_abc")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (out / "config.json").write_text('{"earlier": true}')
+    (out / "summary.json").write_text("{}")
+    (out / "notes.txt").write_text("the user's own file")
+
+
+def _snapshot(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_used_out_dir_is_refused_without_resume_or_overwrite_and_keeps_every_byte(
+        model_dir, tmp_path):
+    _earlier_run(tmp_path)
+    before = _snapshot(tmp_path)
+    res = runner.invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",
+                              f"run.out_dir={tmp_path}"])
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "holds an earlier run (config.json, metrics.jsonl, summary.json, checkpoints)" in \
+        lines[0] and "--resume" in lines[0] and "--overwrite" in lines[0]
+    assert _snapshot(tmp_path) == before
+
+
+def test_overwrite_removes_the_run_files_and_nothing_else(tmp_path, capsys):
+    _earlier_run(tmp_path)
+    lock = claim_out_dir(_cfg(tmp_path, "run.overwrite=true"))
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".handoff.lock", "notes.txt"]
+        assert "overwrite: removed the earlier run's" in capsys.readouterr().err
+    finally:
+        lock.release()
+
+
+def test_a_second_live_run_on_one_out_dir_is_refused(tmp_path):
+    first = claim_out_dir(_cfg(tmp_path))
+    with pytest.raises(HandoffError, match=rf"is in use by a live run \(pid {os.getpid()}\)"):
+        claim_out_dir(_cfg(tmp_path, "run.resume=true"))
+    first.release()
+    claim_out_dir(_cfg(tmp_path, "run.resume=true")).release()   # free once the run ended
+
+
+CLAIM_AND_WAIT = """
+import sys, time
+from handoff.config import load_config
+from handoff.run_dir import claim_out_dir
+lock = claim_out_dir(load_config(None, ["run.out_dir=" + sys.argv[1]]))
+print("CLAIMED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_lock_of_a_killed_run_is_free_and_a_live_ones_refuses_train(model_dir, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", CLAIM_AND_WAIT, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "CLAIMED"
+        res = runner.invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",
+                                  f"run.out_dir={tmp_path}", "--resume"])
+        assert res.exit_code == 2, res.output
+        assert f"is in use by a live run (pid {proc.pid})" in res.output
+    finally:
+        proc.send_signal(signal.SIGKILL)   # no cleanup runs: the kernel drops the lock
+        proc.wait()
+    claim_out_dir(_cfg(tmp_path, "run.resume=true")).release()
+
+
+def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    for out in (tmp_path / "f", tmp_path / "f" / "run"):
+        with pytest.raises(HandoffError, match=r"f is a file, not a directory"):
+            check_out_dir(_cfg(out))
+
+
+def _metrics(path: Path, steps: int, tail: bytes) -> None:
+    rows = "".join(json.dumps({"step": s, "reward_mean": 0.1 * s, "response_length": 3.0,
+                               "timing_s/gen": 0.1, "timing_s/step": 0.5}) + "\n"
+                   for s in range(1, steps + 1))
+    path.write_bytes(rows.encode() + tail)
+
+
+def test_a_truncated_metrics_line_is_named_and_the_rows_before_it_are_reported(tmp_path):
+    _metrics(tmp_path / "metrics.jsonl", 3, b'{"step": 4, "reward_me')
+    res = runner.invoke(app, ["report", str(tmp_path)], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "metrics.jsonl line 4 is not a complete metrics row" in res.output
+    assert "using the 3 row(s) before it" in res.output and "3 steps" in res.output
+    assert "│    3 │  0.300" in res.output and "│    4 │" not in res.output
+
+
+def test_a_resume_keeps_the_rows_before_a_bad_line_and_never_unpickles_it(tmp_path, capsys):
+    import pickle
+
+    class Plant:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+
+    _metrics(tmp_path / "metrics.jsonl", 3, pickle.dumps(Plant()) + b"\n")
+    trim_metrics(tmp_path, start_step=2)
+    rows, problem = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and problem is None
+    err = capsys.readouterr().err
+    assert "line 4 is not a complete metrics row" in err and "dropping 1 metrics row(s)" in err
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_failed_resume_leaves_the_runs_config_as_it_was(model_dir, tmp_path):
+    from handoff.loop import train
+
+    _earlier_run(tmp_path)
+    (tmp_path / "checkpoints" / "step_00000002_abc" / "meta.json").write_text('{"step": 2, "fo')
+    before = (tmp_path / "config.json").read_bytes()
+    with pytest.raises(HandoffError, match="meta.json is not valid JSON"):
+        train(_cfg(tmp_path, "run.resume=true", "run.steps=3", model=model_dir))
+    assert (tmp_path / "config.json").read_bytes() == before
+
+
+def test_ctrl_c_says_where_the_run_can_resume_from(model_dir, tmp_path, monkeypatch):
+    import handoff.loop
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(handoff.loop, "train", interrupted)
+    args = ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",
+            f"run.out_dir={tmp_path}"]
+    res = runner.invoke(app, args, terminal_width=300)
+    assert res.exit_code == 130
+    assert ("interrupted before the first checkpoint: `handoff train examples/cpu-tiny.yaml "
+            "--resume` starts again at step 0") in res.output
+    _earlier_run(tmp_path)
+    text = interrupted_message(_cfg(tmp_path), "handoff train C")
+    assert text == ("interrupted: the run can resume from step 2 "
+                    f"({tmp_path / 'checkpoints' / 'step_00000002_abc'}) with "
+                    "`handoff train C --resume`")
+    assert "nothing to resume" in interrupted_message(_cfg(tmp_path, "run.checkpoint=false"), "c")
