@@ -112,3 +112,40 @@ def advice_text(advice: dict | None) -> str:
                 "and the highest safe utilization: this model needs larger cards")
     return (f"it fits with {advice['flags']} (in a run config: {' '.join(advice['overrides'])}; "
             f"re-planned: mode {advice['mode']})")
+
+
+# The offload sets a colocated run chooses from: (param, optimizer, ref) offloaded.
+OFFLOAD_SETS = {"none": (False, False, False), "ref": (False, False, True),
+                "params+ref": (True, False, True), "all": (True, True, True)}
+
+
+def offload_options(cfg: Config, plan_of: Callable[[Config], dict]) -> dict:
+    """Every offload set priced at the highest safe utilization it allows, and the fastest.
+
+    More offloads buy a larger KV pool (a faster generation when the pool limits it) and
+    cost switch time; the trainer's compute is the same for every set. `plan_of` is
+    report.build_plan of a config (without advice). Returns {"sets": [{offloads, fits,
+    utilization, kv_pool_bytes, generation_seconds, switch_seconds, step_seconds}],
+    "recommended": the name of the fastest set that fits, or None}."""
+    sets = []
+    for name, (params, optimizer, ref) in OFFLOAD_SETS.items():
+        trial = copy.deepcopy(cfg)
+        trial.memory.param_offload, trial.memory.optimizer_offload = params, optimizer
+        trial.memory.ref_offload = ref
+        safe = plan_of(trial)["verdict"]["max_utilization"]
+        entry = {"offloads": name, "fits": False, "utilization": safe}
+        if safe and safe > 0:
+            trial.rollout.gpu_memory_utilization = safe
+            plan = plan_of(trial)
+            row = next(r for r in plan["kv"] if r["requested"])
+            step = plan["step"]
+            entry.update(fits=plan["verdict"]["fits"] and row["generation_seconds"] is not None,
+                         kv_pool_bytes=row["kv_pool_bytes"],
+                         generation_seconds=row["generation_seconds"],
+                         switch_seconds=plan["switch"]["total_seconds"],
+                         step_seconds=((row["generation_seconds"] or 0.0)
+                                       + plan["switch"]["total_seconds"] + step["train_seconds"]))
+        sets.append(entry)
+    fitting = [s for s in sets if s["fits"]]
+    best = min(fitting, key=lambda s: s["step_seconds"]) if fitting else None
+    return {"sets": sets, "recommended": best["offloads"] if best else None}

@@ -69,13 +69,28 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         kv_rows.append([f"{r['utilization']:g}", _gb(r["kv_pool_bytes"]), f"{r['concurrency']:.0f}",
                         f"{r['decode_step_seconds'] * 1e3:.1f}", f"{r['tokens_per_second']:.0f}",
                         gen_s, mark])
-    return [
+    out = [
         ("Memory per card by owner (GB)", ["training", "GB", "generation", "GB"], mem_rows),
         ("The nine switch actions, per card", ["#", "action", "dir", "GB", "link", "s", "note"],
          act_rows),
         ("KV pool vs gpu_memory_utilization",
          ["util", "KV GB", "c", "decode ms", "tok/s/card", "gen s", ""], kv_rows),
     ]
+    options = report.get("offload_sets")
+    if options:
+        rows = []
+        for o in options["sets"]:
+            if not o.get("kv_pool_bytes") or o["kv_pool_bytes"] <= 0 or not o["fits"]:
+                rows.append([o["offloads"], f"{o['utilization']:.2f}", "-", "-", "-", "-",
+                             "does not fit"])
+                continue
+            rows.append([o["offloads"], f"{o['utilization']:.2f}", _gb(o["kv_pool_bytes"]),
+                         _secs(o["generation_seconds"]), _secs(o["switch_seconds"]),
+                         _secs(o["step_seconds"]),
+                         "recommended" if o["offloads"] == options["recommended"] else ""])
+        out.append(("Offload sets, each at its highest safe utilization",
+                    ["offloads", "util", "KV GB", "gen s", "switch s", "step s (modelled)", ""], rows))
+    return out
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -110,6 +125,14 @@ def summary_lines(report: dict) -> list[str]:
     lines += [f"  - {r}" for r in v["reasons"]]
     if not v["fits"]:
         lines.append(f"to fit: {advice_text(v.get('advice'))}")
+    options = report.get("offload_sets")
+    if options and options["recommended"]:
+        o = next(x for x in options["sets"] if x["offloads"] == options["recommended"])
+        now = report["offload"]
+        lines.append(f"recommended offloads: {o['offloads']} at gpu_memory_utilization "
+                     f"{o['utilization']:.2f} ({_secs(o['step_seconds'])} s a step modelled; the "
+                     f"trainer's compute is the same for every set; now: param "
+                     f"{now['param']}, optimizer {now['optimizer']}, ref {now['ref_offload']})")
     return lines
 
 

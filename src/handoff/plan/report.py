@@ -9,7 +9,9 @@ model, hardware, layout, workload, memory {train, generate}, switch {actions,
 total_bytes_per_card, total_seconds, share_of_step}, step {seconds, source, modelled_seconds,
 generation_seconds, switch_seconds, train_seconds, ...}, kv [rows], kv_gain,
 pinned_host_bytes_per_node, verdict {fits, mode, max_utilization, reasons, fix, advice}
-(advice: {overrides, flags, mode} of a plan that fits, or null).
+(advice: {overrides, flags, mode} of a plan that fits, or null), offload_sets {sets
+[{offloads, fits, utilization, kv_pool_bytes, generation_seconds, switch_seconds,
+step_seconds}], recommended} (every offload set at its highest safe utilization).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 
 from handoff.config import Config
 from handoff.errors import HandoffError
-from handoff.plan.advice import advice_text, find_fitting_plan
+from handoff.plan.advice import advice_text, find_fitting_plan, offload_options
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.kvpool import (Workload, engine_weight_bytes, generation_gain, kv_pool_bytes,
                                  kv_table)
@@ -128,6 +130,12 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
             lambda trial: build_plan(trial, ref=ref, grad_offload=grad_offload,
                                      advise=False)["verdict"])
         verdict.fix = f"{verdict.fix}; {advice_text(verdict.advice)}"
+    options = None
+    if advise:
+        options = offload_options(dataclasses.replace(cfg, parallel=parallel),
+                                  lambda trial: build_plan(trial, ref=ref,
+                                                           grad_offload=grad_offload,
+                                                           advise=False))
     return {
         "model": {"name": shape.name, "params": shape.num_params,
                   "active_params": shape.active_params, "layers": shape.num_layers,
@@ -155,6 +163,7 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
         "pinned_host_fits": pinned_per_node <= HOST_FRACTION * hw.host_ram_bytes,
         "host_ram_bytes": hw.host_ram_bytes,
         "verdict": verdict.to_dict(),
+        "offload_sets": options,
     }
 
 
