@@ -211,7 +211,7 @@ def bench_prefill(*, num_seqs: list[int], prompt_lens: list[int], block_size: in
                   heads: tuple[int, int, int] = (32, 8, 128)) -> list[dict]:
     """paged_prefill_attention (gather + varlen_attn, eager as the engine runs prefill) against
     varlen_attn alone on K/V already packed: the difference is what the gather costs."""
-    from handoff.rollout.kernels.prefill import _varlen_call, paged_prefill_attention
+    from handoff.rollout.kernels.prefill import paged_prefill_attention, varlen_attention
 
     H, K, D = heads
     rows = []
@@ -227,7 +227,7 @@ def bench_prefill(*, num_seqs: list[int], prompt_lens: list[int], block_size: in
         lens, scale = [p] * n, D ** -0.5
         paged_ms = _median_ms(lambda: paged_prefill_attention(
             q_THD, k_pool, v_pool, tables, lens, lens, scale=scale), "events")
-        packed_ms = _median_ms(lambda: _varlen_call(q_THD, k_LKD, v_LKD, cu, cu, p, p, scale),
+        packed_ms = _median_ms(lambda: varlen_attention(q_THD, k_LKD, v_LKD, cu, cu, p, p, scale=scale),
                                "events")
         flops = 4 * n * H * D * p * (p + 1) / 2  # causal: QK^T and PV over the kept half
         rows.append({"num_seqs": n, "prompt_len": p, "paged_ms": paged_ms,

@@ -28,45 +28,25 @@ Shape legend: B rows, T tokens, N sequences, H query heads, K kv heads, D head_d
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 import torch.nn.functional as F
 
+from handoff.varlen import varlen_attention, varlen_available
+
 ATTN_IMPLEMENTATION = "handoff_packed"
 
 
-@functools.lru_cache(maxsize=1)
-def _varlen():
-    """varlen_attn and the keywords this torch accepts (they changed between releases)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
-
-
 def _varlen_call(q_THD, k_TKD, v_TKD, cu, max_len: int, scale: float) -> torch.Tensor:
-    varlen_attn, params = _varlen()
-    kw = {}
-    if "window_size" in params:          # torch >= 2.11: causal is window (-1, 0)
-        kw["window_size"] = (-1, 0)
-    else:
-        kw["is_causal"] = True
-    if "enable_gqa" in params:
-        kw["enable_gqa"] = q_THD.shape[1] != k_TKD.shape[1]
-    if "scale" in params:
-        kw["scale"] = scale
-    elif abs(scale * q_THD.shape[-1] ** 0.5 - 1.0) > 1e-6:   # fold a custom scale into q
-        q_THD = q_THD * (scale * q_THD.shape[-1] ** 0.5)
-    return varlen_attn(q_THD, k_TKD, v_TKD, cu, cu, max_len, max_len, **kw)
+    return varlen_attention(q_THD, k_TKD, v_TKD, cu, cu, max_len, max_len, scale=scale,
+                            enable_gqa=q_THD.shape[1] != k_TKD.shape[1])
 
 
 @functools.lru_cache(maxsize=8)
 def varlen_trains(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether varlen_attn runs forward and backward here and agrees with padded_sdpa on a
     tiny GQA case of two sequences (checked once per device and dtype)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or _varlen() is None:
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not varlen_available():
         return False
     try:
         with torch.enable_grad():

@@ -14,23 +14,12 @@ K kv heads, D head_dim, N block_size.
 
 from __future__ import annotations
 
-import functools
-import inspect
 
 import torch
 import torch.nn.functional as F
 
+from handoff import varlen
 from handoff.errors import HandoffError
-
-
-@functools.lru_cache(maxsize=1)
-def _varlen():
-    """varlen_attn and the keywords this torch version accepts (they changed between releases)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, seq_L: torch.Tensor,
@@ -59,25 +48,9 @@ def _sdpa_loop(q_THD, k_LKD, v_LKD, query_lens, context_lens, scale) -> torch.Te
     return out_THD
 
 
-def _varlen_call(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
-    varlen_attn, params = _varlen()
-    kw = {}
-    if "window_size" in params:
-        kw["window_size"] = (-1, 0)
-    else:
-        kw["is_causal"] = True
-    if "enable_gqa" in params:
-        kw["enable_gqa"] = True
-    if "scale" in params:
-        kw["scale"] = scale
-    elif abs(scale * q_THD.shape[-1] ** 0.5 - 1.0) > 1e-6:  # fold a custom scale into q
-        q_THD = q_THD * (scale * q_THD.shape[-1] ** 0.5)
-    return varlen_attn(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, **kw)
-
-
 def varlen_available() -> bool:
     """Whether this torch has varlen_attn (FlashAttention-2 varlen: CUDA, bf16/fp16)."""
-    return _varlen() is not None
+    return varlen.varlen_available()
 
 
 def varlen_attention(q_THD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor,
@@ -88,7 +61,8 @@ def varlen_attention(q_THD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tens
     Query i of a sequence sees its keys up to position i + (keys - queries): the queries are
     the last of their sequence's keys.
     """
-    return _varlen_call(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, scale)
+    return varlen.varlen_attention(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, scale=scale,
+                                   enable_gqa=True)
 
 
 def paged_prefill_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -113,8 +87,8 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache:
         raise HandoffError("paged_prefill_attention: the cache is float8_e4m3fn but k_scale/"
                            "v_scale are missing: pass the layer's float32 scales")
     if backend == "auto":
-        backend = "varlen" if q_THD.is_cuda and _varlen() is not None else "sdpa"
-    if backend not in ("varlen", "sdpa") or (backend == "varlen" and _varlen() is None):
+        backend = "varlen" if q_THD.is_cuda and varlen_available() else "sdpa"
+    if backend not in ("varlen", "sdpa") or (backend == "varlen" and not varlen_available()):
         raise HandoffError(f"paged_prefill_attention: backend {backend!r} is unavailable here: "
                            "use auto or sdpa")
     device = q_THD.device
@@ -129,5 +103,6 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache:
     v_LKD = gather_context(v_cache, block_tables, seq_L, pos_L, v_scale, q_THD.dtype)
     if backend == "sdpa":
         return _sdpa_loop(q_THD, k_LKD, v_LKD, query_lens, context_lens, scale)
-    return _varlen_call(q_THD, k_LKD, v_LKD, cu_q.to(device, torch.int32),
-                        cu.to(device, torch.int32), max(query_lens), max(context_lens), scale)
+    return varlen_attention(q_THD, k_LKD, v_LKD, cu_q.to(device, torch.int32),
+                            cu.to(device, torch.int32), max(query_lens), max(context_lens),
+                            scale=scale)
