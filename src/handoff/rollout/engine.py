@@ -26,7 +26,7 @@ import itertools
 import random
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -182,8 +182,12 @@ class Engine:
     # ---------------------------------------------------------------- generation
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 *, progress: bool = False) -> list[RequestOutput]:
-        """Complete every prompt `params.n` times; outputs in prompt order, samples in order."""
+                 *, progress: bool = False,
+                 between_steps: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Complete every prompt `params.n` times; outputs in prompt order, samples in order.
+
+        `between_steps()` runs on the host after every engine step (the streamed switch lands
+        the trainer's copies there and calls `grow_kv`)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if self.tp.size > 1:  # ranks that diverge would wait in a collective forever
@@ -212,6 +216,8 @@ class Engine:
             staged = None
             while self.scheduler.has_work or staged is not None:
                 finished, staged = self.step(staged)
+                if between_steps is not None:
+                    between_steps()
                 if bar is not None:
                     bar.update(len(finished))
         except BaseException:
@@ -304,6 +310,16 @@ class Engine:
         if "kv_cache" in tags:
             self.blocks.reset_prefix_cache()
         self._paused = not all(self.pool.is_awake(t) for t in TAGS)
+
+    @property
+    def kv_mapped_bytes(self) -> int:
+        """Device bytes of the KV pool backed by memory now (0 while it sleeps)."""
+        return self.runner.kv_cache_bytes if self.pool.is_awake("kv_cache") else 0
+
+    def grow_kv(self) -> int:
+        """Back more of the KV pool with memory freed since the wake; returns the mapped
+        bytes. A fixed pool (rollout.kv_pool=fixed) is mapped whole at its wake: no-op."""
+        return self.kv_mapped_bytes
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (HF name, full tensor) pairs into the engine layout.
