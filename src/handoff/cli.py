@@ -226,6 +226,8 @@ def bench_kernel_cmd(
     kv_dtype: str = typer.Option("bfloat16", help="bfloat16 | fp8 (e4m3 with scales)"),
     timer: str = typer.Option("graph", help="graph (CUDA-graph replays) | events (eager)"),
     prefill: bool = typer.Option(False, help="also time paged prefill (gather + varlen_attn)"),
+    kv_memory: str = typer.Option("torch", help="torch | elastic (the KV pools in an elastic "
+                                  "VMM region, as rollout.kv_pool=elastic)"),
 ) -> None:
     """Paged decode kernel alone vs SDPA on contiguous KV, in bytes/s (CUDA only)."""
     from handoff.bench.kernel import parse_variants, render, run_kernel_bench
@@ -233,7 +235,7 @@ def bench_kernel_cmd(
     result = run_kernel_bench(
         batches=_int_list(batches, "--batches"), contexts=_int_list(contexts, "--contexts"),
         block_sizes=_int_list(block_sizes, "--block-sizes"), variants=parse_variants(variants),
-        kv_dtype=kv_dtype, timer=timer, prefill=prefill)
+        kv_dtype=kv_dtype, timer=timer, prefill=prefill, kv_memory=kv_memory)
     _show_and_save(result, out, render)
 
 

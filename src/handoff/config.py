@@ -90,7 +90,11 @@ class MemoryConfig:
 
 @dataclass
 class RolloutConfig:
-    gpu_memory_utilization: float = F(0.5, help="share of HBM the engine may use", gt=0, le=1)
+    gpu_memory_utilization: float = F(0.5, help="share of HBM the engine may use (kv_pool="
+                                      "fixed)", gt=0, le=1)
+    kv_pool: str = F("fixed", choices=("fixed", "elastic"), help=(
+        "fixed: the KV pool is sized once from gpu_memory_utilization; elastic: each wake maps "
+        "what the card has free and the pool grows as the trainer's state leaves (CUDA VMM)"))
     num_blocks: int | None = F(None, help="KV blocks (None: size from gpu_memory_utilization)", ge=1)
     block_size: int = F(16, help="tokens per KV block", ge=1, le=1024)
     max_num_seqs: int = F(256, help="most sequences decoded at once", ge=1)

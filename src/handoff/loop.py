@@ -109,7 +109,7 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         "sync/wake_s": switch.weights_wake_seconds, "sync/host_s": sync.host_seconds,
         "sync/copy_s": sync.seconds,
         "prompt_length": prompt_mean,
-        "engine/kv_blocks": engine["num_blocks"], "engine/kv_bytes": engine["kv_cache_bytes"],
+        "engine/kv_blocks": engine["usable_blocks"], "engine/kv_bytes": engine["kv_mapped_bytes"],
         "engine/peak_running": engine["peak_running"], "engine/preemptions": engine["preemptions"],
         "engine/decode_steps": engine["decode_steps"],
         "engine/decode_s": engine["decode_seconds"],

@@ -82,8 +82,9 @@ def _bench_smoke() -> dict:
                 {"tile": 32, "num_warps": 4, "num_stages": 1, "waves": 8}]
     rows = [bench.bench_shape(block_size=16, batch=2, context=40, heads=(4, 2, 32),
                               kv_dtype=kv, variants=variants, timer="graph", l2_bytes=20_000,
-                              num_sms=4, device="cpu", dense=torch.float16)
-            for kv in (torch.float16, torch.float8_e4m3fn)]
+                              num_sms=4, device="cpu", dense=torch.float16, kv_memory=memory)
+            for kv, memory in ((torch.float16, "torch"), (torch.float8_e4m3fn, "torch"),
+                               (torch.float16, "elastic"))]
     result = {"device": "cpu", "heads": [4, 2, 32], "kv_dtype": "fp16", "timer": "wall",
               "copy_bytes_per_s": 1e10, "default_variant": "16:4:1:2",
               "variants": ["16:4:1:2", "32:4:1:8"], "rows": rows}
@@ -114,6 +115,7 @@ def test_bench_shape_runs_and_agrees_with_sdpa_on_cpu(interpreter_results):
         for v in row["variants"].values():
             assert v["rel_err"] < 1e-2 and v["bytes_per_s"] > 0, v
     assert rows[1]["kv_bytes"] * 2 == rows[0]["kv_bytes"]  # fp8 reads half the bytes
+    assert rows[2]["kv_bytes"] == rows[0]["kv_bytes"]      # the elastic region's copy agreed
     table = interpreter_results["bench"]["table"]
     assert "ours/SDPA" in table and "variants: TB/s" in table
 

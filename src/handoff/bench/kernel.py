@@ -80,10 +80,13 @@ def _sdpa_call(backend, q_BH1D, k_BKLD, v_BKLD, scale):
 
 def bench_shape(*, block_size: int, batch: int, context: int, heads: tuple[int, int, int],
                 kv_dtype: torch.dtype, variants: list[dict], timer: str, l2_bytes: int,
-                num_sms: int, device: str = "cuda", dense: torch.dtype = torch.bfloat16) -> dict:
+                num_sms: int, device: str = "cuda", dense: torch.dtype = torch.bfloat16,
+                kv_memory: str = "torch") -> dict:
     """Time one shape: our kernel with each variant (the first is the default) and SDPA.
 
     device/dense exist for the CPU smoke test (Triton interpreter, fp16); the bench uses CUDA.
+    kv_memory="elastic" puts the K and V pools in an elastic region (two slabs, mapped whole
+    through the driver's VMM), as rollout.kv_pool=elastic does.
     """
     from torch.nn.attention import SDPBackend
 
@@ -104,6 +107,9 @@ def bench_shape(*, block_size: int, batch: int, context: int, heads: tuple[int, 
         v_scale = (v_pool.abs().amax().float() / 448.0).reshape(1)
         k_pool = (k_pool / k_scale).to(kv_dtype)
         v_pool = (v_pool / v_scale).to(kv_dtype)
+    arena = None
+    if kv_memory == "elastic":
+        arena, (k_pool, v_pool) = _in_elastic_region(k_pool, v_pool)
     perm = torch.randperm(num_blocks, device=device).to(torch.int32)
     # One allocation per table keeps every set's pointer alignment (and so Triton's
     # specialization) the same: no compile may happen inside a graph capture.
@@ -165,12 +171,33 @@ def bench_shape(*, block_size: int, batch: int, context: int, heads: tuple[int, 
     if best_sdpa is not None:
         row.update(sdpa_backend=best_sdpa[0], sdpa_us=best_sdpa[1] * 1e3,
                    sdpa_bytes_per_s=best_sdpa[2])
+    if arena is not None:
+        arena.close()
     return row
+
+
+def _in_elastic_region(*pools: torch.Tensor):
+    """Copies of `pools` (same shape and dtype) in one elastic region, a slab each."""
+    from handoff.memory.elastic import ElasticArena
+
+    nbytes = pools[0].numel() * pools[0].element_size()
+    granule = ElasticArena.granule_bytes(pools[0].device)
+    slab = -(-nbytes // granule) * granule
+    arena = ElasticArena(pools[0].device, slabs=len(pools), slab_bytes=slab)
+    arena.grow_to(slab)
+    flat = arena.view(torch.uint8, (len(pools), slab))
+    copies = []
+    for i, pool in enumerate(pools):
+        dst = flat[i, :nbytes].view(pool.dtype).view(pool.shape)
+        dst.copy_(pool)
+        copies.append(dst)
+    return arena, copies
 
 
 def run_kernel_bench(*, batches: list[int], contexts: list[int], block_sizes: list[int],
                      variants: list[dict], kv_dtype: str = "bfloat16", timer: str = "graph",
-                     heads: tuple[int, int, int] = (32, 8, 128), prefill: bool = False) -> dict:
+                     heads: tuple[int, int, int] = (32, 8, 128), prefill: bool = False,
+                     kv_memory: str = "torch") -> dict:
     """Run every shape; the first variant is the kernel's default config. Returns a JSON dict."""
     import triton
 
@@ -181,6 +208,9 @@ def run_kernel_bench(*, batches: list[int], contexts: list[int], block_sizes: li
                            "run it on the GPU machine")
     dtypes = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
               "float8_e4m3fn": torch.float8_e4m3fn}
+    if kv_memory not in ("torch", "elastic"):
+        raise HandoffError(f"--kv-memory {kv_memory}: choose torch (cudaMalloc via torch) or "
+                           "elastic (the elastic pool's VMM region)")
     if kv_dtype not in dtypes or timer not in ("graph", "events"):
         raise HandoffError(f"--kv-dtype {kv_dtype} / --timer {timer}: choose kv dtype from "
                            f"{sorted(dtypes)} and timer from graph, events")
@@ -191,7 +221,7 @@ def run_kernel_bench(*, batches: list[int], contexts: list[int], block_sizes: li
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "device": props.name, "num_sms": props.multi_processor_count,
               "l2_bytes": l2_bytes, "torch": torch.__version__, "triton": triton.__version__,
-              "timer": timer, "kv_dtype": kv_dtype, "heads": list(heads),
+              "timer": timer, "kv_dtype": kv_dtype, "kv_memory": kv_memory, "heads": list(heads),
               "default_variant": _variant_name(default),
               "variants": [_variant_name(v) for v in all_variants],
               "copy_bytes_per_s": copy_bandwidth(), "rows": []}
@@ -199,7 +229,7 @@ def run_kernel_bench(*, batches: list[int], contexts: list[int], block_sizes: li
         result["rows"].append(bench_shape(
             block_size=bs, batch=b, context=ctx, heads=heads, kv_dtype=dtypes[kv_dtype],
             variants=all_variants, timer=timer, l2_bytes=l2_bytes,
-            num_sms=props.multi_processor_count))
+            num_sms=props.multi_processor_count, kv_memory=kv_memory))
         torch.cuda.empty_cache()
     if prefill:
         result["prefill"] = bench_prefill(num_seqs=[8, 64], prompt_lens=[256, 1024],

@@ -10,7 +10,8 @@ Each probe is a dict (all sizes in bytes):
   name, step-like extras, wall (seconds since the meter started), time (unix seconds),
   device, allocated (bytes in live tensors), reserved (bytes the caching allocator holds),
   driver_total, driver_free, driver_used, regions {tag: bytes}, awake {tag: bool},
-  regions_awake (bytes of awake regions), pinned_staged (host bytes the arenas reserve).
+  regions_awake (bytes of awake regions), outside_torch (of which mapped by an elastic
+  region, not through torch's allocator), pinned_staged (host bytes the arenas reserve).
 
 What the numbers mean per device:
 * CUDA: allocated/reserved from torch.cuda.memory_allocated/reserved (they count region
@@ -67,11 +68,12 @@ class MemoryMeter:
         else:
             allocated = reserved = rss_bytes()
             total, free = host_memory()
-        regions, awake = {}, {}
+        regions, awake, outside = {}, {}, 0
         if self.pool is not None:
             for tag in self.pool.tags:
                 regions[tag] = self.pool.region_bytes(tag)
                 awake[tag] = self.pool.is_awake(tag)
+                outside += regions[tag] if self.pool.is_elastic(tag) else 0
         record = {
             "name": name,
             **extra,
@@ -86,6 +88,7 @@ class MemoryMeter:
             "regions": regions,
             "awake": awake,
             "regions_awake": sum(b for t, b in regions.items() if awake[t]),
+            "outside_torch": outside,
             "pinned_staged": sum(a.bytes_staged() for a in self._arenas()),
         }
         self.timeline.append(record)
@@ -108,8 +111,9 @@ class MemoryMeter:
 def owners(record: dict) -> dict[str, int]:
     """Split one probe's device memory by owner (bytes); the parts sum to what is shown.
 
-    CUDA: each awake region; "torch (not in regions)" = reserved minus every region's bytes
-    (live tensors + the caching allocator's cache outside regions); "other (context, NCCL,
+    CUDA: each awake region; "torch (not in regions)" = reserved minus the bytes of every
+    region torch allocated (live tensors + the caching allocator's cache outside regions; an
+    elastic region is mapped outside torch); "other (context, NCCL,
     other processes)" = driver_used minus the two; "free" = driver_free.
     CPU: each awake region; "process (rest of RSS)" = RSS minus awake regions; no free part
     (the machine's free RAM would dwarf the picture).
@@ -117,7 +121,8 @@ def owners(record: dict) -> dict[str, int]:
     parts = {f"region {t}": b for t, b in record["regions"].items() if record["awake"][t]}
     awake_bytes = sum(parts.values())
     if record["device"].startswith("cuda"):
-        torch_rest = max(record["reserved"] - sum(record["regions"].values()), 0)
+        in_torch = sum(record["regions"].values()) - record.get("outside_torch", 0)
+        torch_rest = max(record["reserved"] - in_torch, 0)
         parts["torch (not in regions)"] = torch_rest
         parts["other (context, NCCL, other processes)"] = max(
             record["driver_used"] - torch_rest - awake_bytes, 0)

@@ -7,6 +7,10 @@
     pool.sleep(["weights"], level=1)           # contents -> pinned host arena, memory released
     pool.wake_up(["weights"])                  # memory mapped again, contents copied back
 
+An elastic tag (`pool.elastic(tag, arena, ...)`, memory/elastic.py) has no fixed size: a
+wake maps what the device has free less the margin (at least the tag's minimum), `grow(tag)`
+maps more as memory frees up, a sleep unmaps all of it; its bytes are what is mapped now.
+
 Levels: 1 backs up the tracked tensors of the tags to this pool's PinnedArena, then
 releases; 2 only releases (contents undefined after wake). Sleeping a sleeping tag or waking
 an awake one is a no-op. A wake first checks that the driver has room for the region plus
@@ -26,6 +30,7 @@ Backends:
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -73,6 +78,7 @@ class RegionPool:
         self._tracked_bytes: dict[str, list[int]] = {}
         self._asleep: dict[str, int] = {}          # tag -> level it sleeps at
         self._hooks: dict[str, list] = {}
+        self._elastic: dict[str, _Elastic] = {}
         self._backend = _make_backend(self.device)
 
     # ---- building regions ----------------------------------------------------------------
@@ -117,6 +123,47 @@ class RegionPool:
             self._tracked[tag].append((t, storage))
             self._tracked_bytes[tag].append(storage.nbytes())
 
+    def elastic(self, tag: str, arena, *, min_per_slab: int, keep_free_bytes: int = 0) -> None:
+        """Make `tag` an elastic region over ElasticArena `arena` (awake, mapped as a wake
+        maps it): a wake maps at least `min_per_slab` bytes per slab, and every map leaves
+        `keep_free_bytes` + wake_margin_bytes free for other allocations."""
+        self._add_tag(tag)
+        if self._tracked[tag] or tag in self._elastic:
+            raise HandoffError(f"region {tag!r} already holds memory: an elastic region is new")
+        self._elastic[tag] = _Elastic(arena, min_per_slab, keep_free_bytes)
+        self._map_elastic(tag, first=True)
+
+    def grow(self, tag: str) -> int:
+        """Elastic `tag`: map what has been freed since (less the margin); returns its
+        mapped bytes. Growth below one granule per slab waits for more."""
+        e = self._elastic_of(tag)
+        if tag in self._asleep:
+            return 0
+        self._map_elastic(tag, first=False)
+        return e.arena.mapped_bytes
+
+    def keep_free(self, tag: str, nbytes: int) -> None:
+        """Elastic `tag`: from now on every map leaves `nbytes` (+ the margin) free."""
+        self._elastic_of(tag).keep_free_bytes = nbytes
+
+    def _elastic_of(self, tag: str) -> "_Elastic":
+        self._check(tag)
+        if tag not in self._elastic:
+            raise HandoffError(f"region {tag!r} is not elastic: create it with pool.elastic()")
+        return self._elastic[tag]
+
+    def _map_elastic(self, tag: str, *, first: bool) -> None:
+        e = self._elastic[tag]
+        arena = e.arena
+        spare = arena.free_bytes() - e.keep_free_bytes - self.wake_margin_bytes
+        per_slab = arena.mapped_per_slab + max(spare, 0) // arena.slabs // arena.granule * arena.granule
+        if first and per_slab < e.min_per_slab:
+            raise HandoffError(self._oom_message(
+                [tag], e.min_per_slab * arena.slabs + e.keep_free_bytes, arena.free_bytes(),
+                fix="free memory first (offload trainer state) or lower rollout.max_model_len: "
+                    "an elastic pool must hold one sequence"))
+        arena.grow_to(per_slab)
+
     def add_restore_hook(self, tag: str, fn) -> None:
         """Run fn() after every wake of `tag`, after all woken tags are mapped, in order."""
         self._check(tag)
@@ -129,6 +176,11 @@ class RegionPool:
         """Known tags in creation order (the default wake order)."""
         return list(self._tags)
 
+    def is_elastic(self, tag: str) -> bool:
+        """Mapped by an ElasticArena (outside torch's allocator) rather than torch's."""
+        self._check(tag)
+        return tag in self._elastic
+
     def is_awake(self, tag: str) -> bool:
         self._check(tag)
         return tag not in self._asleep
@@ -136,6 +188,8 @@ class RegionPool:
     def region_bytes(self, tag: str) -> int:
         """Device bytes the region holds when awake (what a wake must map)."""
         self._check(tag)
+        if tag in self._elastic:
+            return self._elastic[tag].arena.mapped_bytes
         return self._backend.region_bytes(tag, sum(self._tracked_bytes[tag]))
 
     def tracked_bytes(self, tag: str) -> int:
@@ -165,6 +219,10 @@ class RegionPool:
             raise HandoffError(f"sleep level={level} is not supported: use 1 (back up "
                                "tracked tensors, then discard) or 2 (discard)")
         todo = [t for t in self._resolve(tags) if t not in self._asleep]
+        for tag in [t for t in todo if t in self._elastic]:
+            self._elastic[tag].arena.release()   # contents discarded at any level
+            self._asleep[tag] = 2
+        todo = [t for t in todo if t not in self._elastic]
         if level == 1:
             for tag in todo:
                 if not self._tracked[tag] and self.region_bytes(tag) > 0:
@@ -188,14 +246,17 @@ class RegionPool:
         todo = [t for t in self._resolve(tags) if t in self._asleep]
         if not todo:
             return
-        need = sum(self.region_bytes(t) for t in todo)
+        need = sum(self._wake_bytes(t) for t in todo)
         free = self._backend.free_bytes()
         if free < need + self.wake_margin_bytes:
             raise HandoffError(self._oom_message(todo, need, free))
         woken: list[str] = []
         try:
             for tag in todo:
-                self._backend.remap(tag, self._tracked[tag], self._tracked_bytes[tag])
+                if tag in self._elastic:
+                    self._map_elastic(tag, first=True)
+                else:
+                    self._backend.remap(tag, self._tracked[tag], self._tracked_bytes[tag])
                 woken.append(tag)
                 if self._asleep[tag] == 1 and self._tracked[tag]:
                     self.arena.onload(f"region:{tag}").wait()
@@ -207,12 +268,24 @@ class RegionPool:
             # backup is still intact in the arena).
             self._backend.before_release()
             for tag in woken:
-                self._backend.release(tag, self._tracked[tag])
+                if tag in self._elastic:
+                    self._elastic[tag].arena.release()
+                else:
+                    self._backend.release(tag, self._tracked[tag])
             raise
         for tag in todo:
             del self._asleep[tag]
 
-    def _oom_message(self, tags: list[str], need: int, free: int) -> str:
+    def _wake_bytes(self, tag: str) -> int:
+        """What a wake of `tag` must find free: its bytes, or an elastic tag's minimum."""
+        if tag in self._elastic:
+            e = self._elastic[tag]
+            return e.min_per_slab * e.arena.slabs + e.keep_free_bytes
+        return self.region_bytes(tag)
+
+    def _oom_message(self, tags: list[str], need: int, free: int, fix: str = (
+            "free memory first (aggressive_empty_cache(), offload trainer state) or lower "
+            "rollout.gpu_memory_utilization")) -> str:
         holders = "no meter probe yet (pass meter= to RegionPool to see who holds it)"
         last = self.meter.last if self.meter is not None else None
         if last:
@@ -224,8 +297,14 @@ class RegionPool:
                        f"allocated {fmt_bytes(last['allocated'])})")
         return (f"cannot wake {tags}: needs {fmt_bytes(need)} + margin "
                 f"{fmt_bytes(self.wake_margin_bytes)} but the driver has {fmt_bytes(free)} free; "
-                f"{holders}; free memory first (aggressive_empty_cache(), offload trainer "
-                "state) or lower rollout.gpu_memory_utilization")
+                f"{holders}; {fix}")
+
+
+@dataclass
+class _Elastic:
+    arena: object           # memory.elastic.ElasticArena
+    min_per_slab: int
+    keep_free_bytes: int
 
 
 def _make_backend(device: torch.device):

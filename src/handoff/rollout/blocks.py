@@ -11,6 +11,10 @@ never be served. Freed blocks keep hash and contents and sit in an LRU free list
 sequence with the same prefix revives them. A prompt's last token is never served from the
 cache (its logits are needed), so lookups stop at the last full block before it. Partial
 blocks are never hashed.
+
+Usable blocks: an elastic pool (rollout.kv_pool=elastic) is backed by memory only up to block
+`usable`; blocks past it are never handed out. `grow(n)` adds the blocks up to n to the free
+list as memory arrives; `reset_usable(n)` starts a wake over n blocks, all free.
 """
 
 from __future__ import annotations
@@ -33,14 +37,15 @@ class BlockManager:
     """Owns block ids, reference counts, the hash index and the block-table rows."""
 
     def __init__(self, num_blocks: int, block_size: int, *, max_num_seqs: int,
-                 max_blocks_per_seq: int):
+                 max_blocks_per_seq: int, usable: int | None = None):
         self.num_blocks = num_blocks
+        self.usable = num_blocks if usable is None else min(usable, num_blocks)
         self.block_size = block_size
         self.ref_count = [0] * num_blocks
         self.hashes = [-1] * num_blocks
         self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         # Insertion order is the LRU order: allocate from the front, free to the back.
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, self.usable))
         self.hash_to_block: dict[int, int] = {}
         self.tables = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -160,9 +165,25 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.row = -1
 
+    def grow(self, usable: int) -> None:
+        """Blocks below `usable` are backed by memory now: the new ones join the free list,
+        at its front (never used, so taken before cached blocks are evicted)."""
+        usable = min(usable, self.num_blocks)
+        for block in range(max(self.usable, 1), usable):
+            self.free[block] = None
+            self.free.move_to_end(block, last=False)
+        self.usable = max(self.usable, usable)
+
+    def reset_usable(self, usable: int) -> None:
+        """A fresh mapping of `usable` blocks, every one free, no prefix cached (a wake)."""
+        assert len(self.free) == max(self.usable, 1) - 1, "reset_usable with sequences running"
+        self.usable = min(usable, self.num_blocks)
+        self.free = OrderedDict.fromkeys(range(1, self.usable))
+        self.reset_prefix_cache()
+
     def reset_prefix_cache(self) -> None:
         """Forget every hash (the KV they describe is gone or was computed by old weights)."""
-        assert len(self.free) == self.num_blocks - 1, "reset_prefix_cache with sequences running"
+        assert len(self.free) == max(self.usable, 1) - 1, "reset_prefix_cache with sequences running"
         self.hash_to_block.clear()
         self.hashes = [-1] * self.num_blocks
         self.tokens = [None] * self.num_blocks

@@ -23,8 +23,10 @@ gathered in full, so all ranks sample the same tokens and return the same output
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -32,6 +34,7 @@ import torch
 
 from handoff.dist import with_index
 from handoff.errors import HandoffError
+from handoff.memory.elastic import ElasticArena, SimulatedDevice
 from handoff.memory.regions import RegionPool
 from handoff.rollout.attention import FP8_DTYPE
 from handoff.rollout.blocks import BlockManager
@@ -44,7 +47,7 @@ from handoff.rollout.runner import ModelRunner
 from handoff.rollout.sampling import SamplingParams, sample_key
 from handoff.rollout.scheduler import Scheduler
 from handoff.rollout.sequence import RequestOutput, SampleOutput, Sequence, Status
-from handoff.units import GiB
+from handoff.units import GiB, fmt_bytes
 
 TAGS = ("weights", "kv_cache")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,7 +67,8 @@ class Engine:
     """Paged-KV generation engine for one device (see the module docstring)."""
 
     def __init__(self, model_path: str, cfg, *, device=None, dtype=None, pool=None,
-                 attention_backend: str | None = None, tp: TPGroup | int = 1):
+                 attention_backend: str | None = None, tp: TPGroup | int = 1,
+                 simulated: SimulatedDevice | None = None):
         self.cfg = cfg
         self.model_path = str(model_path)
         self.device = with_index(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -108,17 +112,26 @@ class Engine:
                                   cuda_graphs=cfg.cuda_graphs)
         self.activation_peak_bytes = 0  # profiled on CUDA when the pool is sized from util
         self.graph_reserve_bytes = 0    # kept free for the decode graphs (CUDA, from util)
-        num_blocks = self._num_blocks()
-        with self.pool.region("kv_cache"):
-            kv_tensors = self.runner.allocate_kv_cache(num_blocks)
-        self.pool.track("kv_cache", kv_tensors)
-        self.pool.add_restore_hook("kv_cache", self.runner.reset_kv_cache)
+        self.elastic = cfg.kv_pool == "elastic"
+        if self.elastic:
+            num_blocks = self._elastic_kv_cache(simulated)
+        else:
+            num_blocks = self._num_blocks()
+            with self.pool.region("kv_cache"):
+                kv_tensors = self.runner.allocate_kv_cache(num_blocks)
+            self.pool.track("kv_cache", kv_tensors)
+            self.pool.add_restore_hook("kv_cache", self.runner.reset_kv_cache)
 
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         self.blocks = BlockManager(num_blocks, cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                                   max_blocks_per_seq=max_blocks_per_seq)
+                                   max_blocks_per_seq=max_blocks_per_seq,
+                                   usable=self._mapped_blocks() if self.elastic else None)
         # Outside every region: the decode graphs' pool must stay mapped while regions sleep.
         self.runner.bind_tables(self.blocks.tables)
+        if self.elastic:
+            # The graphs' pool is resident now: later maps keep only the activation peak free.
+            self.pool.keep_free("kv_cache", self.activation_peak_bytes)
+            self.pool.add_restore_hook("kv_cache", self._after_elastic_wake)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
@@ -134,6 +147,67 @@ class Engine:
 
     # ---------------------------------------------------------------- sizing
 
+    def _overhead_bytes(self) -> int:
+        """CUDA: the activation peak (profiled) and the decode graphs' pool, which stay
+        outside the KV pool; 0 on CPU."""
+        if self.device.type != "cuda":
+            return 0
+        cfg, runner = self.cfg, self.runner
+        self.activation_peak_bytes = runner.profile_peak_bytes(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs)
+        self.graph_reserve_bytes = runner.graph_reserve_bytes(cfg.max_num_seqs)
+        return self.activation_peak_bytes + self.graph_reserve_bytes
+
+    def _elastic_kv_cache(self, simulated: SimulatedDevice | None) -> int:
+        """Reserve the largest pool the card could hold (every byte but the weights and the
+        overhead), map what is free now, and adopt it as the KV pool; returns its blocks."""
+        cfg, runner = self.cfg, self.runner
+        if self.tp.size > 1:
+            raise HandoffError("rollout.kv_pool=elastic runs one engine per card for now: use "
+                               "rollout.kv_pool=fixed with parallel.tp > 1")
+        layers = self.spec.num_layers
+        slab_block = runner.kv_block_bytes() // (2 * layers)   # one layer's K of one block
+        granule = ElasticArena.granule_bytes(self.device, simulated)
+        per_granule = granule // math.gcd(granule, slab_block)  # blocks per whole granules
+        overhead = self._overhead_bytes()
+        if cfg.num_blocks is not None:
+            capacity = cfg.num_blocks
+        elif self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[1]
+            capacity = (total - self.pool.region_bytes("weights") - overhead) // (2 * layers * slab_block)
+        else:
+            capacity = kv_pool_blocks(cfg, block_bytes=runner.kv_block_bytes(), on_cuda=False,
+                                      max_model_len=self.max_model_len)
+        capacity = max(-(-capacity // per_granule) * per_granule, per_granule)
+        self._slab_block_bytes = slab_block
+        self.kv_arena = ElasticArena(self.device, slabs=2 * layers,
+                                     slab_bytes=capacity * slab_block, simulated=simulated)
+        needed = blocks_for_one_sequence(self.max_model_len, cfg.block_size)
+        self.pool.elastic("kv_cache", self.kv_arena, min_per_slab=needed * slab_block,
+                          keep_free_bytes=overhead)
+        storage = self.kv_arena.view(runner.kv_dtype, runner.kv_shape(capacity))
+        runner.allocate_kv_cache(capacity, storage=storage)
+        runner.reset_kv_cache(0, self._mapped_blocks())
+        self._wake_blocks = self._mapped_blocks()
+        return capacity
+
+    def _mapped_blocks(self) -> int:
+        """Blocks of the elastic pool backed by memory now."""
+        return min(self.kv_arena.mapped_per_slab // self._slab_block_bytes,
+                   self.kv_arena.slab_bytes // self._slab_block_bytes)
+
+    def _after_elastic_wake(self) -> None:
+        usable, last = self._mapped_blocks(), self._wake_blocks
+        self.runner.reset_kv_cache(0, usable)
+        self.blocks.reset_usable(usable)
+        if usable < last:
+            warnings.warn(f"the elastic KV pool mapped {usable} blocks at this wake, {last} at "
+                          f"the last: {fmt_bytes((last - usable) * self.runner.kv_block_bytes())} "
+                          "less was free (another owner holds it); generation runs on less, "
+                          "and the pool grows if it is freed", stacklevel=2)
+        self._wake_blocks = usable
+
     def _num_blocks(self) -> int:
         cfg, runner = self.cfg, self.runner
         block_bytes = runner.kv_block_bytes()
@@ -141,12 +215,7 @@ class Engine:
         sized_from_util = cfg.num_blocks is None and self.device.type == "cuda"
         total = free = own = overhead = 0
         if sized_from_util:
-            # The activation peak is profiled; the decode graphs' pool stays resident.
-            self.activation_peak_bytes = runner.profile_peak_bytes(
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs)
-            self.graph_reserve_bytes = runner.graph_reserve_bytes(cfg.max_num_seqs)
-            overhead = self.activation_peak_bytes + self.graph_reserve_bytes
+            overhead = self._overhead_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
             own = self.pool.region_bytes("weights")
         num_blocks = kv_pool_blocks(cfg, block_bytes=block_bytes, on_cuda=self.device.type == "cuda",
@@ -314,11 +383,20 @@ class Engine:
     @property
     def kv_mapped_bytes(self) -> int:
         """Device bytes of the KV pool backed by memory now (0 while it sleeps)."""
-        return self.runner.kv_cache_bytes if self.pool.is_awake("kv_cache") else 0
+        if not self.pool.is_awake("kv_cache"):
+            return 0
+        return self.pool.region_bytes("kv_cache") if self.elastic else self.runner.kv_cache_bytes
 
     def grow_kv(self) -> int:
         """Back more of the KV pool with memory freed since the wake; returns the mapped
         bytes. A fixed pool (rollout.kv_pool=fixed) is mapped whole at its wake: no-op."""
+        if self.elastic and self.pool.is_awake("kv_cache"):
+            before = self.blocks.usable
+            self.pool.grow("kv_cache")
+            usable = self._mapped_blocks()
+            if usable > before:
+                self.runner.reset_kv_cache(before, usable)
+                self.blocks.grow(usable)
         return self.kv_mapped_bytes
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -364,7 +442,8 @@ class Engine:
             "attention_backend": self.runner.backend, "num_blocks": b.num_blocks,
             "block_size": b.block_size, "kv_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
             "kv_block_bytes": self.runner.kv_block_bytes(),
-            "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "kv_cache_bytes": self.runner.kv_cache_bytes, "kv_pool": self.cfg.kv_pool,
+            "kv_mapped_bytes": self.kv_mapped_bytes, "usable_blocks": b.usable,
             "activation_peak_bytes": self.activation_peak_bytes,
             "graph_reserve_bytes": self.graph_reserve_bytes, **self.runner.stats(),
             "decode_seconds": self._decode_seconds,

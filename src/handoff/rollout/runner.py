@@ -78,12 +78,19 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
 
-    def allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        """Allocate the pool (zeroed); returns the tensors to track in the kv_cache region."""
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[K|V, layer, block, token, KV head, dim]: each layer's K (or V) one slab."""
         s = self.spec
-        self.kv_storage = torch.zeros(2, s.num_layers, num_blocks, self.block_size,
-                                      s.num_kv_heads, s.head_dim, dtype=self.kv_dtype,
-                                      device=self.device)
+        return (2, s.num_layers, num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int, storage: torch.Tensor | None = None
+                          ) -> list[torch.Tensor]:
+        """Allocate the pool (zeroed), or adopt `storage` (an elastic region's view of
+        kv_shape(num_blocks)); returns the tensors to track in the kv_cache region."""
+        s = self.spec
+        self.kv_storage = (storage if storage is not None else
+                           torch.zeros(self.kv_shape(num_blocks), dtype=self.kv_dtype,
+                                       device=self.device))
         tensors = [self.kv_storage]
         if self.kv_dtype == FP8_DTYPE:
             self.kv_scales = torch.ones(2, s.num_layers, dtype=torch.float32, device=self.device)
@@ -99,8 +106,10 @@ class ModelRunner:
                           k_scale=None if scales is None else [scales[0, i] for i in layers],
                           v_scale=None if scales is None else [scales[1, i] for i in layers])
 
-    def reset_kv_cache(self) -> None:
-        """After the pool is remapped: fp8 blocks zeroed and scales back to 1 (the source).
+    def reset_kv_cache(self, start: int = 0, stop: int | None = None) -> None:
+        """After the pool's blocks [start, stop) are mapped (all of a fixed pool; an elastic
+        pool's mapped front at a wake, or the blocks a growth added): fp8 blocks zeroed, and
+        from start 0 the scales back to 1 (the source).
 
         A bf16 pool on CUDA is not zeroed (a write pass over the whole pool, 116 GB in the
         4B run, every step, for nothing): every attention path reads only below each
@@ -108,8 +117,8 @@ class ModelRunner:
         storage may hold any bit pattern).
         """
         if self.kv_scales is not None or self.kv_storage.device.type != "cuda":
-            self.kv_storage.view(torch.uint8).zero_()
-        if self.kv_scales is not None:
+            self.kv_storage[:, :, start:stop].view(torch.uint8).zero_()
+        if self.kv_scales is not None and start == 0:
             self.kv_scales.fill_(1.0)
 
     @property
