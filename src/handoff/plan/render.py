@@ -63,7 +63,8 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
     kv_rows = []
     for r in report["kv"]:
-        mark = ", ".join(x for x, on in (("requested", r["requested"]), ("highest safe", r["best"]))
+        asked = "elastic pool" if report["workload"].get("kv_pool") == "elastic" else "requested"
+        mark = ", ".join(x for x, on in ((asked, r["requested"]), ("highest safe", r["best"]))
                          if on)
         gen_s = _secs(r["generation_seconds"]) if r["generation_seconds"] is not None else "-"
         kv_rows.append([f"{r['utilization']:g}", _gb(r["kv_pool_bytes"]), f"{r['concurrency']:.0f}",
@@ -100,6 +101,12 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"generation at {gain['from_utilization']:g} takes {gain['slower_by']:.0%} "
                      f"longer than at the highest safe {gain['to_utilization']:g} "
                      f"({gain['seconds_saved']:.0f} s per step)")
+    wl = report["workload"]
+    if wl.get("kv_pool") == "elastic":
+        row = next(r for r in report["kv"] if r["requested"])
+        lines.append(f"elastic KV pool: {_gb(row['kv_pool_bytes'])} GB at each wake (what the "
+                     f"trainer leaves, {wl['utilization']:.0%} of the card, less the engine's "
+                     "weights, activations and graphs); no gpu_memory_utilization to choose")
     cap = report["workload"]["max_num_seqs"]
     capped = [r["utilization"] for r in report["kv"] if r["concurrency"] >= cap]
     if capped:

@@ -28,8 +28,8 @@ from handoff.plan.ledger import (Dtypes, memory_by_owner, offloaded_bytes_per_ca
                                  switch_actions, switch_summary, weight_sync_seconds)
 from handoff.plan.shapes import ModelShape, load_shape
 from handoff.plan.trainer import model_flops, train_seconds
-from handoff.plan.verdict import (HOST_FRACTION, TRAIN_PEAK_FRACTION, decide, max_safe_utilization,
-                                  training_peak_bytes)
+from handoff.plan.verdict import (HOST_FRACTION, TRAIN_PEAK_FRACTION, decide, elastic_utilization,
+                                  max_safe_utilization, training_peak_bytes)
 
 # Without --tokens-per-step each card generates this many responses of mean length L per step
 # (e.g. 512 prompts x 16 samples over 64 cards).
@@ -82,7 +82,9 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
         raise HandoffError(f"--tp {parallel.tp} does not divide --gpus {parallel.gpus}: pick a "
                            "divisor of the card count")
     memory, wl_cfg = cfg.memory, cfg.workload
-    util = cfg.rollout.gpu_memory_utilization
+    elastic = cfg.rollout.kv_pool == "elastic"
+    util = (round(elastic_utilization(shape, parallel, memory, hw, dtypes=dtypes, ref=ref), 4)
+            if elastic else cfg.rollout.gpu_memory_utilization)
     assumed = []
     if wl_cfg.tokens_per_step:
         tokens_per_card = wl_cfg.tokens_per_step / parallel.gpus
@@ -149,6 +151,7 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
                      "max_response_len": workload.max_response_len,
                      "tokens_per_card": workload.tokens_per_card,
                      "step_seconds": wl_cfg.step_seconds, "utilization": util,
+                     "kv_pool": cfg.rollout.kv_pool,
                      "max_num_seqs": workload.max_num_seqs,
                      "assumed": assumed},
         "memory": {**memory_owners,

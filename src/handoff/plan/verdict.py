@@ -99,6 +99,17 @@ def max_safe_utilization(shape: ModelShape, parallel: ParallelConfig, memory: Me
     return math.floor(room / hw.hbm_bytes * 100 + 1e-9) / 100
 
 
+def elastic_utilization(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
+                        hw: HardwareProfile, *, dtypes: Dtypes = Dtypes(), ref: bool = True) -> float:
+    """The share of HBM an elastic pool's engine holds (rollout.kv_pool=elastic): all the
+    card has free once the trainer's state has left, less what no allocator returns and what
+    the trainer keeps on the card; no utilization to choose, no fragmentation share (the pool
+    maps what is free, not what was planned)."""
+    room = (hw.hbm_bytes - hw.resident_bytes
+            - trainer_left_bytes(shape, parallel, memory, dtypes, ref))
+    return room / hw.hbm_bytes
+
+
 def min_engine_tp(shape: ModelShape, hw: HardwareProfile, *, utilization: float, gpus: int,
                   workload: Workload, dtypes: Dtypes = Dtypes()) -> int | None:
     """Smallest power-of-two TP (dividing the cards) whose KV pool holds one mean sequence."""
