@@ -168,3 +168,21 @@ def test_a_run_measures_its_start_rates_and_times_its_saves(model_dir, tmp_path)
     assert "unmap" in (tmp_path / "summary.md").read_text()
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["timing_s/checkpoint"] == saved["timing_s/checkpoint"]
+
+
+def test_decode_rates_leave_the_engine_as_it_was(model_dir):
+    from handoff.calibrate import measure_decode_rates
+    from handoff.config import RolloutConfig
+    from handoff.rollout.engine import Engine
+
+    from handoff.rollout.sampling import SamplingParams
+
+    cfg = RolloutConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8)
+    engine, fresh = Engine(str(model_dir), cfg), Engine(str(model_dir), cfg)
+    rates = measure_decode_rates(engine, batch=8, steps=4)
+    assert rates["decode_floor_s"] > 0 and rates["decode_per_seq_s"] >= 0
+    assert engine.blocks.num_free_blocks == 63 and engine.blocks.num_cached_free_blocks == 0
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=7)
+    tokens = [[s.token_ids for s in o.outputs] for e in (engine, fresh)
+              for o in e.generate([[1] * 16 + [5]], seeded)]
+    assert tokens[0] == tokens[1]   # no cached prefix of the measurement changes a sample

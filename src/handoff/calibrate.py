@@ -46,14 +46,16 @@ from handoff.sync.weights import WeightIter, sync_weights
 # rates key -> the hardware profile field it replaces in the ledger
 _PROFILE_FIELDS = {"d2h_bps": "pinned_pcie_bps", "d2d_bps": "d2d_bps", "map_bps": "map_bps",
                    "unmap_bps": "unmap_bps", "tensor_host_s": "sync_tensor_seconds",
-                   "h2d_kernel_bps": "kernel_h2d_bps", "sync_copy_bps": "sync_copy_bps"}
+                   "h2d_kernel_bps": "kernel_h2d_bps", "sync_copy_bps": "sync_copy_bps",
+                   "decode_floor_s": "decode_floor_s", "decode_per_seq_s": "decode_per_seq_s"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
     """What calibrate measured: {"d2h_bps", "h2d_bps", "d2d_bps", "h2d_kernel_bps" (CUDA),
     "map_bps", "unmap_bps", "remap_bytes", "weights_map_bps", "weights_remap_bytes",
-    "sync_copy_bps", "sync_sample_bytes", "tensor_host_s", "bytes"}; a rate that could not be
+    "sync_copy_bps", "sync_sample_bytes", "tensor_host_s", "bytes", "decode_floor_s",
+    "decode_per_seq_s" (CUDA, measure_decode_rates)}; a rate that could not be
     measured (nothing fits) is absent and the profile's stands."""
 
     values: dict
@@ -342,3 +344,26 @@ def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module
         times.append(time.perf_counter() - t0)
     wait_for_device(device)
     return sorted(times)[len(times) // 2] / tensors
+
+
+def measure_decode_rates(engine, *, batch: int, steps: int = 32) -> dict:
+    """The engine's decode step with 1 and with `batch` short sequences: its floor (weights,
+    launches, sampling, the host's turn) and what each further sequence adds beyond reading
+    its KV (priced at the profile's decode bandwidth). Fixed seeds: the engine's own seed
+    stream is not advanced, so the run samples what it would have without this."""
+    from handoff.rollout.sampling import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=steps, ignore_eos=True, seed=0)
+
+    def step_seconds(rows: int) -> float:
+        before = engine.stats()
+        engine.generate([[1] * 16] * rows, params)
+        after = engine.stats()
+        engine.reset_prefix_cache()
+        return ((after["decode_seconds"] - before["decode_seconds"])
+                / max(after["decode_steps"] - before["decode_steps"], 1))
+
+    step_seconds(1)   # warm-up: first-call compiles and allocations
+    floor = step_seconds(1)
+    full = step_seconds(batch)
+    return {"decode_floor_s": floor, "decode_per_seq_s": max(full - floor, 0.0) / max(batch - 1, 1)}

@@ -3,6 +3,7 @@
     dist = ResponseLengths.parse("lognormal:median=700,sigma=0.9,max=4096")
     dist.draw(seed=3, count=8)          # eight lengths, the same for the same seed
     dist.mean, dist.max                 # what the planner needs
+    dist.quantiles(256)                 # 256 lengths evenly through the distribution
 
 A random-init model almost never samples its EOS token, so every response would run to
 max_tokens and the KV pool would never see a long tail. Engine benchmarks (vLLM's, SGLang's)
@@ -75,6 +76,12 @@ class ResponseLengths:
         """`count` lengths, a function of `seed` alone."""
         rng = random.Random(seed)
         return [self._from_uniform(rng.random()) for _ in range(count)]
+
+    def quantiles(self, count: int, cap: int | None = None) -> tuple[int, ...]:
+        """`count` lengths at evenly spaced quantiles (at most `cap`): the planner's stand-in
+        for one step's responses."""
+        cap = cap or self.max
+        return tuple(min(self._from_uniform((i + 0.5) / count), cap) for i in range(count))
 
     @property
     def mean(self) -> float:

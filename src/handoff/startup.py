@@ -8,14 +8,15 @@
 3. their state sent where the rollout phase keeps it (the run starts in the rollout phase);
 4. every rate the ledger prices with, measured on the card the engine is about to take (or
    read from an earlier run's summary.json: run.rates_file);
-5. the engine, which sizes its KV pool from what is free now.
+5. the engine, which sizes its KV pool from what is free now, and (CUDA, when the rates were
+   measured here) its decode step at one and at max_num_seqs sequences.
 """
 
 from __future__ import annotations
 
 import torch
 
-from handoff.calibrate import Rates, calibrate
+from handoff.calibrate import Rates, calibrate, measure_decode_rates
 from handoff.config import Config
 from handoff.dist import check_world_size, init_process_group, resolve_device
 from handoff.memory.allocator import aggressive_empty_cache
@@ -49,4 +50,7 @@ def start_worker(cfg: Config, *, device: str | torch.device | None = None
     rates = Rates.load(cfg.run.rates_file) if cfg.run.rates_file else calibrate(cfg, actor, pool)
     engine = Engine(cfg.model.path, cfg.rollout, device=device, dtype=cfg.model.dtype, pool=pool,
                     tp=init_tp_group(cfg.parallel.tp))
+    if device.type == "cuda" and not cfg.run.rates_file:
+        rates = Rates({**rates.values,
+                       **measure_decode_rates(engine, batch=cfg.rollout.max_num_seqs)})
     return HybridWorker(cfg, actor=actor, ref=ref, engine=engine, pool=pool, meter=meter), rates

@@ -86,3 +86,39 @@ def test_kv_per_card_under_tp():
     v3 = load_shape("deepseek-v3")  # the MLA latent is cached whole on every rank
     assert kv_bytes_per_token_per_card(v3, 8) == v3.kv_bytes_per_token
     assert kv_bytes_per_token_per_card(v3, 8, kv_bytes=1) == v3.kv_bytes_per_token / 2
+
+
+def test_decode_timeline_sums_every_step_of_a_long_tail():
+    from handoff.plan.kvpool import decode_timeline
+
+    # Two sequences of 2 and 4 tokens, prompt 1: steps 1-2 run both (KV 1+0, 1+1 each),
+    # steps 3-4 the long one alone (KV 1+2, 1+3); weights 10 B, KV 1 B a token, 1 B/s.
+    line = decode_timeline((2, 4), prompt_len=1, pool_tokens=100, max_num_seqs=8,
+                           weights_bytes=10, kv_per_token=1, bw=1)
+    assert line.steps == 4 and line.peak_running == 2
+    assert line.seconds == (10 + 2) + (10 + 4) + (10 + 3) + (10 + 4)
+    assert line.tail_seconds == 0   # one of two running is not fewer than half
+    # A pool of 6 tokens holds one of them at a time (1 + 4 > 6 - 3): they run in turn.
+    serial = decode_timeline((2, 4), prompt_len=1, pool_tokens=6, max_num_seqs=8,
+                             weights_bytes=10, kv_per_token=1, bw=1)
+    assert serial.steps == 6 and serial.peak_running == 1
+    assert decode_timeline((8,), prompt_len=1, pool_tokens=5, max_num_seqs=8,
+                           weights_bytes=10, kv_per_token=1, bw=1) is None
+    floored = decode_timeline((2, 4), prompt_len=1, pool_tokens=100, max_num_seqs=8,
+                              weights_bytes=10, kv_per_token=1, bw=1, floor_s=20, per_seq_s=1)
+    assert floored.seconds == line.seconds + 4 * 10 + (2 + 2 + 1 + 1)
+
+
+def test_response_lengths_make_the_plan_simulate_the_tail():
+    from handoff.config import load_config
+    from handoff.plan.report import build_plan
+
+    base = ["model.path=qwen3-1.7b"]
+    simulated = build_plan(load_config("examples/h200-reasoning.yaml", base), advise=False)
+    formula = build_plan(load_config("examples/h200-reasoning.yaml",
+                                     base + ["rollout.response_lengths=null"]), advise=False)
+    assert any("simulated step by step" in a for a in simulated["workload"]["assumed"])
+    sim = next(r for r in simulated["kv"] if r["requested"])
+    mean = next(r for r in formula["kv"] if r["requested"])
+    # The tail's many small steps: the mean-concurrency formula sees less of them.
+    assert sim["generation_seconds"] > mean["generation_seconds"]

@@ -70,6 +70,11 @@ class HardwareProfile:
     # Model FLOP/s the trainer reaches per card (handoff.plan.trainer: 6N T actor + 2N T ref
     # over its compute seconds); prices the training part of the step when none is given.
     train_flops_per_s: float = 225e12
+    # A decode step's fixed part (weights read, launches, sampling, the host's turn) and
+    # what each running sequence adds beyond its KV reads; measured by the engine at start
+    # (calibrate.measure_decode_rates). 0: weights / decode_bw_bps alone.
+    decode_floor_s: float = 0.0
+    decode_per_seq_s: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -15,6 +15,13 @@ never grows when the trainer frees memory. From the pool:
 
 The last term is the long tail: when the bulk of the responses is done, the longest one
 still decodes L_max - L tokens almost alone, at the step time of reading the weights.
+
+With the responses' lengths known (`Workload.lengths`: rollout.response_lengths' quantiles),
+generation is simulated decode step by decode step instead (`decode_timeline`): sequences
+are admitted first come first served while the pool holds their whole length and the batch
+cap allows, every step reads the weights and the KV of every running sequence, and a
+sequence leaves when its length is reached; a long-tailed step's time is the sum of many
+small steps, which the mean-concurrency formula above does not see.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class Workload:
     tokens_per_card: float                # generated tokens per card per step
     max_response_len: int | None = None   # the long tail (None: not modelled)
     max_num_seqs: int = 256               # the engine's batch cap
+    lengths: tuple[int, ...] | None = None  # a card's responses' lengths (None: mean + tail)
 
     @property
     def mean_context(self) -> float:
@@ -103,12 +111,62 @@ def kv_shortfall(utilization: float, hw: HardwareProfile, weights_bytes: float) 
             f"{engine_budget_bytes(utilization, hw) / GB:.1f} GB")
 
 
+@dataclass(frozen=True)
+class Timeline:
+    """A simulated generation: seconds, decode steps, the most sequences run at once, and the
+    seconds spent while fewer than half that many ran (the tail)."""
+
+    seconds: float
+    steps: int
+    peak_running: int
+    tail_seconds: float
+
+
+def decode_timeline(lengths: tuple[int, ...], *, prompt_len: int, pool_tokens: float,
+                    max_num_seqs: int, weights_bytes: float, kv_per_token: float,
+                    bw: float, floor_s: float = 0.0, per_seq_s: float = 0.0) -> Timeline | None:
+    """Decode `lengths` (module docstring); None when the pool cannot hold one sequence.
+
+    A step costs max(floor_s, weights / bw) + per_seq_s per running sequence + its KV reads
+    at bw. Between two finishes the running set is fixed and its KV grows by one token per
+    sequence per step, so each stretch of m steps is summed in closed form."""
+    fixed = max(floor_s, weights_bytes / bw)
+    waiting = list(reversed(lengths))
+    running: list[tuple[int, int, int]] = []   # (finish step, start step, length)
+    step, seconds, reserved, peak, tail, steps = 0, 0.0, 0, 0, 0.0, 0
+    while waiting or running:
+        while (waiting and len(running) < max_num_seqs
+               and reserved + prompt_len + waiting[-1] <= pool_tokens):
+            length = waiting.pop()
+            running.append((step + length, step, length))
+            reserved += prompt_len + length
+        if not running:
+            return None
+        peak = max(peak, len(running))
+        finish = min(r[0] for r in running)
+        m, n = finish - step, len(running)
+        cached = sum(prompt_len + step - start for _, start, _ in running)
+        stretch = (m * (fixed + n * per_seq_s)
+                   + (m * cached + n * m * (m - 1) / 2) * kv_per_token / bw)
+        seconds += stretch
+        tail += stretch if 2 * n < peak else 0.0
+        steps += m
+        step = finish
+        done = [r for r in running if r[0] == step]
+        running = [r for r in running if r[0] != step]
+        reserved -= sum(prompt_len + length for _, _, length in done)
+    return Timeline(seconds=seconds, steps=steps, peak_running=peak, tail_seconds=tail)
+
+
 def kv_row(utilization: float, shape: ModelShape, hw: HardwareProfile, *, tp: int,
            workload: Workload, weight_bytes: int = 2, kv_bytes: int = 2) -> KvRow:
     """Pool, concurrency, decode step, tokens/s and generation time at one utilization."""
     weights = engine_weight_bytes(shape, tp, weight_bytes)
     pool = kv_pool_bytes(utilization, hw, weights)
-    per_seq = workload.mean_context * kv_bytes_per_token_per_card(shape, tp, kv_bytes)
+    per_token = kv_bytes_per_token_per_card(shape, tp, kv_bytes)
+    if workload.lengths:
+        return _simulated_row(utilization, pool, weights, per_token, hw, workload, tp)
+    per_seq = workload.mean_context * per_token
     concurrency = min(max(pool, 0.0) / per_seq, float(workload.max_num_seqs))
     step = (weights + concurrency * per_seq) / hw.decode_bw_bps
     tokens_per_second = concurrency / step / tp
@@ -119,6 +177,25 @@ def kv_row(utilization: float, shape: ModelShape, hw: HardwareProfile, *, tp: in
     return KvRow(utilization=utilization, kv_pool_bytes=pool, concurrency=concurrency,
                  decode_step_seconds=step, tokens_per_second=tokens_per_second,
                  generation_seconds=generation, tail_seconds=tail)
+
+
+def _simulated_row(utilization: float, pool: float, weights: float, per_token: float,
+                   hw: HardwareProfile, workload: Workload, tp: int) -> KvRow:
+    """kv_row from decode_timeline; an engine of TP t decodes the responses of t cards."""
+    engine_lengths = tuple(n for n in workload.lengths for _ in range(tp))
+    line = decode_timeline(engine_lengths, prompt_len=workload.prompt_len,
+                           pool_tokens=max(pool, 0.0) / per_token,
+                           max_num_seqs=workload.max_num_seqs, weights_bytes=weights,
+                           kv_per_token=per_token, bw=hw.decode_bw_bps,
+                           floor_s=hw.decode_floor_s, per_seq_s=hw.decode_per_seq_s)
+    if line is None:
+        return KvRow(utilization=utilization, kv_pool_bytes=pool, concurrency=0.0,
+                     decode_step_seconds=weights / hw.decode_bw_bps, tokens_per_second=0.0,
+                     generation_seconds=None, tail_seconds=0.0)
+    return KvRow(utilization=utilization, kv_pool_bytes=pool, concurrency=line.peak_running,
+                 decode_step_seconds=line.seconds / line.steps,
+                 tokens_per_second=sum(workload.lengths) / line.seconds,
+                 generation_seconds=line.seconds, tail_seconds=line.tail_seconds)
 
 
 def kv_table(shape: ModelShape, hw: HardwareProfile, *, tp: int, workload: Workload,

@@ -20,6 +20,7 @@ import dataclasses
 
 from handoff.config import Config
 from handoff.errors import HandoffError
+from handoff.lengths import ResponseLengths
 from handoff.plan.advice import advice_text, find_fitting_plan, offload_options
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.kvpool import (Workload, engine_weight_bytes, generation_gain, kv_pool_bytes,
@@ -97,9 +98,15 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
     if not wl_cfg.step_seconds:
         assumed.append(f"training at {hw.train_flops_per_s / 1e12:.0f} model TFLOP/s per card, "
                        "step time modelled (pass --train-tflops or --step-seconds)")
+    spec = cfg.rollout.response_lengths
+    lengths = (ResponseLengths.parse(spec).quantiles(
+        max(int(round(tokens_per_card / wl_cfg.response_len)), 1), cfg.rollout.max_tokens)
+        if spec else None)
+    if lengths:
+        assumed.append(f"responses of rollout.response_lengths={spec}, simulated step by step")
     workload = Workload(prompt_len=wl_cfg.prompt_len, response_len=wl_cfg.response_len,
                         tokens_per_card=tokens_per_card, max_response_len=wl_cfg.max_response_len,
-                        max_num_seqs=cfg.rollout.max_num_seqs)
+                        max_num_seqs=cfg.rollout.max_num_seqs, lengths=lengths)
 
     weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
     pool = kv_pool_bytes(util, hw, weights)   # negative: a reason of the verdict
