@@ -298,12 +298,22 @@ def bench_sweep_cmd(
     exclusive: bool = typer.Option(True, "--exclusive/--no-exclusive",
                                    help="also run the engine alone on the card"),
     timeout: float = typer.Option(600.0, help="seconds a point may run"),
+    replan: bool = typer.Option(False, "--replan", help="run nothing: plan the points of "
+                                "--out again (from the rates each measured) and rewrite its files"),
 ) -> None:
     """gpu_memory_utilization from 0.5 to the out-of-memory boundary, the real colocated loop
     at each point, the planner's curve beside it: the source's closing practice."""
+    from pathlib import Path
+
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from handoff.bench.sweep import run_sweep
+    from handoff.bench.sweep import replan as replan_sweep, run_sweep
+
+    if replan:
+        state = replan_sweep(config, list(overrides or []), out)
+        console.print((Path(out) / "sweep.md").read_text(), highlight=False, markup=False)
+        console.print(f"planned {len(state['points'])} points again: {out}/sweep.md, sweep.png")
+        return
 
     with Progress(SpinnerColumn(), TextColumn("[bold]sweep"), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console) as bar:
@@ -313,8 +323,6 @@ def bench_sweep_cmd(
                           offloads=[o.strip() for o in offloads.split(",")] if offloads else None,
                           steps=steps, exclusive=exclusive, timeout_s=timeout,
                           progress=lambda text: bar.update(task, description=text))
-    from pathlib import Path
-
     console.print((Path(out) / "sweep.md").read_text(), highlight=False, markup=False)
     console.print(f"wrote {out}/sweep.json, sweep.md, sweep.png ({len(state['points'])} points)")
 

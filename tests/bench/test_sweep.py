@@ -50,6 +50,20 @@ def test_two_points_an_exclusive_card_and_a_boundary(model_dir, tmp_path):
     text = (tmp_path / "sweep.md").read_text()
     assert "all@0.60" in text and "Boundary of `all`: utilization 0.70" in text
     assert "exclusive card" in text and (tmp_path / "sweep.png").stat().st_size > 10_000
+    # --replan runs nothing and plans every point again from the rates it measured.
+    planned = {k: p.get("planned") for k, p in state["points"].items()}
+    for p in state["points"].values():
+        p.pop("planned", None)
+    (tmp_path / "sweep.json").write_text(json.dumps(state))
+    result = CliRunner().invoke(app, ["bench", "sweep", "examples/cpu-tiny.yaml",
+                                      f"model.path={model_dir}",
+                                      "rollout.response_lengths=uniform:min=2,max=8",
+                                      "--out", str(tmp_path), "--replan"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    again = json.loads((tmp_path / "sweep.json").read_text())
+    assert sorted(again["points"]) == sorted(planned)
+    for label, p in again["points"].items():
+        assert p.get("planned") == planned[label], label
 
 
 def test_a_failure_says_out_of_memory_and_who_did_not_fit(tmp_path):

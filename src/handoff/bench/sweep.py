@@ -289,6 +289,35 @@ class Sweep:
         write_report(self.state, self.out)
 
 
+def replan(config: str, overrides: list[str], out_dir: str | Path) -> dict:
+    """Plan every point of `out_dir`/sweep.json again, from the rates each measured, with
+    today's planner; rewrite its files. Runs nothing: for after the planner changed."""
+    sweep = Sweep(config, overrides, out_dir, steps=1, timeout_s=0)
+    entries = list(sweep.state["points"].items())
+    if sweep.state.get("exclusive"):
+        entries.append(("exclusive", sweep.state["exclusive"]))
+    if not entries:
+        raise HandoffError(f"{out_dir}/sweep.json holds no points to plan again: run the sweep")
+    rates = next((p["measured"]["rates"] for _, p in entries if p["measured"].get("rates")), None)
+    for label, entry in entries:
+        m = entry["measured"]
+        prompt_len = m.get("prompt_length") or sweep._known_prompt_len()
+        if rates is None or not prompt_len or (label == "exclusive" and m.get("status") != "ok"):
+            continue
+        if label == "exclusive":
+            point_cfg, util = sweep.cfg, m["util"]
+        else:
+            point = Point(entry["offloads"], entry["util"])
+            point_cfg = load_config(config, [*entry.get("overrides", []), *overrides,
+                                             *point.overrides()])
+            util = entry["util"]
+        entry["planned"] = planned_point(point_cfg, m.get("rates") or rates, util,
+                                         prompt_len=prompt_len)
+    sweep.state["steps"] = max(p["measured"].get("steps", 0) for _, p in entries)
+    sweep.save()
+    return sweep.state
+
+
 def boundaries(points: dict) -> dict:
     """Per offload set: the lowest utilization that could not run, and why."""
     out = {}
