@@ -54,7 +54,8 @@ def test_elastic_equals_fixed_and_switches_without_growth(qwen3_dir, ref):
 
 
 def test_grows_into_memory_freed_while_generating(qwen3_dir, ref):
-    engine = Engine(str(qwen3_dir), ref.cfg(kv_pool="elastic", block_size=16,
+    # num_blocks=None: the pool's range is the whole card's (the fixture's default is 128)
+    engine = Engine(str(qwen3_dir), ref.cfg(kv_pool="elastic", block_size=16, num_blocks=None,
                                             max_model_len=512), dtype="bfloat16")
     full = engine.kv_mapped_bytes
     engine.sleep(1)
@@ -82,7 +83,8 @@ def test_grows_into_memory_freed_while_generating(qwen3_dir, ref):
 
 
 def test_less_mapped_when_taken_and_refused_below_one_sequence(qwen3_dir, ref):
-    engine = Engine(str(qwen3_dir), ref.cfg(kv_pool="elastic", block_size=16), dtype="bfloat16")
+    engine = Engine(str(qwen3_dir), ref.cfg(kv_pool="elastic", block_size=16, num_blocks=None),
+                    dtype="bfloat16")
     expected = _tokens(engine.generate(ref.mixed_prompts, GREEDY))
     full = engine.kv_mapped_bytes
     engine.sleep(1)

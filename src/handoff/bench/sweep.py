@@ -160,7 +160,8 @@ def planned_point(cfg: Config, rates: dict, util: float, *, prompt_len: float) -
     workload = Workload(prompt_len=max(int(round(prompt_len)), 1), response_len=max(int(mean), 1),
                         tokens_per_card=responses * mean / cfg.parallel.gpus,
                         max_response_len=longest, max_num_seqs=ro.max_num_seqs,
-                        lengths=lengths.quantiles(per_card, ro.max_tokens) if lengths else None)
+                        lengths=lengths.quantiles(per_card, ro.max_tokens) if lengths else None,
+                        group_size=ro.n)
     row = kv_row(util, shape, hw, tp=cfg.parallel.tp, workload=workload,
                  weight_bytes=dtypes.engine_bytes, kv_bytes=dtypes.kv_bytes)
     return {"kv_pool_bytes": row.kv_pool_bytes, "concurrency": row.concurrency,

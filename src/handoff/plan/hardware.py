@@ -75,6 +75,9 @@ class HardwareProfile:
     # (calibrate.measure_decode_rates). 0: weights / decode_bw_bps alone.
     decode_floor_s: float = 0.0
     decode_per_seq_s: float = 0.0
+    # The paged decode kernel's KV read rate (`handoff bench kernel`: 4.2-4.4 TB/s on the
+    # H200, 90% of its HBM peak; other cards assumed at the same share). 0: decode_bw_bps.
+    kv_read_bps: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,7 +90,8 @@ PROFILES: dict[str, HardwareProfile] = {
         map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
-        host_ram_bytes=2048 * GB, gpus_per_node=8, train_flops_per_s=225e12),
+        host_ram_bytes=2048 * GB, gpus_per_node=8, train_flops_per_s=225e12,
+        kv_read_bps=0.9 * 3350 * GB),
     "h200": HardwareProfile(
         name="h200", hbm_bytes=139 * GIB, pinned_pcie_bps=55 * GB, nvlink_bps=450 * GB,
         decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, sync_copy_bps=2500 * GB,
@@ -95,14 +99,15 @@ PROFILES: dict[str, HardwareProfile] = {
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=25e-6,
         host_ram_bytes=2048 * GB, gpus_per_node=8, kernel_h2d_bps=51 * GB,
-        train_flops_per_s=225e12),
+        train_flops_per_s=225e12, kv_read_bps=4300 * GB),
     "a100-80g": HardwareProfile(
         name="a100-80g", hbm_bytes=80 * GB, pinned_pcie_bps=20 * GB, nvlink_bps=300 * GB,
         decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, sync_copy_bps=1000 * GB,
         map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
-        host_ram_bytes=1024 * GB, gpus_per_node=8, train_flops_per_s=71e12),
+        host_ram_bytes=1024 * GB, gpus_per_node=8, train_flops_per_s=71e12,
+        kv_read_bps=0.9 * 2039 * GB),
     "cpu": HardwareProfile(
         name="cpu", hbm_bytes=16 * GB, pinned_pcie_bps=5 * GB, nvlink_bps=5 * GB,
         decode_bw_bps=20 * GB, d2d_bps=10 * GB, sync_copy_bps=10 * GB,

@@ -17,11 +17,10 @@ The last term is the long tail: when the bulk of the responses is done, the long
 still decodes L_max - L tokens almost alone, at the step time of reading the weights.
 
 With the responses' lengths known (`Workload.lengths`: rollout.response_lengths' quantiles),
-generation is simulated decode step by decode step instead (`decode_timeline`): sequences
-are admitted first come first served while the pool holds their whole length and the batch
-cap allows, every step reads the weights and the KV of every running sequence, and a
-sequence leaves when its length is reached; a long-tailed step's time is the sum of many
-small steps, which the mean-concurrency formula above does not see.
+generation is simulated decode step by decode step instead (`decode_timeline`: admission,
+the prompt's KV shared by its samples, preemption when the pool is full, the engine's
+measured step floor): a long-tailed step's time is the sum of many small steps, which the
+mean-concurrency formula above does not see.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ class Workload:
     max_response_len: int | None = None   # the long tail (None: not modelled)
     max_num_seqs: int = 256               # the engine's batch cap
     lengths: tuple[int, ...] | None = None  # a card's responses' lengths (None: mean + tail)
+    group_size: int = 1                   # samples per prompt, sharing its KV (simulation)
 
     @property
     def mean_context(self) -> float:
@@ -113,49 +113,84 @@ def kv_shortfall(utilization: float, hw: HardwareProfile, weights_bytes: float) 
 
 @dataclass(frozen=True)
 class Timeline:
-    """A simulated generation: seconds, decode steps, the most sequences run at once, and the
-    seconds spent while fewer than half that many ran (the tail)."""
+    """A simulated generation: seconds, decode steps, the most sequences run at once, the
+    preemptions, and the seconds spent while fewer than half that many ran (the tail)."""
 
     seconds: float
     steps: int
     peak_running: int
+    preemptions: int
     tail_seconds: float
+
+
+@dataclass
+class _Seq:
+    length: int
+    done: int = 0      # tokens generated before its current admission
+    start: int = 0     # the step it was (re)admitted at
+
+    def progress(self, step: int) -> int:
+        return self.done + step - self.start
 
 
 def decode_timeline(lengths: tuple[int, ...], *, prompt_len: int, pool_tokens: float,
                     max_num_seqs: int, weights_bytes: float, kv_per_token: float,
-                    bw: float, floor_s: float = 0.0, per_seq_s: float = 0.0) -> Timeline | None:
-    """Decode `lengths` (module docstring); None when the pool cannot hold one sequence.
+                    bw: float, group_size: int = 1, floor_s: float = 0.0,
+                    per_seq_s: float = 0.0, kv_bw: float = 0.0) -> Timeline | None:
+    """Decode `lengths` as the engine does; None when the pool cannot hold one sequence.
 
-    A step costs max(floor_s, weights / bw) + per_seq_s per running sequence + its KV reads
-    at bw. Between two finishes the running set is fixed and its KV grows by one token per
-    sequence per step, so each stretch of m steps is summed in closed form."""
+    Sequences are admitted first come first served while the batch cap allows and the pool
+    holds their cached tokens plus one; the `group_size` samples of a prompt share its KV
+    (the prefix cache), so each holds prompt_len / group_size of it. Every step adds a token
+    to every running sequence; when the pool would overflow, the latest admitted sequence is
+    preempted (freed, readmitted later with what it generated, as the engine recomputes it).
+    A step costs max(floor_s, weights / bw) + per_seq_s per running sequence + reading every
+    running sequence's whole context at kv_bw (the attention kernel's rate; 0: bw); each
+    stretch between events is summed in closed form (the context grows by one token per
+    sequence per step)."""
     fixed = max(floor_s, weights_bytes / bw)
-    waiting = list(reversed(lengths))
-    running: list[tuple[int, int, int]] = []   # (finish step, start step, length)
-    step, seconds, reserved, peak, tail, steps = 0, 0.0, 0, 0, 0.0, 0
+    kv_bw = kv_bw or bw
+    shared = prompt_len / group_size
+    waiting = [_Seq(n) for n in reversed(lengths)]
+    running: list[_Seq] = []
+    step, seconds, tail, steps, peak, preempted = 0, 0.0, 0.0, 0, 0, 0
+    full = False   # after a preemption, nothing is admitted until a sequence finishes
     while waiting or running:
-        while (waiting and len(running) < max_num_seqs
-               and reserved + prompt_len + waiting[-1] <= pool_tokens):
-            length = waiting.pop()
-            running.append((step + length, step, length))
-            reserved += prompt_len + length
+        held = sum(shared + q.progress(step) for q in running)
+        while (not full and waiting and len(running) < max_num_seqs
+               and held + shared + waiting[-1].done + 1 <= pool_tokens):
+            q = waiting.pop()
+            q.start = step
+            running.append(q)
+            held += shared + q.done
         if not running:
             return None
-        peak = max(peak, len(running))
-        finish = min(r[0] for r in running)
-        m, n = finish - step, len(running)
-        cached = sum(prompt_len + step - start for _, start, _ in running)
-        stretch = (m * (fixed + n * per_seq_s)
-                   + (m * cached + n * m * (m - 1) / 2) * kv_per_token / bw)
+        n = len(running)
+        peak = max(peak, n)
+        to_finish = min(q.length - q.progress(step) for q in running)
+        to_full = int((pool_tokens - held) // n)   # steps before the pool overflows
+        m = max(min(to_finish, to_full), 0)
+        context = sum(prompt_len + q.progress(step) for q in running)
+        stretch = m * (fixed + n * per_seq_s) + (m * context + n * m * (m - 1) / 2) * (
+            kv_per_token / kv_bw)
         seconds += stretch
         tail += stretch if 2 * n < peak else 0.0
         steps += m
-        step = finish
-        done = [r for r in running if r[0] == step]
-        running = [r for r in running if r[0] != step]
-        reserved -= sum(prompt_len + length for _, _, length in done)
-    return Timeline(seconds=seconds, steps=steps, peak_running=peak, tail_seconds=tail)
+        step += m
+        if m < to_finish:      # the pool is full: the latest admitted goes back to wait
+            if n == 1:
+                return None
+            q = running.pop()
+            q.done = q.progress(step)
+            waiting.append(q)
+            preempted += 1
+            full = True
+            continue
+        full = False
+        for q in [q for q in running if q.progress(step) >= q.length]:
+            running.remove(q)
+    return Timeline(seconds=seconds, steps=steps, peak_running=peak, preemptions=preempted,
+                    tail_seconds=tail)
 
 
 def kv_row(utilization: float, shape: ModelShape, hw: HardwareProfile, *, tp: int,
@@ -187,7 +222,8 @@ def _simulated_row(utilization: float, pool: float, weights: float, per_token: f
                            pool_tokens=max(pool, 0.0) / per_token,
                            max_num_seqs=workload.max_num_seqs, weights_bytes=weights,
                            kv_per_token=per_token, bw=hw.decode_bw_bps,
-                           floor_s=hw.decode_floor_s, per_seq_s=hw.decode_per_seq_s)
+                           group_size=workload.group_size, floor_s=hw.decode_floor_s,
+                           per_seq_s=hw.decode_per_seq_s, kv_bw=hw.kv_read_bps)
     if line is None:
         return KvRow(utilization=utilization, kv_pool_bytes=pool, concurrency=0.0,
                      decode_step_seconds=weights / hw.decode_bw_bps, tokens_per_second=0.0,

@@ -106,7 +106,8 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
         assumed.append(f"responses of rollout.response_lengths={spec}, simulated step by step")
     workload = Workload(prompt_len=wl_cfg.prompt_len, response_len=wl_cfg.response_len,
                         tokens_per_card=tokens_per_card, max_response_len=wl_cfg.max_response_len,
-                        max_num_seqs=cfg.rollout.max_num_seqs, lengths=lengths)
+                        max_num_seqs=cfg.rollout.max_num_seqs, lengths=lengths,
+                        group_size=cfg.rollout.n)
 
     weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
     pool = kv_pool_bytes(util, hw, weights)   # negative: a reason of the verdict
