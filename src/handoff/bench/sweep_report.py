@@ -11,6 +11,11 @@ from pathlib import Path
 GB = 1e9
 
 
+def _seconds(value) -> str:
+    """A measured time, or '-' where the point has none (the engine alone has no step)."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _cell(planned: float | None, measured: float | None, fmt: str, scale: float = 1.0) -> str:
     def one(v):
         return "-" if v is None else format(v / scale, fmt)
@@ -51,8 +56,8 @@ def markdown(state: dict) -> str:
             f"| {_cell(plan.get('tokens_per_second'), m['tokens_per_second'], '.0f')} "
             f"| {_cell(plan.get('generation_seconds'), m['generation_seconds'], '.2f')} "
             f"| {_ratio(plan.get('generation_seconds'), m['generation_seconds'])} "
-            f"| {m['preemptions']:.0f} | {m.get('step_seconds') or 0:.2f} "
-            f"| {m.get('switch_seconds') or 0:.2f} |")
+            f"| {m['preemptions']:.0f} | {_seconds(m.get('step_seconds'))} "
+            f"| {_seconds(m.get('switch_seconds'))} |")
     exclusive = (state.get("exclusive") or {}).get("measured", {})
     base = exclusive.get("generation_seconds") if exclusive.get("status") == "ok" else None
     if base:
@@ -107,13 +112,13 @@ def plot(state: dict, path: Path) -> Path:
                       label="engine alone (exclusive card)")
     ax_gen.set_xlabel("gpu_memory_utilization")
     ax_gen.set_ylabel("generation time per step, s")
-    ax_gen.set_ylim(bottom=0)
+    ax_gen.set_ylim(0, ax_gen.get_ylim()[1] * 1.35)   # room above a flat curve for the legend
     ax_kv.set_xlabel("gpu_memory_utilization")
     ax_kv.set_ylabel("KV pool, GB")
     ax_kv.set_ylim(bottom=0)
     for ax in (ax_gen, ax_kv):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower left" if ax is ax_gen else "upper left")
     fig.suptitle(f"{state['model']}: the real cost of colocation, planned and measured")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
