@@ -24,7 +24,8 @@ H100 = hardware_profile("h100-sxm")
 def plan_switch(model, gpus, *, shard=None, tp=None, util=0.5, **memory):
     shape = load_shape(model)
     parallel = ParallelConfig(gpus=gpus, shard_size=shard, tp=tp or min(gpus, 8))
-    mem = MemoryConfig(**memory)
+    # The source's tables are of its switch, the sequential one: every copy waited for.
+    mem = MemoryConfig(**{"overlap": False, **memory})
     pool = kv_pool_bytes(util, H100, engine_weight_bytes(shape, parallel.tp))
     return shape, parallel, mem, pool
 
@@ -130,8 +131,9 @@ def test_one_card_bytes_are_exact():
     n = shape.num_params
     dtypes = Dtypes(param_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8,
                     engine_bytes=2)
-    acts = {a.name: a for a in switch_actions(shape, ParallelConfig(gpus=1), MemoryConfig(),
-                                              H100, kv_pool_bytes=12345, dtypes=dtypes)}
+    acts = {a.name: a for a in switch_actions(shape, ParallelConfig(gpus=1),
+                                              MemoryConfig(overlap=False), H100,
+                                              kv_pool_bytes=12345, dtypes=dtypes)}
     assert acts["optimizer_d2h"].bytes_per_card == 8 * n == acts["optimizer_h2d"].bytes_per_card
     assert acts["params_d2h"].bytes_per_card == 4 * n == acts["params_h2d"].bytes_per_card
     assert acts["ref_d2h"].bytes_per_card == 4 * n
