@@ -9,8 +9,9 @@ with `switch/<action>/seconds` and `/bytes` for each ledger action; the run ends
 `timing_s/step` includes a checkpoint save, which `timing_s/checkpoint` reports on its own
 (0 on a step that saves nothing). `switch/raw_s` is the sum of the step's ledger actions'
 own seconds; `switch/exposed_s` is the step's wall time in which neither the engine
-generates nor the trainer computes (a wait for a copy or a map counts; a checkpoint save
-does not): step - checkpoint - generation - trainer compute. With memory.overlap a copy is
+generates nor the trainer computes (a wait for a copy or a map counts, and so does the host
+work between them, scoring; a checkpoint save does not): step - checkpoint - generation -
+trainer compute. With memory.overlap a copy is
 counted in the step it lands in: with an elastic KV pool a step's copies to the host land
 in the next step's generation (the last step's when the run ends, in no row).
 
