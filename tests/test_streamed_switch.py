@@ -76,7 +76,8 @@ class LateTransfer:
     calls of done(): a copy still running on a copy engine."""
 
     def __init__(self, transfer, log, *, queries: int | None = None, wait_seconds: float = 0.0):
-        self.transfer, self.log, self.queries, self.wait_seconds = transfer, log, queries, wait_seconds
+        self.transfer, self.log = transfer, log
+        self.queries, self.wait_seconds = queries, wait_seconds
         self.landed = False
 
     def done(self) -> bool:
@@ -131,10 +132,11 @@ def _event_log(worker, monkeypatch) -> list[str]:
     monkeypatch.setattr(worker.engine, "grow_kv", logging(worker.engine.grow_kv, lambda: "grow kv"))
     monkeypatch.setattr(worker.actor.optimizer, "step",
                         logging(worker.actor.optimizer.step, lambda *a: "optimizer step"))
+    def whose(module, *_):
+        return "forward ref" if worker.ref and module is worker.ref.module else "forward actor"
+
     for module in (actor_module, model_module):
-        monkeypatch.setattr(module, "token_forward", logging(
-            module.token_forward,
-            lambda m, *a: "forward ref" if worker.ref and m is worker.ref.module else "forward actor"))
+        monkeypatch.setattr(module, "token_forward", logging(module.token_forward, whose))
     return log
 
 

@@ -199,7 +199,8 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
              "off: bf16 params stay on the card"),
         move("optimizer_h2d", "H2D", opt_on, opt,
              "back behind the ref's and the actor's compute" if memory.overlap
-             else "only loaded right before update_actor", "off: optimizer state stays on the card"),
+             else "only loaded right before update_actor",
+             "off: optimizer state stays on the card"),
         move("ref_h2d", "H2D", ref_on, owners["reference"], "only loaded for the ref forward",
              no_ref),
     ]

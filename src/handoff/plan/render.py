@@ -90,8 +90,8 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                          _secs(o["step_seconds"]),
                          "recommended" if o["offloads"] == options["recommended"] else ""])
         out.append(("Offload sets, each at its highest safe utilization",
-                    ["offloads", "util", "KV GB", "gen s", "switch s (exposed)", "step s (modelled)",
-                     ""], rows))
+                    ["offloads", "util", "KV GB", "gen s", "switch s (exposed)",
+                     "step s (modelled)", ""], rows))
     return out
 
 
