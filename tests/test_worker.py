@@ -71,7 +71,8 @@ def test_one_step_runs_the_switch_order(model_dir, tmp_path):
     parts = trainer.worker.actor.memory_parts()
     assert row["switch/params_d2h/bytes"] == row["switch/params_h2d/bytes"] == parts["params"]
     assert row["switch/optimizer_d2h/bytes"] == row["switch/optimizer_h2d/bytes"] == parts["optimizer"]
-    assert row["switch/ref_h2d/bytes"] == row["switch/ref_d2h/bytes"] > 0
+    # memory.overlap: the ref comes back every step and is dropped, not copied, after its forward.
+    assert row["switch/ref_h2d/bytes"] > 0 and row["switch/ref_d2h/bytes"] == 0
     for name in ("summary.md", "summary.json", "memory_timeline.jsonl", "memory_timeline.png"):
         assert (tmp_path / name).is_file()
     summary = json.loads((tmp_path / "summary.json").read_text())

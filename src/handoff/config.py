@@ -86,6 +86,11 @@ class MemoryConfig:
     offload_mode: str = F("arena", help="arena: our pinned staging arena; fsdp: FSDP2 CPUOffloadPolicy",
                           choices=("arena", "fsdp"))
     wake_margin_mb: int = F(256, help="free memory a wake must leave beyond the region bytes", ge=0)
+    overlap: bool = F(True, help=(
+        "the streamed switch: the optimizer's copy back runs behind the ref's and the actor's "
+        "compute, the ref is dropped after its forward without a copy (its host copy is "
+        "unchanged), and with rollout.kv_pool=elastic generation starts while the copies to "
+        "the host run (false: every copy waited for in turn, docs/ARCHITECTURE.md)"))
 
 
 @dataclass

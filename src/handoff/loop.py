@@ -7,7 +7,13 @@ to_rollout -> one row. Every step appends that row to `metrics.jsonl` (and Tenso
 with `switch/<action>/seconds` and `/bytes` for each ledger action; the run ends with
 `summary.md` (planned vs measured per action) and `memory_timeline.jsonl/.png`.
 `timing_s/step` includes a checkpoint save, which `timing_s/checkpoint` reports on its own
-(0 on a step that saves nothing).
+(0 on a step that saves nothing). `switch/raw_s` is the sum of the step's ledger actions'
+own seconds; `switch/exposed_s` is the step's wall time in which neither the engine
+generates nor the trainer computes (a wait for a copy or a map counts, and so does the host
+work between them, scoring; a checkpoint save does not): step - checkpoint - generation -
+trainer compute. With memory.overlap a copy is
+counted in the step it lands in: with an elastic KV pool a step's copies to the host land
+in the next step's generation (the last step's when the run ends, in no row).
 
 Under torchrun every rank runs this loop on its share of the step's prompts (data parallel);
 the trainer's FSDP2 group spans all ranks, rewards are averaged over ranks, and rank 0
@@ -88,10 +94,11 @@ class Scored:
 
 def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord,
              engine: dict, *, world: int, gen_s: float, train_s: float, checkpoint_s: float,
-             step_s: float) -> dict:
+             step_s: float, work_s: float) -> dict:
     """The step's metrics row (rewards and lengths averaged over every rank; the engine's
     numbers, `engine` = its stats after the step's generate with this step's preemptions,
-    are this rank's)."""
+    are this rank's, and so are `work_s`, its generation + trainer compute seconds, and
+    train_tokens, the prompt + response tokens it trained on)."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
     length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
     tokens, _, _ = mean_over_ranks([float(sum(scored.lengths))])
@@ -102,6 +109,9 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         "response_length": length_mean, **{k: float(v) for k, v in update.items()},
         "timing_s/gen": gen_s, "timing_s/train": train_s, "timing_s/step": step_s,
         "timing_s/checkpoint": checkpoint_s, "tokens_per_s": tokens * world / gen_s,
+        "switch/exposed_s": step_s - checkpoint_s - work_s,
+        "switch/raw_s": sum(a.seconds for a in switch.actions.values()),
+        "train_tokens": sum(scored.prompt_lengths) + sum(scored.lengths),
         "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
         "sync/bound_extra_bytes": sync.bound_extra_bytes,
         # The sync action's parts: mapping the weights, then the copies (host: until the last
@@ -187,6 +197,7 @@ class Run:
 
     def _save(self, step: int) -> Path:
         """Write checkpoint `step` unpublished: it counts once its metrics row is written."""
+        self.worker.settle()   # no copy of the trainer's state may still be on its way
         return save_checkpoint(self.ckpt_dir, self.worker.actor, step=step,
                                extra={"task": self.task.state_dict()}, publish=False)
 
@@ -237,10 +248,11 @@ class Run:
         self.pending_checkpoint = self._save(step + 1) if save else None
         checkpoint_s = time.perf_counter() - t0 if save else 0.0
         to_rollout = worker.to_rollout()
-        switch = SwitchRecord.merged([to_train, ref_moves, optimizer_moves, to_rollout])
+        switch = SwitchRecord.merged([to_train, ref_moves, optimizer_moves, to_rollout,
+                                      worker.take_landed()])
         return step_row(step, scored, update, switch, engine, world=self.world, gen_s=gen_s,
                         train_s=train_s, checkpoint_s=checkpoint_s,
-                        step_s=time.perf_counter() - t_step)
+                        step_s=time.perf_counter() - t_step, work_s=worker.work_seconds)
 
     # ---------------------------------------------------------------- the run
 
@@ -262,6 +274,7 @@ class Run:
                         self.report.log_step(row)
                     if self.pending_checkpoint is not None:
                         publish_checkpoint(self.pending_checkpoint)
+            self.worker.settle()   # the last step's copies to the host land (in no row)
         except BaseException:
             # Who held the card up to the failure (an out-of-memory point of a sweep says
             # which owner did not fit from it).

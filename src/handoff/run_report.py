@@ -7,7 +7,10 @@
 
 The planned column is the ledger (handoff.plan.ledger) for this model and these offloads,
 fed with the rates this run measured at its start (handoff.calibrate), so the gap between
-the columns is the runtime's own.
+the columns is the runtime's own. Its exposed seconds (what of the switch the step waits
+for, memory.overlap) hide behind the trainer's compute the plan models for the tokens this
+run trained on, and behind the generation time this run measured; they stand beside the
+measured `switch/exposed_s`.
 """
 
 from __future__ import annotations
@@ -25,21 +28,29 @@ from handoff.calibrate import Rates
 from handoff.config import Config
 from handoff.memory.meter import MemoryMeter, plot_timeline
 from handoff.plan.hardware import hardware_profile
-from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
+from handoff.plan.hardware import HardwareProfile
+from handoff.plan.ledger import (SWITCH_ACTIONS, Dtypes, elastic_kv_pool, exposed_seconds,
+                                 switch_actions)
 from handoff.plan.shapes import load_shape
+from handoff.plan.trainer import train_seconds
 from handoff.run_dir import read_metrics
 from handoff.units import fmt_bytes
 
 console = Console()
 
 
-def planned_actions(cfg: Config, rates: Rates, kv_pool_bytes: int) -> dict[str, dict]:
-    """The ledger's nine actions for this run, priced with the rates measured in it (a rate
-    it could not measure keeps the hardware profile's). The worker's sync is in-process on
-    every rank (no IPC), whatever the shard group."""
-    shape = load_shape(cfg.model.path)
+def _run_profile(cfg: Config, rates: Rates) -> HardwareProfile:
+    """The hardware profile with the rates this run measured (a rate it could not measure
+    keeps the profile's)."""
     base = cfg.hardware.name if cfg.hardware.name else "cpu"
-    hw = rates.profile(hardware_profile(base, cfg.hardware))
+    return rates.profile(hardware_profile(base, cfg.hardware))
+
+
+def planned_actions(cfg: Config, rates: Rates, kv_pool_bytes: int) -> dict[str, dict]:
+    """The ledger's nine actions for this run, priced with the rates measured in it. The
+    worker's sync is in-process on every rank (no IPC), whatever the shard group."""
+    shape = load_shape(cfg.model.path)
+    hw = _run_profile(cfg, rates)
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
     parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
     actions = switch_actions(shape, parallel, cfg.memory, hw, kv_pool_bytes=kv_pool_bytes,
@@ -51,6 +62,20 @@ def planned_actions(cfg: Config, rates: Rates, kv_pool_bytes: int) -> dict[str, 
             for a in actions}
 
 
+def planned_exposure(cfg: Config, rates: Rates, planned: dict[str, dict], *,
+                     train_tokens: float, generation_seconds: float) -> dict[str, float]:
+    """Each planned action's exposed seconds (plan.ledger.exposed_seconds) in this run: the
+    optimizer's copy back hides behind the compute plan.trainer models for `train_tokens`
+    (a step's prompt + response tokens on this card), the copies to the host (elastic pool)
+    behind `generation_seconds`, a step's measured generation."""
+    compute = train_seconds(load_shape(cfg.model.path), train_tokens, _run_profile(cfg, rates),
+                            ref=cfg.actor.kl_coef > 0,
+                            old_logprobs=cfg.actor.updates_per_step > 1)
+    return exposed_seconds({a: p["seconds"] for a, p in planned.items()}, cfg.memory,
+                           compute_seconds=compute, generation_seconds=generation_seconds,
+                           elastic_pool=elastic_kv_pool(cfg.rollout))
+
+
 class RunReport:
     """Rank 0's view of a run: files under out_dir and the console."""
 
@@ -60,6 +85,7 @@ class RunReport:
         self.out_dir = out_dir
         self.meter = meter
         self.rows: list[dict] = []
+        self._rates = rates
         self.rates = rates.values
         # The pool as its wake maps it: CUDA maps whole allocator segments (2 MiB-rounded),
         # a little more than the pool's tensors.
@@ -95,11 +121,10 @@ class RunReport:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, row["step"])
-        switch_s = sum(row.get(f"switch/{a}/seconds", 0.0) for a in SWITCH_ACTIONS)
         line = (f"step {row['step']:>3}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
                 f"len {row['response_length']:.1f}  kl {row.get('kl', 0.0):.4f}  "
                 f"gen {row['timing_s/gen']:.2f}s  step {row['timing_s/step']:.2f}s  "
-                f"switch {switch_s:.2f}s")
+                f"switch {_switch_text(row)}")
         if self._progress is not None:
             self._progress.console.print(line, highlight=False)
             self._progress.update(self._task, completed=row["step"],
@@ -130,13 +155,24 @@ class RunReport:
                       title=f"memory by owner, step {last_step + 1}")
         measured = self._measured()
         rows = self.rows[1:] or self.rows
-        step_s = statistics.median(r["timing_s/step"] for r in rows) if rows else 0.0
+
+        def median(key: str) -> float:
+            return statistics.median(r.get(key, 0.0) for r in rows) if rows else 0.0
+
+        step_s = median("timing_s/step")
         switch_s = sum(m["seconds"] for m in measured.values())
+        exposure = planned_exposure(self.cfg, self._rates, self.planned,
+                                    train_tokens=median("train_tokens"),
+                                    generation_seconds=median("timing_s/gen"))
+        for action, seconds in exposure.items():
+            self.planned[action]["exposed_seconds"] = seconds
         k = max(1, len(self.rows) // 4)
         summary = {
             "steps": len(self.rows), "rates": self.rates, "planned": self.planned,
             "measured": measured, "step_seconds": step_s, "switch_seconds": switch_s,
             "switch_share": switch_s / step_s if step_s else None,
+            "planned_exposed_seconds": sum(exposure.values()),
+            "exposed_seconds": median("switch/exposed_s"), "raw_seconds": median("switch/raw_s"),
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
         }
@@ -147,21 +183,50 @@ class RunReport:
         return summary
 
 
+def _switch_text(row: dict) -> str:
+    """A step row's switch: its actions' seconds and, where the row has it, the exposed part."""
+    raw = row.get("switch/raw_s", sum(row.get(f"switch/{a}/seconds", 0.0) for a in SWITCH_ACTIONS))
+    exposed = row.get("switch/exposed_s")
+    return f"{raw:.2f}s" + (f" (exposed {exposed:.2f}s)" if exposed is not None else "")
+
+
+def _totals(s: dict) -> list[tuple[str, dict, dict]]:
+    """The summary's total rows as (name, planned, measured) {"seconds"}: all actions' own
+    seconds, and the part the step waits for (summaries before memory.overlap have none)."""
+    if "exposed_seconds" not in s:
+        return []
+    planned_raw = sum(s["planned"][a]["seconds"] for a in SWITCH_ACTIONS)
+    return [("switch, raw", {"seconds": planned_raw}, {"seconds": s["raw_seconds"]}),
+            ("switch, exposed", {"seconds": s["planned_exposed_seconds"]},
+             {"seconds": s["exposed_seconds"]})]
+
+
+def _exposed_text(planned: dict) -> str:
+    return f"{planned['exposed_seconds']:.4f}" if "exposed_seconds" in planned else "-"
+
+
+def _caption(s: dict) -> str:
+    exposed = f" (exposed {s['exposed_seconds']:.2f} s)" if "exposed_seconds" in s else ""
+    return (f"switch {s['switch_seconds']:.2f} s{exposed} of a {s['step_seconds']:.2f} s step "
+            f"({_share(s)}); reward {s['reward_first']:.3f} (first quarter) -> "
+            f"{s['reward_last']:.3f} (last quarter)")
+
+
 def summary_table(s: dict) -> Table:
     """The planned-vs-measured table of a run's summary (summary.json)."""
     t = Table(title=f"switch actions: planned (ledger at measured rates) vs measured, "
                     f"median of {max(s['steps'] - 1, 1)} step(s)")
     t.add_column("action", no_wrap=True, min_width=19)
-    for col in ("planned bytes", "measured bytes", "planned s", "measured s", "measured/planned"):
+    for col in ("planned bytes", "measured bytes", "planned s", "measured s", "measured/planned",
+                "planned exposed s"):
         t.add_column(col, justify="right")
     for a in SWITCH_ACTIONS:
         p, m = s["planned"][a], s["measured"][a]
         t.add_row(a, fmt_bytes(p["bytes"]), fmt_bytes(m["bytes"]), f"{p['seconds']:.4f}",
-                  f"{m['seconds']:.4f}", _ratio(p, m))
-    share = _share(s)
-    t.caption = (f"switch {s['switch_seconds']:.2f} s of a {s['step_seconds']:.2f} s step "
-                 f"({share}); reward {s['reward_first']:.3f} (first quarter) -> "
-                 f"{s['reward_last']:.3f} (last quarter)")
+                  f"{m['seconds']:.4f}", _ratio(p, m), _exposed_text(p))
+    for name, p, m in _totals(s):
+        t.add_row(name, "", "", f"{p['seconds']:.4f}", f"{m['seconds']:.4f}", _ratio(p, m), "")
+    t.caption = _caption(s)
     return t
 
 
@@ -174,16 +239,21 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
         f"D2H {r['d2h_bps'] / 1e9:.1f} GB/s, H2D {r['h2d_bps'] / 1e9:.1f} GB/s"
         f"{_kernel_text(r)}, "
         f"device copy {r['d2d_bps'] / 1e9:.1f} GB/s{_remap_text(r)}.", "",
-        "| action | planned bytes | measured bytes | planned s | measured s | measured/planned |",
-        "|---|---|---|---|---|---|",
+        "| action | planned bytes | measured bytes | planned s | measured s | measured/planned "
+        "| planned exposed s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for a in SWITCH_ACTIONS:
         p, m = s["planned"][a], s["measured"][a]
         lines.append(f"| {a} | {p['bytes']} | {m['bytes']} | {p['seconds']:.4f} | "
-                     f"{m['seconds']:.4f} | {_ratio(p, m)} |")
-    share = _share(s)
+                     f"{m['seconds']:.4f} | {_ratio(p, m)} | {_exposed_text(p)} |")
+    for name, p, m in _totals(s):
+        lines.append(f"| {name} | | | {p['seconds']:.4f} | {m['seconds']:.4f} | "
+                     f"{_ratio(p, m)} | |")
+    exposed = (f", {s['exposed_seconds']:.3f} s of it exposed (the step waits for it; "
+               f"planned {s['planned_exposed_seconds']:.3f} s)" if "exposed_seconds" in s else "")
     lines += ["", f"Switch: {s['switch_seconds']:.3f} s of a {s['step_seconds']:.3f} s step "
-                  f"({share}).",
+                  f"({_share(s)}){exposed}.",
               f"Mean reward: {s['reward_first']:.3f} over the first quarter of steps, "
               f"{s['reward_last']:.3f} over the last.", ""]
     return "\n".join(lines)
@@ -243,9 +313,8 @@ def show_run(run_dir: str | Path) -> dict:
     for col in ("step", "reward", "length", "kl", "gen s", "switch s", "step s"):
         t.add_column(col, justify="right")
     for r in rows:
-        switch_s = sum(r.get(f"switch/{a}/seconds", 0.0) for a in SWITCH_ACTIONS)
         t.add_row(str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['response_length']:.1f}",
-                  f"{r.get('kl', 0.0):.4f}", f"{r['timing_s/gen']:.2f}", f"{switch_s:.2f}",
+                  f"{r.get('kl', 0.0):.4f}", f"{r['timing_s/gen']:.2f}", _switch_text(r),
                   f"{r['timing_s/step']:.2f}")
     console.print(t)
     if not summary_path.is_file():

@@ -7,12 +7,20 @@ from one to the other. Every move returns a SwitchRecord of what it did.
     logprobs, moves = worker.log_probs(batch)         # old (if needed) and ref log-probs
     metrics, opt = worker.update(batch)               # optimizer back, the GRPO update
     record = worker.to_rollout()                      # the switch back (order below)
+    landed = worker.take_landed()                     # copies that landed after their move
 
 The order of both switches, and why it is that order, is in docs/ARCHITECTURE.md ("The
 switch"). Every point is a meter probe under the source's names, and every action is timed
 under the ledger's name (handoff.plan.ledger.SWITCH_ACTIONS) with the bytes it moved, so a
 run prints planned vs measured side by side. Offloads the config turns off are skipped and
 recorded as 0 bytes.
+
+With memory.overlap (the streamed switch) some copies outlive the move that starts them: the
+optimizer's copy back lands inside the update, and with an elastic KV pool the copies to
+the host land between the next generation's engine steps. A copy is recorded in the record
+of the move it lands in, or, landing outside one (generation, `settle`), in `take_landed()`:
+either way in the step it lands in. `work_seconds` adds up the step's generation and trainer
+compute (less their waits for copies), the rest of the step is the switch's exposed time.
 
 Under torchrun each rank runs one worker: the trainer's FSDP2 mesh spans every rank, and
 the engines of parallel.tp consecutive ranks form one tensor-parallel engine (each rank
@@ -26,22 +34,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-import torch
+from rich.console import Console
 
 from handoff.config import Config
-from handoff.dist import wait_for_compute
+from handoff.dist import wait_for_compute, world_rank_size
 from handoff.errors import HandoffError
-from handoff.memory.allocator import aggressive_empty_cache, expandable_segments
+from handoff.memory.allocator import aggressive_empty_cache, device_free_bytes, expandable_segments
 from handoff.memory.meter import MemoryMeter
 from handoff.memory.regions import RegionPool
-from handoff.plan.ledger import SWITCH_ACTIONS
+from handoff.memory.staging import Transfer
+from handoff.plan.ledger import SWITCH_ACTIONS, elastic_kv_pool
 from handoff.rollout.engine import Engine
 from handoff.sync.weights import SyncStats, sync_weights
 from handoff.train.actor import Actor
 from handoff.train.batch import RolloutBatch
-from handoff.train.model import ShardedModel
+from handoff.train.model import Move, ShardedModel
+from handoff.units import fmt_bytes
 
 T = TypeVar("T")
+_console = Console(stderr=True)
 
 # The probe names of one step, in order (the source's "before resume weights" etc.).
 PROBES_TO_TRAIN = ("after generate", "after engine sleep", "after params onload")
@@ -102,6 +113,20 @@ class HybridWorker:
         self.actor, self.ref, self.engine = actor, ref, engine
         self.pool, self.meter = pool, meter
         self.step = -1  # probes before the first step carry step -1
+        self.work_seconds = 0.0     # this step's generation + trainer compute (module docstring)
+        self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
+        self._queued_to_host: list[str] = []   # actor parts whose copy starts once those land
+        self._landed = SwitchRecord()          # copies that landed outside a move
+        self._optimizer_back: Move | None = None   # its copy back, started before the update
+        self._between_steps_seconds = 0.0
+        self._said: set[str] = set()
+        mem = cfg.memory
+        if mem.overlap and not self._streams_to_host() and (mem.param_offload
+                                                            or mem.optimizer_offload):
+            self._say_once("fixed pool", "memory.overlap: the fixed KV pool is mapped whole at "
+                           "its wake, so the copies to the host are waited for before it and "
+                           "generation does not start under them; rollout.kv_pool=elastic "
+                           "streams them behind generation")
         self.probe("start")
 
     def probe(self, name: str) -> dict:
@@ -109,6 +134,19 @@ class HybridWorker:
 
     def begin_step(self, step: int) -> None:
         self.step = step
+        self.work_seconds = 0.0
+
+    def _say_once(self, key: str, text: str) -> None:
+        """One line on stderr (rank 0), the first time `key` comes up in this worker."""
+        if key not in self._said:
+            self._said.add(key)
+            if world_rank_size()[0] == 0:
+                _console.print(f"[yellow]{text}[/]", highlight=False, soft_wrap=True)
+
+    def _streams_to_host(self) -> bool:
+        """Whether generation starts while the copies to the host run: memory.overlap with an
+        elastic KV pool (a fixed one must be mapped whole at its wake)."""
+        return self.cfg.memory.overlap and elastic_kv_pool(self.engine.cfg)
 
     def _timed(self, record: SwitchRecord, action: str, fn: Callable[[], T],
                nbytes: Callable[[], int] = lambda: 0) -> T:
@@ -121,6 +159,19 @@ class HybridWorker:
         record.add(action, time.perf_counter() - t0, nbytes())
         return result
 
+    def _compute(self, fn: Callable[[], T]) -> T:
+        """Run trainer compute `fn`; its wall time, less its waits for copies, is work."""
+        wait_for_compute(self.device)
+        waited = self._copy_waits()
+        t0 = time.perf_counter()
+        result = fn()
+        wait_for_compute(self.device)
+        self.work_seconds += time.perf_counter() - t0 - (self._copy_waits() - waited)
+        return result
+
+    def _copy_waits(self) -> float:
+        return self.actor.copy_wait_seconds + (self.ref.copy_wait_seconds if self.ref else 0.0)
+
     def load_trainer_state(self, load: Callable[[Actor], T]) -> T:
         """Resume: `load(actor)` with the trainer's state on the card, then the normal switch.
 
@@ -128,6 +179,7 @@ class HybridWorker:
         checkpoint), and `to_rollout` pushes the resumed weights into it.
         """
         mem = self.cfg.memory
+        self.settle()
         self.engine.sleep(2)
         aggressive_empty_cache()
         if mem.param_offload or mem.optimizer_offload:
@@ -137,10 +189,73 @@ class HybridWorker:
         self.to_rollout()
         return result
 
+    # ---------------------------------------------------------------- copies to the host
+
+    def _start_to_host(self, part: str) -> None:
+        """Start the copy of an actor part to the host (async on CUDA); `_land` lands it."""
+        transfer = self.actor.to("host", **{part: True}).transfers[part]
+        if transfer is not None:
+            self._to_host.append((f"{part}_d2h", transfer))
+
+    def _queue_to_host(self, part: str) -> None:
+        """The part's copy starts once the copies in flight have landed: the cache emptied
+        at a landing then waits for no copy of ours (one D2H stream: no later either)."""
+        if self._to_host:
+            self._queued_to_host.append(part)
+        else:
+            self._start_to_host(part)
+
+    def _land(self, record: SwitchRecord, *, wait: bool) -> bool:
+        """Land the copies to the host that have finished (wait: all in flight): their device
+        memory is freed, their actions recorded. Returns whether any landed."""
+        landed = False
+        while self._to_host and (wait or self._to_host[0][1].done()):
+            action, transfer = self._to_host.pop(0)
+            transfer.wait()
+            record.add(action, transfer.seconds, transfer.bytes)
+            landed = True
+        return landed
+
+    def _start_queued_to_host(self) -> None:
+        if self._queued_to_host and not self._to_host:
+            self._start_to_host(self._queued_to_host.pop(0))
+
+    def _land_between_steps(self) -> None:
+        """Between two engine steps: land the copies that finished, hand their memory to the
+        KV pool, start the next part's copy. Never waits for a copy."""
+        t0 = time.perf_counter()
+        if self._land(self._landed, wait=False):
+            aggressive_empty_cache()
+            self._start_queued_to_host()
+            self.engine.grow_kv()
+        self._between_steps_seconds += time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """Wait for every copy to the host still pending and land it: before anything that
+        needs the trainer's state on the host or the card back (a checkpoint, a resume, the
+        run's end). Their actions go to `take_landed()`."""
+        while self._to_host or self._queued_to_host:
+            self._land(self._landed, wait=True)
+            aggressive_empty_cache()
+            self._start_queued_to_host()
+
+    def take_landed(self) -> SwitchRecord:
+        """The copies that landed outside a move since the last call (generation, `settle`)."""
+        record, self._landed = self._landed, SwitchRecord()
+        return record
+
     # ---------------------------------------------------------------- rollout phase
 
     def generate(self, prompts: list[list[int]], params, *, progress: bool = False):
-        outs = self.engine.generate(prompts, params, progress=progress)
+        """The engine's generation. Copies to the host a streamed switch left running land
+        between its steps (their memory grows the KV pool); the rest once it ends."""
+        streamed = bool(self._to_host or self._queued_to_host)
+        self._between_steps_seconds = 0.0
+        t0 = time.perf_counter()
+        outs = self.engine.generate(prompts, params, progress=progress,
+                                    between_steps=self._land_between_steps if streamed else None)
+        self.work_seconds += time.perf_counter() - t0 - self._between_steps_seconds
+        self.settle()
         self.probe("after generate")
         return outs
 
@@ -163,51 +278,86 @@ class HybridWorker:
         needed), and the record of the ref's moves (loaded only for its forward).
 
         With one update per step "old" is None: the policy has not moved, so the update's own
-        (detached) forward gives them and a pass is saved."""
+        (detached) forward gives them and a pass is saved.
+
+        With memory.overlap the ref's copy back and then the optimizer's are queued first (one
+        H2D stream: the ref's forward waits for its own copy only), and the ref's device copy
+        is dropped after its forward: it never changes, so the host copy of its first offload
+        is still the truth (ref_d2h moves 0 bytes)."""
+        mem = self.cfg.memory
         record = SwitchRecord()
+        ref_back = None
+        if mem.overlap:
+            ref_back = self._start_ref_back()
+            self._start_optimizer_back()
         old = None
         if self.cfg.actor.updates_per_step > 1:
-            old, _ = self.actor.log_probs(batch, with_entropy=False)
+            old = self._compute(lambda: self.actor.log_probs(batch, with_entropy=False)[0])
         ref = None
         if self.ref is not None:
-            offload = self.cfg.memory.ref_offload
-            if offload:
-                moved = self.ref.to("device", params=True, by_kernel=True).wait()["params"]
+            if not mem.overlap:
+                ref_back = self._start_ref_back()
+            if ref_back is not None:
+                moved = ref_back.wait()["params"]
                 record.add("ref_h2d", moved["seconds"], moved["bytes"])
-            ref, _ = self.ref.log_probs(batch, with_entropy=False)
-            if offload:
-                moved = self.ref.to("host", params=True).wait()["params"]
+            ref = self._compute(lambda: self.ref.log_probs(batch, with_entropy=False)[0])
+            if mem.ref_offload:
+                moved = self.ref.to("host", params=True, copy=not mem.overlap).wait()["params"]
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
         return {"old": old, "ref": ref}, record
 
+    def _start_ref_back(self) -> Move | None:
+        if self.ref is None or not self.cfg.memory.ref_offload:
+            return None
+        return self.ref.to("device", params=True, by_kernel=True)
+
+    def _start_optimizer_back(self) -> None:
+        """Start the optimizer's copy back, not waited for (Actor.step waits for it). It needs
+        room beside the ref's forward; the card holds then what it holds in the update (the
+        ref where the grads will be, an activation peak below the update's), so only the
+        state itself is checked. Without that room it comes back before the update."""
+        if not self.cfg.memory.optimizer_offload:
+            return
+        need = self.actor.memory_parts()["optimizer"] + (self.cfg.memory.wake_margin_mb << 20)
+        free = device_free_bytes(self.device)
+        if free is not None and free < need:
+            self._say_once("optimizer back", f"memory.overlap: the optimizer state needs "
+                           f"{fmt_bytes(need)} beside the ref's forward, {fmt_bytes(free)} is "
+                           "free: it comes back right before the update instead (the sequential "
+                           "order); offload less or lower actor.micro_batch_tokens to overlap it")
+            return
+        self._optimizer_back = self.actor.to("device", optimizer=True)
+
     def update(self, batch: RolloutBatch) -> tuple[dict[str, float], SwitchRecord]:
-        """Optimizer state back right before the update, then the update."""
+        """The GRPO update; the optimizer's state comes back right before it unless its copy
+        already runs (memory.overlap), which lands inside it, before the optimizer step."""
         record = SwitchRecord()
-        if self.cfg.memory.optimizer_offload:
+        if self.cfg.memory.optimizer_offload and self._optimizer_back is None:
             record.add_moves(self.actor.to("device", optimizer=True).wait(), "h2d")
-        metrics = self.actor.update(batch)
+        metrics = self._compute(lambda: self.actor.update(batch))
+        if self._optimizer_back is not None:
+            record.add_moves(self._optimizer_back.wait(), "h2d")
+            self._optimizer_back = None
         self.probe("after update")
         return metrics, record
 
     # ---------------------------------------------------------------- the switch back
 
-    def _wake_weights(self, opt_move) -> None:
+    def _wake_weights(self, record: SwitchRecord) -> None:
         """Wake the engine's weights while the optimizer copy runs; if the card is too full
         for that, wait for the copy to free the optimizer's memory and try once more."""
         try:
             self.engine.wake_up(["weights"])
         except HandoffError:
-            if opt_move is None:
+            if not self.cfg.memory.optimizer_offload:
                 raise
-            for transfer in opt_move.transfers.values():
-                if transfer is not None:
-                    transfer.wait()
+            self._land(record, wait=True)
             aggressive_empty_cache()
             self.engine.wake_up(["weights"])
 
-    def _sync_weights(self, record: SwitchRecord, opt_move) -> None:
+    def _sync_weights(self, record: SwitchRecord) -> None:
         t0 = time.perf_counter()
-        self._wake_weights(opt_move)
+        self._wake_weights(record)
         record.weights_wake_seconds = time.perf_counter() - t0
         record.sync = sync_weights(
             self.actor.full_params(self.engine.dtype), self.engine.load_weights,
@@ -215,35 +365,60 @@ class HybridWorker:
             readback=self.engine.export_weight if self.cfg.sync.verify else None,
             select=self.engine.weight_shard)
 
+    def _hand_back_in_turn(self, record: SwitchRecord) -> None:
+        """The copies to the host waited for one after the other, before the KV pool maps."""
+        mem = self.cfg.memory
+        if mem.optimizer_offload:
+            # The optimizer's memory goes back to the driver as soon as its copy ends,
+            # while the params' copy (on the same D2H stream, so no later) runs: the
+            # driver clears freed pages before it maps them again.
+            self._land(record, wait=True)
+            aggressive_empty_cache()
+        if mem.param_offload:
+            self._start_to_host("params")
+            self._land(record, wait=True)
+        aggressive_empty_cache()
+
+    def _wake_kv_cache(self) -> None:
+        """Map the KV pool. Streamed, an elastic pool maps what is free beside the copies
+        still running; if not even its least fits there, they land first (said once)."""
+        try:
+            self.engine.wake_up(["kv_cache"])
+        except HandoffError as e:
+            if not (self._to_host or self._queued_to_host):
+                raise
+            self._say_once("kv wake", f"memory.overlap: the KV pool could not map beside the "
+                           f"copies to the host ({e}): they are waited for first (the "
+                           "sequential order)")
+            self.settle()
+            self.engine.wake_up(["kv_cache"])
+
     def to_rollout(self) -> SwitchRecord:
         """Training -> generation in the switch order of docs/ARCHITECTURE.md."""
         mem = self.cfg.memory
         record = SwitchRecord()
-        opt_move = self.actor.to("host", optimizer=True) if mem.optimizer_offload else None
-        if opt_move is None:
-            aggressive_empty_cache()
-        else:
+        if mem.optimizer_offload:
+            self._start_to_host("optimizer")
             # Emptying the cache now would wait for the optimizer copy (and free none of its
             # memory: that comes when the copy is waited on): the weights wake tries without
             # it, and _wake_weights waits, empties and retries if the card is too full.
             gc.collect()
+        else:
+            aggressive_empty_cache()
         self.probe("before resume weights")
         with expandable_segments(False):
-            self._timed(record, "engine_weights_sync", lambda: self._sync_weights(record, opt_move),
+            self._timed(record, "engine_weights_sync", lambda: self._sync_weights(record),
                         nbytes=lambda: record.sync.bytes)
             self.probe("after update_weights")
-            if opt_move is not None:
-                # The optimizer's memory goes back to the driver as soon as its copy ends,
-                # while the params' copy (on the same D2H stream, so no later) runs: the
-                # driver clears freed pages before it maps them again.
-                record.add_moves(opt_move.wait(), "d2h")
-                aggressive_empty_cache()
-            if mem.param_offload:
-                record.add_moves(self.actor.to("host", params=True).wait(), "d2h")
-            aggressive_empty_cache()
+            if self._streams_to_host():
+                # Generation starts under the copies: they land between its steps.
+                if mem.param_offload:
+                    self._queue_to_host("params")
+            else:
+                self._hand_back_in_turn(record)
             self.probe("after params offload")
             # Mapped, not copied: the ledger counts the pool's bytes for this action too.
-            self._timed(record, "kv_cache_wake", lambda: self.engine.wake_up(["kv_cache"]),
+            self._timed(record, "kv_cache_wake", self._wake_kv_cache,
                         nbytes=lambda: self.pool.region_bytes("kv_cache"))
         self.engine.reset_prefix_cache()
         self.probe("after resume kv_cache")

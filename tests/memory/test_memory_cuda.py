@@ -213,6 +213,33 @@ def test_offload_frees_at_wait_and_a_quick_onload_waits_for_the_way_out():
     arena.close()
 
 
+def test_done_asks_without_blocking_and_drop_frees_at_once():
+    """The streamed switch asks a copy in flight whether it landed between engine steps:
+    done() is False until it has; a dropped set's memory is freed at the call, no copy, and
+    the next onload brings back its host copy."""
+    torch.manual_seed(0)
+    xs = [torch.randn(64 * MiB, device="cuda"), torch.randn(5, device="cuda")]
+    ref = [x.cpu() for x in xs]
+    arena = PinnedArena(chunk_bytes=4 * MiB)
+    arena.stage("x", xs)
+    torch.cuda._sleep(200_000_000)   # the compute stream busy: the copy waits behind it
+    down = arena.offload("x")
+    assert not down.done()
+    down.wait()
+    assert down.done()
+    arena.onload("x").wait()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    dropped = arena.drop("x", xs)
+    assert dropped.done() and dropped.bytes == 0
+    assert arena.set_bytes("x") <= before - torch.cuda.memory_allocated()
+    assert all(x.untyped_storage().nbytes() == 0 for x in xs)
+    arena.onload("x").wait()
+    for x, r in zip(xs, ref):
+        assert torch.equal(x.cpu(), r)
+    arena.close()
+
+
 def test_expandable_segments_in_environment_is_handled():
     code = ("import torch; from handoff.memory.regions import RegionPool\n"
             "x = torch.ones(1 << 20, device='cuda')\n"

@@ -122,3 +122,31 @@ def test_dtensor_like_stands_for_its_local_shard():
     assert shard.untyped_storage().nbytes() == 0
     arena.onload("fsdp")
     assert torch.equal(shard, ref)
+
+
+def test_drop_frees_without_a_copy_and_the_host_copy_comes_back():
+    """A frozen set (the ref) is copied to the host once; later its device copy is dropped
+    (0 bytes moved) and the next onload restores the values of that first copy."""
+    model, _ = _model_and_adam()
+    tensors = list(model.parameters())
+    ref = [t.detach().clone() for t in tensors]
+    arena = PinnedArena()
+    arena.stage("ref", tensors)
+    with pytest.raises(HandoffError, match="no host copy"):
+        arena.drop("ref", tensors)   # nothing on the host yet: dropping would lose the values
+    arena.offload("ref").wait()
+    for _ in range(2):
+        arena.onload("ref").wait()
+        assert all(torch.equal(x, r) for x, r in zip(tensors, ref))
+        dropped = arena.drop("ref", tensors)
+        assert dropped.done() and dropped.bytes == 0 and dropped.seconds >= 0
+        assert all(x.untyped_storage().nbytes() == 0 for x in tensors)
+    with pytest.raises(HandoffError, match="already offloaded"):
+        arena.drop("ref", tensors)
+    arena.onload("ref").wait()
+    assert all(torch.equal(x, r) for x, r in zip(tensors, ref))
+    with pytest.raises(HandoffError, match="no longer the staged ones"):
+        arena.drop("ref", [t.clone() for t in tensors])   # the owner swapped its storage
+    arena.stage("ref", tensors)   # a new binding: its host space no longer counts as a copy
+    with pytest.raises(HandoffError, match="no host copy"):
+        arena.drop("ref", tensors)

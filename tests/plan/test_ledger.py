@@ -13,7 +13,7 @@ import pytest
 from handoff.config import MemoryConfig, ParallelConfig
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.kvpool import engine_weight_bytes, kv_pool_bytes
-from handoff.plan.ledger import (SWITCH_ACTIONS, Dtypes, memory_by_owner,
+from handoff.plan.ledger import (SWITCH_ACTIONS, Dtypes, exposed_seconds, memory_by_owner,
                                  offloaded_bytes_per_card, switch_actions, switch_summary)
 from handoff.plan.shapes import load_shape
 
@@ -24,7 +24,8 @@ H100 = hardware_profile("h100-sxm")
 def plan_switch(model, gpus, *, shard=None, tp=None, util=0.5, **memory):
     shape = load_shape(model)
     parallel = ParallelConfig(gpus=gpus, shard_size=shard, tp=tp or min(gpus, 8))
-    mem = MemoryConfig(**memory)
+    # The source's tables are of its switch, the sequential one: every copy waited for.
+    mem = MemoryConfig(**{"overlap": False, **memory})
     pool = kv_pool_bytes(util, H100, engine_weight_bytes(shape, parallel.tp))
     return shape, parallel, mem, pool
 
@@ -130,8 +131,9 @@ def test_one_card_bytes_are_exact():
     n = shape.num_params
     dtypes = Dtypes(param_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8,
                     engine_bytes=2)
-    acts = {a.name: a for a in switch_actions(shape, ParallelConfig(gpus=1), MemoryConfig(),
-                                              H100, kv_pool_bytes=12345, dtypes=dtypes)}
+    acts = {a.name: a for a in switch_actions(shape, ParallelConfig(gpus=1),
+                                              MemoryConfig(overlap=False), H100,
+                                              kv_pool_bytes=12345, dtypes=dtypes)}
     assert acts["optimizer_d2h"].bytes_per_card == 8 * n == acts["optimizer_h2d"].bytes_per_card
     assert acts["params_d2h"].bytes_per_card == 4 * n == acts["params_h2d"].bytes_per_card
     assert acts["ref_d2h"].bytes_per_card == 4 * n
@@ -151,3 +153,52 @@ def test_seconds_follow_the_link_rate():
     b = switch_actions(shape, parallel, mem, slow, kv_pool_bytes=pool)[0]
     assert b.bytes_per_card == a.bytes_per_card
     assert b.seconds == pytest.approx(2 * a.seconds)
+
+
+def test_the_streamed_switch_hides_its_copies_behind_work():
+    """memory.overlap: the ref is never copied down again, the optimizer's copy back hides
+    behind the trainer's compute, the copies to the host behind generation (elastic pool)."""
+    shape, parallel, mem, pool = plan_switch("qwen3-32b", 8, overlap=True)
+    acts = switch_actions(shape, parallel, mem, H100, kv_pool_bytes=pool)
+    by_name = {a.name: a for a in acts}
+    assert by_name["ref_d2h"].bytes_per_card == 0 < by_name["ref_h2d"].bytes_per_card
+    # Its host copy still takes pinned RAM.
+    assert offloaded_bytes_per_card(acts) == offloaded_bytes_per_card(actions_for("qwen3-32b", 8))
+    raw = {a.name: a.seconds for a in acts}
+
+    def exposed(memory=mem, *, compute=100.0, generation=100.0, elastic=True):
+        return exposed_seconds(raw, memory, compute_seconds=compute,
+                               generation_seconds=generation, elastic_pool=elastic)
+
+    assert exposed(MemoryConfig(overlap=False)) == raw
+    fixed = exposed(compute=1.0, elastic=False)
+    assert fixed["optimizer_h2d"] == pytest.approx(raw["optimizer_h2d"] - 1.0)
+    for name in ("optimizer_d2h", "params_d2h"):   # a fixed pool maps after them
+        assert fixed[name] == raw[name]
+    hidden = exposed()
+    assert hidden["optimizer_h2d"] == hidden["optimizer_d2h"] == hidden["params_d2h"] == 0
+    for name in ("engine_weights_sync", "kv_cache_wake", "engine_sleep", "params_h2d", "ref_h2d"):
+        assert hidden[name] == raw[name]
+    # Generation shorter than the two copies to the host (one stream: the params' last).
+    half = raw["optimizer_d2h"] / 2
+    late = exposed(generation=half)
+    assert late["optimizer_d2h"] == pytest.approx(half)
+    assert late["params_d2h"] == pytest.approx(raw["params_d2h"])
+    assert exposed(generation=None)["optimizer_d2h"] == raw["optimizer_d2h"]   # unknown: all
+
+
+def test_the_plan_models_the_step_with_the_exposed_switch():
+    from handoff.config import load_config
+    from handoff.plan.report import build_plan
+
+    base = ["model.path=qwen3-4b"]
+    on = build_plan(load_config("examples/h200-4b.yaml", base), advise=False)
+    off = build_plan(load_config("examples/h200-4b.yaml", base + ["memory.overlap=false"]),
+                     advise=False)
+    assert off["switch"]["exposed_seconds"] == pytest.approx(off["switch"]["total_seconds"])
+    hidden = off["switch"]["total_seconds"] - on["switch"]["exposed_seconds"]
+    assert hidden > 0.5   # the optimizer's 48 GB copy back and the ref's copy down
+    assert on["step"]["switch_seconds"] == pytest.approx(on["switch"]["exposed_seconds"])
+    assert off["step"]["seconds"] - on["step"]["seconds"] == pytest.approx(hidden)
+    actions = {a["name"]: a for a in on["switch"]["actions"]}
+    assert actions["optimizer_h2d"]["exposed_seconds"] == 0 < actions["optimizer_h2d"]["seconds"]

@@ -77,7 +77,8 @@ def test_json_shape():
     sw = r["switch"]
     assert [a["name"] for a in sw["actions"]] == list(SWITCH_ACTIONS)
     for a in sw["actions"]:
-        assert set(a) == {"name", "direction", "bytes_per_card", "link", "seconds", "note"}
+        assert set(a) == {"name", "direction", "bytes_per_card", "link", "seconds", "note",
+                          "exposed_seconds"}
         assert isinstance(a["bytes_per_card"], int)
     assert sw["total_bytes_per_card"] == sum(a["bytes_per_card"] for a in sw["actions"]
                                              if a["link"] == "PCIe")

@@ -172,3 +172,22 @@ def test_fsdp_offload_mode_trains_identically_and_moves_nothing(ckpt):
     assert metrics[0][1]["entropy"] != metrics[0][0]["entropy"]  # the first step moved the policy
     assert all(t.device.type == "cpu" for t in actor.part_tensors("optimizer"))
     assert actor.to("host", params=True, optimizer=True).wait()["params"]["bytes"] == 0
+
+
+def test_a_frozen_reference_is_dropped_without_a_copy_the_actor_is_not(ckpt):
+    cfg = load_config(None, [f"model.path={ckpt}", "model.dtype=float32", "actor.kl_coef=0.1"])
+    ref = build_reference(cfg, device="cpu")
+    batch = make_batch(seed=3)
+    want, _ = ref.log_probs(batch, with_entropy=False)
+    assert ref.to("host", params=True).wait()["params"]["bytes"] > 0   # the one real copy
+    for _ in range(2):
+        ref.to("device", params=True).wait()
+        got, _ = ref.log_probs(batch, with_entropy=False)
+        assert torch.equal(got, want)
+        assert ref.to("host", params=True, copy=False).wait()["params"]["bytes"] == 0
+        assert storage_bytes(ref.part_tensors("params")) == 0        # freed all the same
+    actor = Actor(ckpt, actor=ActorConfig(), dtype="float32")
+    actor.to("host", params=True).wait()
+    actor.to("device", params=True).wait()
+    with pytest.raises(HandoffError, match="change as it trains"):
+        actor.to("host", params=True, copy=False)

@@ -60,7 +60,9 @@ def test_compute_right_after_an_unawaited_onload_sees_the_data(ckpt):
         actor.update(batch())
         if offload:
             actor.to("host", params=True, optimizer=True).wait()
-            actor.to("device", params=True, optimizer=True)   # no wait: the GPU stream waits
+            # No wait: the compute that needs each part waits for its copy (the optimizer's
+            # at the optimizer step, after the forwards and backwards).
+            actor.to("device", params=True, optimizer=True)
         results.append(actor.update(batch(1)))
     for k, v in results[0].items():
         assert results[1][k] == pytest.approx(v, rel=1e-3, abs=1e-5), k

@@ -52,7 +52,8 @@ def ledger_rows(model: str, dtype: str, hardware: str) -> tuple[dict[str, dict],
             nbytes = shape.num_params * part["ref" if who == "ref" else what]
             rows[name] = {"bytes": nbytes, "seconds": nbytes / 55e9}
         return rows, "formula N x bytes/param at 55 GB/s (handoff.plan.ledger not found)"
-    actions = switch_actions(shape, ParallelConfig(gpus=1), MemoryConfig(),
+    # The bench copies every part each way: the sequential switch's actions.
+    actions = switch_actions(shape, ParallelConfig(gpus=1), MemoryConfig(overlap=False),
                              hardware_profile(hardware), kv_pool_bytes=0,
                              dtypes=Dtypes.for_model(dtype))
     return ({a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds} for a in actions},

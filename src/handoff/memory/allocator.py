@@ -7,6 +7,7 @@ frozen GC heap, host memory.
     with frozen_gc_heap():              # a run's steps: gc skips the objects of its setup
         ...
     total, available = host_memory()
+    free = device_free_bytes(device)    # what the card can still allocate (None on CPU)
 
 Switch expandable_segments only through this module, so the recorded value and PyTorch's
 agree.
@@ -83,6 +84,16 @@ def expandable_segments(enabled: bool):
         yield
     finally:
         set_expandable_segments(previous)
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on `device` can take now: the driver's free memory plus the
+    blocks PyTorch holds cached but unused. None off CUDA (there the "device" is host memory,
+    which this does not ration)."""
+    if device.type != "cuda":
+        return None
+    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached_unused
 
 
 def rss_bytes() -> int:

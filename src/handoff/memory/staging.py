@@ -5,6 +5,7 @@
     t = arena.offload("optim")           # async D2H on the D2H copy stream, device side freed
     ...                                  # the GPU is someone else's now
     arena.onload("optim").wait()         # device storage re-created, async H2D, then wait
+    arena.drop("ref", ref_tensors)       # no copy: the host copy is still the truth (frozen sets)
 
 Allocating pinned memory is slow (16 GiB took 7.5 s on the H200), so a named set keeps its
 host space for the life of the arena; re-staging a set of the same (or smaller) size reuses
@@ -88,6 +89,11 @@ class Transfer:
             storage.resize_(0)
         self.release = []
 
+    def done(self) -> bool:
+        """Whether the copy has finished, without blocking (CUDA: its event's query; a CPU
+        copy is synchronous, so done when made). `wait()` still lands it."""
+        return self.event is None or self.event.query()
+
     @property
     def seconds(self) -> float:
         """Copy time on its stream (CUDA events) or wall time (CPU); call wait() first."""
@@ -105,7 +111,13 @@ class _Set:
     host_u8: torch.Tensor | None = None              # the set's host space (capacity >= total)
     views: list[torch.Tensor] = field(default_factory=list)  # uint8 view per storage
     on_device: bool = True
+    host_copy: bool = False         # the host space holds the set's data (an offload copied it)
     last: Transfer | None = None    # the latest copy, waited on before the next one starts
+
+
+def _local(t):
+    """A DTensor's (FSDP2 parameter's) local shard; any other tensor itself."""
+    return t.to_local() if callable(getattr(t, "to_local", None)) else t
 
 
 def _storage_bytes(storage, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -147,9 +159,7 @@ class PinnedArena:
             self._settled(name)   # its host space may be handed on below
         new = _Set()
         seen: set[int] = set()
-        for t in tensors:
-            if callable(getattr(t, "to_local", None)):
-                t = t.to_local()
+        for t in map(_local, tensors):
             if not isinstance(t, torch.Tensor):
                 raise HandoffError(f"set {name!r}: got {type(t).__name__}, expected tensors")
             if new.device is None:
@@ -213,12 +223,36 @@ class PinnedArena:
         if not s.on_device:
             raise HandoffError(f"set {name!r} is already offloaded: onload it first")
         transfer = self._copy(name, s, to_host=True)
+        s.host_copy = True   # complete once `last` is waited on, which every later use does
         if free_device:
             transfer.release = list(s.storages)
             if transfer.event is None:
                 transfer.wait()
             s.on_device = False
         return transfer
+
+    def drop(self, name: str, tensors: list[torch.Tensor]) -> Transfer:
+        """Free the set's device storage without a copy: the host copy of its last offload is
+        the truth. Only for data the device never changes (a frozen model's weights): a change
+        made since that offload would be lost. `tensors` are the set's tensors as its owner
+        sees them now, refused unless they are the staged ones (same storages). Returns a
+        0-byte Transfer, already done."""
+        s = self._settled(name)
+        if not s.on_device:
+            raise HandoffError(f"set {name!r} is already offloaded: onload it first")
+        if not s.host_copy:
+            raise HandoffError(f"set {name!r} has no host copy to keep (never offloaded since it "
+                               "was staged): offload it with a copy once, then drop it")
+        staged = {st._cdata for st in s.storages}
+        if {_local(t).untyped_storage()._cdata for t in tensors} != staged:
+            raise HandoffError(f"set {name!r}: its tensors are no longer the staged ones (their "
+                               "storage changed since): offload them with a copy, which stages "
+                               "them again")
+        t0 = time.perf_counter()
+        for storage in s.storages:
+            storage.resize_(0)
+        s.on_device = False
+        return Transfer(name, 0, seconds=time.perf_counter() - t0)
 
     def onload(self, name: str, *, by_kernel: bool = False) -> Transfer:
         """Re-create freed device storage (same sizes), then copy the host data back.

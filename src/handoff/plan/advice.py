@@ -123,7 +123,8 @@ def offload_options(cfg: Config, plan_of: Callable[[Config], dict]) -> dict:
     """Every offload set priced at the highest safe utilization it allows, and the fastest.
 
     More offloads buy a larger KV pool (a faster generation when the pool limits it) and
-    cost switch time; the trainer's compute is the same for every set. `plan_of` is
+    cost switch time (its exposed seconds: with memory.overlap some copies hide behind
+    work); the trainer's compute is the same for every set. `plan_of` is
     report.build_plan of a config (without advice). Returns {"sets": [{offloads, fits,
     utilization, kv_pool_bytes, generation_seconds, switch_seconds, step_seconds}],
     "recommended": the name of the fastest set that fits, or None}."""
@@ -142,9 +143,9 @@ def offload_options(cfg: Config, plan_of: Callable[[Config], dict]) -> dict:
             entry.update(fits=plan["verdict"]["fits"] and row["generation_seconds"] is not None,
                          kv_pool_bytes=row["kv_pool_bytes"],
                          generation_seconds=row["generation_seconds"],
-                         switch_seconds=plan["switch"]["total_seconds"],
+                         switch_seconds=step["switch_seconds"],
                          step_seconds=((row["generation_seconds"] or 0.0)
-                                       + plan["switch"]["total_seconds"] + step["train_seconds"]))
+                                       + step["switch_seconds"] + step["train_seconds"]))
         sets.append(entry)
     fitting = [s for s in sets if s["fits"]]
     best = min(fitting, key=lambda s: s["step_seconds"]) if fitting else None

@@ -19,6 +19,13 @@ exactly these names, and a run's metrics and summary list them in this order (th
 generation's moves, then the switch to training's). The worker runs them in the order of
 docs/ARCHITECTURE.md ("The switch"): ref_d2h, for one, runs inside training, right after the
 ref's forward. An action whose offload is off stays in the list with 0 bytes and 0 seconds.
+
+Exposed seconds (`exposed_seconds`): the part of each action's own seconds that the step
+waits for. Without memory.overlap that is all of it. With it (the streamed switch) ref_d2h
+moves nothing (the ref never changes: its device copy is dropped, the host copy of its first
+offload kept), the optimizer's H2D runs behind the trainer's compute and with an elastic KV
+pool the two D2H copies (one after the other on one stream) behind generation: each exposed
+only by what it outlasts the work it hides behind.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from handoff.config import MemoryConfig, ParallelConfig
+from handoff.config import MemoryConfig, ParallelConfig, RolloutConfig
 from handoff.plan.hardware import GB, HardwareProfile
 from handoff.plan.kvpool import engine_weight_bytes
 from handoff.plan.shapes import ModelShape
@@ -146,6 +153,7 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     opt_on = memory.optimizer_offload
     param_on = memory.param_offload
     ref_on = ref and memory.ref_offload
+    ref_copied = ref_on and not memory.overlap
     pcie = hw.pinned_pcie_bps
     h2d = h2d_bps or pcie
     by_kernel = hw.kernel_h2d_bps or h2d
@@ -169,13 +177,14 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
         ("in-process copy" if gathered else "in-card copy") if local else "CUDA IPC")
     kv_seconds = pool / hw.map_bps + (pool / hw.d2d_bps if dtypes.kv_bytes == 1 else 0.0)
     no_ref = "no reference model" if not ref else "off: the reference stays on the card"
+    ref_down = no_ref if not ref_on else "dropped, not copied: its host copy is unchanged"
     return [
         move("optimizer_d2h", "D2H", opt_on, opt,
              f"{opt_what}; needs {opt / GB:.1f} GB pinned host RAM per card",
              "off: optimizer state stays on the card"),
         move("params_d2h", "D2H", param_on, owners["params"], grads_note,
              "off: bf16 params stay on the card"),
-        move("ref_d2h", "D2H", ref_on, owners["reference"], "", no_ref),
+        move("ref_d2h", "D2H", ref_copied, owners["reference"], "", ref_down),
         SwitchAction("engine_weights_sync", "D2D", weights, sync_link,
                      weight_sync_seconds(shape, parallel, hw, dtypes, bucket_bytes,
                                          in_process=in_process,
@@ -188,28 +197,62 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
                      "weights and KV discarded; addresses kept, CUDA graphs not recaptured"),
         move("params_h2d", "H2D", param_on, owners["params"], "before old_log_prob",
              "off: bf16 params stay on the card"),
-        move("optimizer_h2d", "H2D", opt_on, opt, "only loaded right before update_actor",
+        move("optimizer_h2d", "H2D", opt_on, opt,
+             "back behind the ref's and the actor's compute" if memory.overlap
+             else "only loaded right before update_actor",
              "off: optimizer state stays on the card"),
         move("ref_h2d", "H2D", ref_on, owners["reference"], "only loaded for the ref forward",
              no_ref),
     ]
 
 
-def switch_summary(actions: list[SwitchAction], step_seconds: float | None = None) -> dict:
-    """Totals: host-link bytes (the source's ~130 GB), all seconds, share of the step."""
+def elastic_kv_pool(rollout: RolloutConfig) -> bool:
+    """Whether the engine's KV pool grows as memory frees (rollout.kv_pool=elastic; a tree
+    without that key has only the fixed pool)."""
+    return getattr(rollout, "kv_pool", "fixed") == "elastic"
+
+
+def exposed_seconds(seconds: dict[str, float], memory: MemoryConfig, *, compute_seconds: float,
+                    generation_seconds: float | None, elastic_pool: bool) -> dict[str, float]:
+    """Each action's seconds the step waits for (the module docstring), from its own
+    `seconds` by name: the optimizer's H2D hides behind `compute_seconds` (the trainer's
+    forwards and backwards, plan.trainer), the D2H copies behind `generation_seconds` when
+    the pool is elastic (a fixed pool is mapped whole at its wake, after them)."""
+    exposed = dict(seconds)
+    if not memory.overlap:
+        return exposed
+    exposed["optimizer_h2d"] = max(0.0, seconds["optimizer_h2d"] - compute_seconds)
+    if elastic_pool and generation_seconds is not None:
+        optimizer_late = max(0.0, seconds["optimizer_d2h"] - generation_seconds)
+        both_late = max(0.0, seconds["optimizer_d2h"] + seconds["params_d2h"]
+                        - generation_seconds)
+        exposed["optimizer_d2h"], exposed["params_d2h"] = optimizer_late, both_late - optimizer_late
+    return exposed
+
+
+def switch_summary(actions: list[SwitchAction], step_seconds: float | None = None, *,
+                   exposed: dict[str, float] | None = None) -> dict:
+    """Totals: host-link bytes (the source's ~130 GB), all seconds, share of the step; with
+    `exposed` (exposed_seconds), each action's and their total."""
     total_seconds = sum(a.seconds for a in actions)
-    return {
+    out = {
         "actions": [a.to_dict() for a in actions],
         "total_bytes_per_card": sum(a.bytes_per_card for a in actions if a.on_host_link),
         "host_link_seconds": sum(a.seconds for a in actions if a.on_host_link),
         "total_seconds": total_seconds,
         "share_of_step": total_seconds / step_seconds if step_seconds else None,
     }
+    if exposed is not None:
+        for a in out["actions"]:
+            a["exposed_seconds"] = exposed[a["name"]]
+        out["exposed_seconds"] = sum(exposed.values())
+    return out
 
 
 def offloaded_bytes_per_card(actions: list[SwitchAction]) -> int:
-    """What one card parks in pinned host RAM: every D2H move."""
-    return sum(a.bytes_per_card for a in actions if a.direction == "D2H")
+    """What one card parks in pinned host RAM: everything that comes back from the host (the
+    ref's host copy too, which with memory.overlap is never copied down again)."""
+    return sum(a.bytes_per_card for a in actions if a.direction == "H2D")
 
 
 def memory_by_owner(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,

@@ -55,11 +55,12 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
     sw = report["switch"]
     act_rows = [[str(i + 1), a["name"], a["direction"], _gb(a["bytes_per_card"]), a["link"],
-                 _secs(a["seconds"]), a["note"]] for i, a in enumerate(sw["actions"])]
+                 _secs(a["seconds"]), _secs(a["exposed_seconds"]), a["note"]]
+                for i, a in enumerate(sw["actions"])]
     share = (f"{sw['share_of_step']:.2%} of step" if sw["share_of_step"] is not None
              else "step unknown")
     act_rows.append(["", "total", "", _gb(sw["total_bytes_per_card"]), "PCIe moves",
-                     _secs(sw["total_seconds"]), share])
+                     _secs(sw["total_seconds"]), _secs(sw["exposed_seconds"]), share])
 
     kv_rows = []
     for r in report["kv"]:
@@ -72,8 +73,8 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                         gen_s, mark])
     out = [
         ("Memory per card by owner (GB)", ["training", "GB", "generation", "GB"], mem_rows),
-        ("The nine switch actions, per card", ["#", "action", "dir", "GB", "link", "s", "note"],
-         act_rows),
+        ("The nine switch actions, per card (exposed: the seconds the step waits for)",
+         ["#", "action", "dir", "GB", "link", "s", "exposed s", "note"], act_rows),
         ("KV pool vs gpu_memory_utilization",
          ["util", "KV GB", "c", "decode ms", "tok/s/card", "gen s", ""], kv_rows),
     ]
@@ -90,7 +91,8 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                          _secs(o["step_seconds"]),
                          "recommended" if o["offloads"] == options["recommended"] else ""])
         out.append(("Offload sets, each at its highest safe utilization",
-                    ["offloads", "util", "KV GB", "gen s", "switch s", "step s (modelled)", ""], rows))
+                    ["offloads", "util", "KV GB", "gen s", "switch s (exposed)",
+                     "step s (modelled)", ""], rows))
     return out
 
 
@@ -122,7 +124,8 @@ def summary_lines(report: dict) -> list[str]:
     if st["modelled_seconds"] is not None:
         given = f"; given {_secs(st['seconds'])} s" if st["source"] == "given" else ""
         lines.append(f"step: generation {_secs(st['generation_seconds'])} s + switch "
-                     f"{_secs(st['switch_seconds'])} s + training {_secs(st['train_seconds'])} s "
+                     f"{_secs(st['switch_seconds'])} s exposed + training "
+                     f"{_secs(st['train_seconds'])} s "
                      f"({st['train_flops_per_s'] / 1e12:.0f} TFLOP/s per card) = "
                      f"{_secs(st['modelled_seconds'])} s modelled{given}")
     v = report["verdict"]
@@ -162,8 +165,11 @@ def render_rich(report: dict, console) -> None:
     for title, head, rows in tables(report):
         table = Table(title=title, title_justify="left")
         for h in head:
-            table.add_column(h, justify="right" if h in ("GB", "s", "KV GB", "c", "decode ms",
-                                                         "tok/s/card", "gen s", "#") else "left")
+            # An action's name whole: the notes wrap instead.
+            table.add_column(h, justify="right" if h in ("GB", "s", "exposed s", "KV GB", "c",
+                                                         "decode ms", "tok/s/card", "gen s",
+                                                         "#") else "left",
+                             min_width=19 if h == "action" else None)
         for row in rows:
             table.add_row(*row)
         console.print(table)

@@ -5,27 +5,30 @@
     report["switch"]["total_seconds"], report["verdict"]["mode"]
 
 The report's keys are the `--json` contract (bytes in bytes, times in seconds):
-model, hardware, layout, workload, memory {train, generate}, switch {actions,
-total_bytes_per_card, total_seconds, share_of_step}, step {seconds, source, modelled_seconds,
-generation_seconds, switch_seconds, train_seconds, ...}, kv [rows], kv_gain,
+model, hardware, layout, workload, memory {train, generate}, switch {actions (each with its
+exposed_seconds), total_bytes_per_card, total_seconds, exposed_seconds, share_of_step}, step
+{seconds, source, modelled_seconds, generation_seconds, switch_seconds (the exposed ones:
+plan.ledger.exposed_seconds), train_seconds, ...}, kv [rows], kv_gain,
 pinned_host_bytes_per_node, verdict {fits, mode, max_utilization, reasons, fix, advice}
 (advice: {overrides, flags, mode} of a plan that fits, or null), offload_sets {sets
 [{offloads, fits, utilization, kv_pool_bytes, generation_seconds, switch_seconds,
-step_seconds}], recommended} (every offload set at its highest safe utilization).
+step_seconds}], recommended} (every offload set at its highest safe utilization; its
+switch_seconds exposed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from handoff.config import Config
+from handoff.config import Config, MemoryConfig
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.plan.advice import advice_text, find_fitting_plan, offload_options
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.kvpool import (Workload, engine_weight_bytes, generation_gain, kv_pool_bytes,
                                  kv_table)
-from handoff.plan.ledger import (Dtypes, memory_by_owner, offloaded_bytes_per_card, shard_size,
+from handoff.plan.ledger import (Dtypes, SwitchAction, elastic_kv_pool, exposed_seconds,
+                                 memory_by_owner, offloaded_bytes_per_card, shard_size,
                                  switch_actions, switch_summary, weight_sync_seconds)
 from handoff.plan.shapes import ModelShape, load_shape
 from handoff.plan.trainer import model_flops, train_seconds
@@ -51,21 +54,28 @@ def auto_tp(shape: ModelShape, hw: HardwareProfile, gpus: int, dtypes: Dtypes) -
 
 
 def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
-              switch_seconds: float, generation_seconds: float | None, *,
-              given: float | None, ref: bool, old_logprobs: bool) -> dict:
-    """The step's seconds: the given one, else generation + switch + the trainer's compute
-    (plan.trainer: model FLOPs of the card's prompt + response tokens / train_flops_per_s)."""
+              actions: list[SwitchAction], generation_seconds: float | None, *,
+              memory: MemoryConfig, elastic_pool: bool, given: float | None, ref: bool,
+              old_logprobs: bool) -> tuple[dict, dict]:
+    """The step's seconds and each switch action's exposed seconds. The step: the given one,
+    else generation + the switch's exposed seconds + the trainer's compute (plan.trainer:
+    model FLOPs of the card's prompt + response tokens / train_flops_per_s), which the
+    optimizer's copy back hides behind with memory.overlap."""
     responses = workload.tokens_per_card / workload.response_len
     tokens = workload.tokens_per_card + responses * workload.prompt_len
     train_s = train_seconds(shape, tokens, hw, ref=ref, old_logprobs=old_logprobs)
-    modelled = (generation_seconds + switch_seconds + train_s
+    exposed = exposed_seconds({a.name: a.seconds for a in actions}, memory,
+                              compute_seconds=train_s, generation_seconds=generation_seconds,
+                              elastic_pool=elastic_pool)
+    switch_s = sum(exposed.values())
+    modelled = (generation_seconds + switch_s + train_s
                 if generation_seconds is not None else None)
     return {"seconds": given or modelled, "source": "given" if given else "modelled",
             "modelled_seconds": modelled, "generation_seconds": generation_seconds,
-            "switch_seconds": switch_seconds, "train_seconds": train_s,
+            "switch_seconds": switch_s, "train_seconds": train_s,
             "train_tokens_per_card": tokens,
             "train_flops_per_card": model_flops(shape, tokens, ref=ref, old_logprobs=old_logprobs),
-            "train_flops_per_s": hw.train_flops_per_s}
+            "train_flops_per_s": hw.train_flops_per_s}, exposed
 
 
 def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
@@ -124,10 +134,11 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
                     best=best if best > 0 else None, weight_bytes=dtypes.engine_bytes,
                     kv_bytes=dtypes.kv_bytes)
     req_row = next(r for r in rows if r.requested)
-    step = step_time(shape, hw, workload, switch_summary(actions)["total_seconds"],
-                     req_row.generation_seconds, given=wl_cfg.step_seconds, ref=ref,
-                     old_logprobs=cfg.actor.updates_per_step > 1)
-    switch = switch_summary(actions, step["seconds"])
+    step, exposed = step_time(shape, hw, workload, actions, req_row.generation_seconds,
+                              memory=memory, elastic_pool=elastic_kv_pool(cfg.rollout),
+                              given=wl_cfg.step_seconds, ref=ref,
+                              old_logprobs=cfg.actor.updates_per_step > 1)
+    switch = switch_summary(actions, step["seconds"], exposed=exposed)
     verdict = decide(shape, parallel, memory, hw, workload=workload, dtypes=dtypes, ref=ref,
                      utilization=util, pinned_per_node=pinned_per_node, sync_seconds=sync_seconds,
                      generation_seconds=req_row.generation_seconds,

@@ -80,7 +80,8 @@ class Actor(ShardedModel):
         if len(batch) < cfg.updates_per_step:
             raise HandoffError(f"{len(batch)} rows cannot feed actor.updates_per_step="
                                f"{cfg.updates_per_step}: lower it or sample more rows")
-        self._require_on_device("params", "optimizer")
+        # The optimizer's copy back may still run: only its step waits for it (step()).
+        self._check_on_device("params", "optimizer")
         batch.advantages = grpo.group_advantages(batch.rewards, batch.group_size)
         if batch.old_logprobs is None and cfg.updates_per_step > 1:
             # Later slices see a moved policy, so the ratio needs the sampling policy's log-probs.
@@ -127,9 +128,14 @@ class Actor(ShardedModel):
 
     def step(self) -> float:
         """Clip by the global grad norm, one AdamW step, free the grads; returns the norm
-        before clipping (a non-finite norm skips the step)."""
-        self._require_on_device("params", "optimizer", "grads")
+        before clipping (a non-finite norm skips the step).
+
+        The first thing that needs the optimizer's state is its step: a copy of it still
+        running is waited for here, after the norm has synced the compute stream, so the
+        wait is exactly the time the copy outlived the forwards and backwards."""
+        self._require_on_device("params", "grads")
         grad_norm = self._grad_norm()
+        self._require_on_device("optimizer")
         if math.isfinite(grad_norm):
             clip = self.cfg.grad_clip / (grad_norm + 1e-6) if self.cfg.grad_clip > 0 else 1.0
             self.optimizer.step(grad_scale=min(1.0, clip))

@@ -3,6 +3,7 @@
     ref = ShardedModel("/ckpt", role="ref", device="cuda", dtype="bfloat16", arena=arena)
     logp_BT, entropy_BT = ref.log_probs(batch)
     ref.to("host", params=True).wait()      # {"params": {"bytes": ..., "seconds": ...}}
+    ref.to("host", params=True, copy=False) # later offloads of a frozen model: no copy
 
 The reference model is a ShardedModel; the actor (actor.py) adds grads and the optimizer.
 Sharding follows torchtitan's recipe: `fully_shard` each decoder layer (one all-gather per
@@ -16,7 +17,11 @@ multiple of the world size; at world size 1 this is exactly N * dtype bytes).
 
 Where parts live: `to("host" | "cpu", ...)` offloads through the memory room's PinnedArena
 (device storage freed, tensor objects kept) and `to("device" | "cuda", ...)` brings them
-back; on a CPU run "cpu" means host and "device" means back. With memory.offload_mode=fsdp
+back; on a CPU run "cpu" means host and "device" means back. A copy back may still run when
+compute starts: the compute that needs the part waits for it (`copy_wait_seconds` adds up
+those waits), so the actor's forwards and backwards run while its optimizer state comes
+back. The reference never changes, so after its first offload it can be dropped without a
+copy (`copy=False`). With memory.offload_mode=fsdp
 FSDP2's CPUOffloadPolicy keeps params (and grads, optimizer) on the host for good and copies
 each layer in per forward, so `to()` moves nothing.
 
@@ -30,6 +35,7 @@ Shape legend: B sequences, T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import torch
@@ -135,7 +141,8 @@ class ShardedModel:
         self.module = self._shard(model)
         self._parts = {"params": self._param_tensors}
         self._host: set[str] = set()
-        self._pending: list[Transfer] = []           # onloads compute must wait for
+        self._pending: dict[str, Transfer] = {}      # onloads compute must wait for, by part
+        self.copy_wait_seconds = 0.0                 # host seconds compute waited for them
         self._offloads: dict[str, Transfer] = {}     # the last D2H of each part
         self._param_bytes = self._unique_bytes(self._param_tensors())
 
@@ -176,28 +183,35 @@ class ShardedModel:
             raise HandoffError(f"{self.role} has no part {unknown[0]!r}: its parts are "
                                f"{sorted(self._parts)}")
 
-    def to(self, where: str | torch.device, *, by_kernel: bool = False, **parts: bool) -> Move:
+    def to(self, where: str | torch.device, *, by_kernel: bool = False, copy: bool = True,
+           **parts: bool) -> Move:
         """Start moving the named parts (`params=True`, ...) to 'host' or back to 'device'.
 
-        Asynchronous on CUDA: compute that needs a part waits for its copy on the GPU, and
+        Asynchronous on CUDA: compute that needs a part waits for its copy first, and
         `.wait()` on the result blocks the host and reports bytes and seconds per part.
         Parts already where asked report 0 bytes. by_kernel: copies back to the device are
-        done by a kernel, not the copy engines (PinnedArena.onload).
+        done by a kernel, not the copy engines (PinnedArena.onload). copy=False (to the host,
+        a frozen model only): the device copy is freed and the host copy of the last offload
+        kept, 0 bytes moved (PinnedArena.drop).
         """
         self._check_parts(parts)
         to_host = self._is_host(where)
+        if to_host:
+            # FSDP2 keeps the root's parameters gathered after a forward that no backward
+            # follows (the ref's): shard them again, so what moves is always the shards.
+            self.module.reshard()
         transfers: dict[str, Transfer | None] = {}
         for part in (p for p in self._parts if parts.get(p)):
             if self.offload_mode == "fsdp" or (part in self._host) == to_host:
                 transfers[part] = None
             elif to_host:
-                transfers[part] = self._offload_part(part)
+                transfers[part] = (self._offload_part(part) if copy else self._drop_part(part))
             else:
                 # The host copy must be complete before it is read back.
                 self._offloads.pop(part).wait()
                 transfers[part] = self.arena.onload(self._set_name(part), by_kernel=by_kernel)
                 self._host.discard(part)
-                self._pending.append(transfers[part])
+                self._pending[part] = transfers[part]
         return Move(transfers)
 
     def _is_host(self, where: str | torch.device) -> bool:
@@ -221,15 +235,33 @@ class ShardedModel:
         self._offloads[part] = self.arena.offload(self._set_name(part), free_device=True)
         return self._offloads[part]
 
-    def _require_on_device(self, *parts: str) -> None:
+    def _drop_part(self, part: str) -> Transfer:
+        if self.trainable:
+            raise HandoffError(f"{self.role} {part} change as it trains, so their host copy is "
+                               f"stale: offload them with a copy ({self.role}.to('host', "
+                               f"{part}=True))")
+        self._offloads[part] = self.arena.drop(self._set_name(part), self._parts[part]())
+        self._host.add(part)
+        return self._offloads[part]
+
+    def _check_on_device(self, *parts: str) -> None:
+        """Refuse a step whose parts are on the host (their copy back not even started)."""
         for part in parts:
             if part in self._host:
                 raise HandoffError(f"{self.role} {part} are offloaded to host memory: call "
                                    f"{self.role}.to('device', {part}=True) before this step")
-        if self.device.type == "cuda":
-            for t in self._pending:
-                torch.cuda.current_stream(self.device).wait_event(t.event)
-        self._pending = []
+
+    def _require_on_device(self, *parts: str) -> None:
+        """The parts on the device, their copies back landed. The host waits for a copy still
+        running, so a wait counts as the compute's only once the compute stream has drained:
+        Actor.step waits for the optimizer's copy after the grad norm has synced it."""
+        self._check_on_device(*parts)
+        for part in parts:
+            transfer = self._pending.pop(part, None)
+            if transfer is not None:
+                t0 = time.perf_counter()
+                transfer.wait()
+                self.copy_wait_seconds += time.perf_counter() - t0
 
     # ---- forward --------------------------------------------------------------------------
 

@@ -1,0 +1,330 @@
+"""The streamed switch (memory.overlap) on CPU: the order of its copies against today's, the
+reference dropped without a copy, the optimizer's wait placed before its step, copies to the
+host landing between engine steps, and the exposed / raw seconds of a step.
+
+On CPU every copy is synchronous, so where a test needs a copy that is still running it
+wraps the real one in a `LateTransfer` (not done until waited for, or until queried a few
+times). For speed the runs skip the start-up measurements (run.rates_file) and keep their
+set-up objects out of the switch's gc.collect() calls, as `Run.run` does."""
+
+import gc
+import json
+import time
+
+import pytest
+import torch
+
+from handoff.config import load_config
+from handoff.errors import HandoffError
+from handoff.loop import Run, step_prompts
+from handoff.modelzoo import init_model
+from handoff.plan.ledger import SWITCH_ACTIONS
+
+# One step's events with memory.overlap=false: today's order (docs/ARCHITECTURE.md).
+SEQUENTIAL = [
+    "probe after generate", "probe after engine sleep", "onload actor.params",
+    "probe after params onload", "onload ref.params", "forward ref", "offload ref.params",
+    "onload actor.optimizer", "forward actor", "optimizer step", "probe after update",
+    "offload actor.optimizer", "probe before resume weights", "wake weights",
+    "probe after update_weights", "offload actor.params", "probe after params offload",
+    "wake kv_cache", "probe after resume kv_cache"]
+# memory.overlap with a fixed pool: the optimizer's copy back queued behind the ref's, the
+# ref dropped after its forward; the copies to the host still land before the KV wake.
+OVERLAPPED = [
+    "probe after generate", "probe after engine sleep", "onload actor.params",
+    "probe after params onload", "onload ref.params", "onload actor.optimizer", "forward ref",
+    "drop ref.params", "forward actor", "optimizer step", "probe after update",
+    "offload actor.optimizer", "probe before resume weights", "wake weights",
+    "probe after update_weights", "offload actor.params", "probe after params offload",
+    "wake kv_cache", "probe after resume kv_cache"]
+
+
+RATES = {"d2h_bps": 5e9, "h2d_bps": 5e9, "d2d_bps": 20e9, "map_bps": 40e9, "unmap_bps": 80e9,
+         "remap_bytes": 1 << 20, "tensor_host_s": 2e-5, "sync_copy_bps": 1000e9}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = init_model("tiny-qwen3", tmp_path_factory.mktemp("streamed-model"), dtype="float32")
+    (out / "rates.json").write_text(json.dumps(RATES))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_gc():
+    yield
+    gc.unfreeze()
+
+
+def _run(model_dir, out_dir, *extra) -> Run:
+    run = Run(load_config("examples/cpu-tiny.yaml", [
+        f"model.path={model_dir}", f"run.out_dir={out_dir}", "run.checkpoint=false",
+        f"run.rates_file={model_dir / 'rates.json'}", *extra]))
+    gc.collect()
+    gc.freeze()
+    return run
+
+
+def _say_elastic(worker) -> None:
+    """The worker's side of an elastic pool: the engine's (fixed) pool says it is elastic, so
+    the worker streams; the engine's own elastic pool is tested in tests/rollout."""
+    worker.engine.cfg.kv_pool = "elastic"
+
+
+class LateTransfer:
+    """A real Transfer that reports itself done only once waited for, or after `queries`
+    calls of done(): a copy still running on a copy engine."""
+
+    def __init__(self, transfer, log, *, queries: int | None = None, wait_seconds: float = 0.0):
+        self.transfer, self.log = transfer, log
+        self.queries, self.wait_seconds = queries, wait_seconds
+        self.landed = False
+
+    def done(self) -> bool:
+        if self.queries is not None:
+            self.queries -= 1
+            self.landed = self.landed or self.queries <= 0
+        return self.landed
+
+    def wait(self) -> None:
+        if not self.landed:
+            self.log.append(f"waited {self.transfer.name}")
+            time.sleep(self.wait_seconds)
+        self.landed = True
+        self.transfer.wait()
+
+    def __getattr__(self, name):
+        return getattr(self.transfer, name)
+
+
+def _late(arena, kind: str, name: str, log, **late):
+    """Make the arena's `kind` copies ("onload" / "offload") of set `name` late ones."""
+    real = getattr(arena, kind)
+
+    def copy(set_name, *args, **kwargs):
+        transfer = real(set_name, *args, **kwargs)
+        return LateTransfer(transfer, log, **late) if set_name == name else transfer
+
+    setattr(arena, kind, copy)
+
+
+def _event_log(worker, monkeypatch) -> list[str]:
+    """Log the worker's probes, the arena's copies and drops, the forwards, the optimizer's
+    step, the engine's wakes and KV growth (consecutive repeats kept once by `_compact`)."""
+    import handoff.train.actor as actor_module
+    import handoff.train.model as model_module
+
+    log: list[str] = []
+    arena = worker.actor.arena
+
+    def logging(fn, text):
+        def logged(*args, **kwargs):
+            log.append(text(*args))
+            return fn(*args, **kwargs)
+        return logged
+
+    for kind in ("offload", "onload", "drop"):
+        monkeypatch.setattr(arena, kind, logging(getattr(arena, kind),
+                                                 lambda name, *_, kind=kind: f"{kind} {name}"))
+    monkeypatch.setattr(worker, "probe", logging(worker.probe, lambda name: f"probe {name}"))
+    monkeypatch.setattr(worker.engine, "wake_up",
+                        logging(worker.engine.wake_up, lambda tags: f"wake {'+'.join(tags)}"))
+    monkeypatch.setattr(worker.engine, "grow_kv", logging(worker.engine.grow_kv, lambda: "grow kv"))
+    monkeypatch.setattr(worker.actor.optimizer, "step",
+                        logging(worker.actor.optimizer.step, lambda *a: "optimizer step"))
+    def whose(module, *_):
+        return "forward ref" if worker.ref and module is worker.ref.module else "forward actor"
+
+    for module in (actor_module, model_module):
+        monkeypatch.setattr(module, "token_forward", logging(module.token_forward, whose))
+    return log
+
+
+def _compact(log: list[str]) -> list[str]:
+    """Micro-batches repeat a forward: one entry per run of the same event."""
+    return [e for i, e in enumerate(log) if i == 0 or e != log[i - 1]]
+
+
+@pytest.mark.parametrize("overlap, expected", [("false", SEQUENTIAL), ("true", OVERLAPPED)])
+def test_the_switch_order_with_overlap_off_and_on(model_dir, tmp_path, monkeypatch, overlap,
+                                                  expected):
+    trainer = _run(model_dir, tmp_path, f"memory.overlap={overlap}")
+    log = _event_log(trainer.worker, monkeypatch)
+    row = trainer.step(0)
+    assert _compact(log) == expected
+    ref_bytes = trainer.worker.ref.memory_parts()["params"]
+    assert row["switch/ref_h2d/bytes"] == ref_bytes
+    assert row["switch/ref_d2h/bytes"] == (0 if overlap == "true" else ref_bytes)
+    parts = trainer.worker.actor.memory_parts()
+    for action, part in (("optimizer_h2d", "optimizer"), ("optimizer_d2h", "optimizer"),
+                         ("params_h2d", "params"), ("params_d2h", "params")):
+        assert row[f"switch/{action}/bytes"] == parts[part]
+
+
+def test_overlap_changes_no_number_of_the_training(model_dir, tmp_path):
+    rows = {}
+    for overlap in ("false", "true"):
+        trainer = _run(model_dir, tmp_path / overlap, f"memory.overlap={overlap}",
+                       "actor.lr=0.05")
+        trainer.task.reward = lambda problem, text: float(len(text) % 3)   # moves the policy
+        rows[overlap] = [trainer.step(step) for step in range(2)]
+    for off, on in zip(rows["false"], rows["true"]):
+        for key in ("reward_mean", "loss", "pg_loss", "kl", "grad_norm", "entropy"):
+            assert off[key] == on[key], key
+    assert rows["true"][0]["loss"] != rows["true"][1]["loss"]
+
+
+def test_the_ref_comes_back_from_its_first_host_copy_every_step(model_dir, tmp_path):
+    trainer = _run(model_dir, tmp_path, "actor.lr=0.05")
+    worker = trainer.worker
+    trainer.task.reward = lambda problem, text: float(len(text) % 3)
+    problems, ids, indices, params = step_prompts(trainer.cfg, trainer.task, trainer.tokenizer, 0)
+    batch = trainer._score(problems, ids, indices, worker.generate(ids, params)).batch
+    seen = []
+    for step in range(2):
+        worker.begin_step(step)
+        worker.to_train()
+        logprobs, record = worker.log_probs(batch)
+        assert record.actions["ref_d2h"].bytes == 0 < record.actions["ref_h2d"].bytes
+        assert all(t.untyped_storage().nbytes() == 0 for t in worker.ref.part_tensors("params"))
+        old, _ = worker.actor.log_probs(batch, with_entropy=False)
+        seen.append((logprobs["ref"], old))
+        batch.ref_logprobs = logprobs["ref"]
+        worker.update(batch)
+        worker.to_rollout()
+    (ref_1, actor_1), (ref_2, actor_2) = seen
+    assert torch.equal(ref_1, ref_2)
+    assert not torch.equal(actor_1, actor_2), "the actor did not move: the test proves nothing"
+
+
+@pytest.mark.parametrize("overlap", ["false", "true"])
+def test_the_optimizer_copy_is_waited_for_right_before_its_step(model_dir, tmp_path,
+                                                                monkeypatch, overlap):
+    trainer = _run(model_dir, tmp_path, f"memory.overlap={overlap}")
+    worker = trainer.worker
+    log = _event_log(worker, monkeypatch)
+    _late(worker.actor.arena, "onload", "actor.optimizer", log, wait_seconds=0.3)
+    row = trainer.step(0)
+    events = _compact([e for e in log if e.startswith(("forward actor", "waited",
+                                                       "optimizer step"))])
+    if overlap == "true":   # the forwards and backwards ran while the copy did
+        assert events == ["forward actor", "waited actor.optimizer", "optimizer step"]
+        assert worker.actor.copy_wait_seconds >= 0.3   # a wait inside the update...
+    else:
+        assert events == ["waited actor.optimizer", "forward actor", "optimizer step"]
+        assert worker.actor.copy_wait_seconds < 0.3
+    # ...is exposed, not compute, wherever it is (the rest of a tiny step's switch: ~10 ms).
+    assert row["switch/exposed_s"] >= 0.3
+
+
+def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(model_dir, tmp_path,
+                                                                        monkeypatch):
+    trainer = _run(model_dir, tmp_path)
+    worker = trainer.worker
+    _say_elastic(worker)
+    log = _event_log(worker, monkeypatch)
+    _late(worker.actor.arena, "offload", "actor.optimizer", log, queries=3)
+    first = trainer.step(0)
+    # The KV pool woke with both copies pending: none is in this step's record yet.
+    to_rollout = log[log.index("offload actor.optimizer"):]
+    assert to_rollout[-3:] == ["probe after params offload", "wake kv_cache",
+                               "probe after resume kv_cache"]
+    assert "offload actor.params" not in to_rollout and "waited actor.optimizer" not in log
+    assert first["switch/optimizer_d2h/bytes"] == first["switch/params_d2h/bytes"] == 0
+    log.clear()
+    second = trainer.step(1)
+    # Generation: the optimizer's copy lands at the third look (never waited for), the
+    # params' starts then and lands at the next engine step; each landing grows the pool.
+    generation = log[:log.index("probe after generate") + 1]
+    assert generation == ["offload actor.params", "grow kv", "grow kv", "probe after generate"]
+    assert "waited actor.optimizer" not in log
+    parts = worker.actor.memory_parts()
+    assert second["switch/optimizer_d2h/bytes"] == parts["optimizer"]
+    assert second["switch/params_d2h/bytes"] == parts["params"]
+    assert second["switch/optimizer_d2h/seconds"] > 0
+    # The last step's copies land when the run ends (a checkpoint or a resume settles too).
+    assert worker._to_host or worker._queued_to_host
+    worker.settle()
+    assert not (worker._to_host or worker._queued_to_host)
+    assert worker.take_landed().actions["params_d2h"].bytes == parts["params"]
+    assert all(t.untyped_storage().nbytes() == 0 for t in worker.actor.part_tensors("params"))
+
+
+def test_a_run_settles_its_last_copies(model_dir, tmp_path):
+    trainer = _run(model_dir, tmp_path, "run.steps=2")
+    _say_elastic(trainer.worker)
+    trainer.run()
+    assert not (trainer.worker._to_host or trainer.worker._queued_to_host)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["switch/optimizer_d2h/bytes"] == 0 < rows[1]["switch/optimizer_d2h/bytes"]
+
+
+def test_a_fixed_pool_says_once_why_it_waits(model_dir, tmp_path, capsys):
+    trainer = _run(model_dir, tmp_path, "run.steps=2")
+    trainer.run()
+    said = [line for line in capsys.readouterr().err.splitlines() if "memory.overlap" in line]
+    assert len(said) == 1 and "rollout.kv_pool=elastic" in said[0]
+    quiet = _run(model_dir, tmp_path / "off", "memory.overlap=false")
+    quiet.step(0)
+    assert "memory.overlap" not in capsys.readouterr().err
+
+
+def test_a_card_too_full_for_the_early_optimizer_copy_falls_back_and_says_so(
+        model_dir, tmp_path, monkeypatch, capsys):
+    import handoff.worker as worker_module
+
+    trainer = _run(model_dir, tmp_path)
+    log = _event_log(trainer.worker, monkeypatch)
+    monkeypatch.setattr(worker_module, "device_free_bytes", lambda device: 1 << 20)
+    for step in range(2):
+        trainer.step(step)
+    onloads = [e for e in _compact(log) if e.startswith(("onload", "forward", "drop"))]
+    # The sequential place for the optimizer, the overlap kept for the ref.
+    assert onloads[:5] == ["onload actor.params", "onload ref.params", "forward ref",
+                           "drop ref.params", "onload actor.optimizer"]
+    said = [line for line in capsys.readouterr().err.splitlines()
+            if "comes back right before the update" in line]
+    assert len(said) == 1
+
+
+def test_a_kv_wake_that_does_not_fit_beside_the_copies_waits_for_them(model_dir, tmp_path,
+                                                                      monkeypatch, capsys):
+    trainer = _run(model_dir, tmp_path)
+    worker = trainer.worker
+    _say_elastic(worker)
+    real_wake = worker.engine.wake_up
+
+    def wake(tags):
+        if tags == ["kv_cache"] and (worker._to_host or worker._queued_to_host):
+            raise HandoffError("cannot wake 'kv_cache': not enough free memory")
+        real_wake(tags)
+
+    monkeypatch.setattr(worker.engine, "wake_up", wake)
+    row = trainer.step(0)
+    parts = worker.actor.memory_parts()
+    assert row["switch/optimizer_d2h/bytes"] == parts["optimizer"]   # landed in this step
+    assert row["switch/params_d2h/bytes"] == parts["params"]
+    assert worker.pool.is_awake("kv_cache")
+    assert "they are waited for first" in capsys.readouterr().err
+
+
+def test_exposed_and_raw_seconds_in_the_metrics_and_the_summary(model_dir, tmp_path):
+    trainer = _run(model_dir, tmp_path, "run.steps=2")
+    summary = trainer.run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        raw = sum(row[f"switch/{a}/seconds"] for a in SWITCH_ACTIONS)
+        assert row["switch/raw_s"] == pytest.approx(raw)
+        # CPU copies are synchronous: every action is on the host's path, outside the work.
+        assert row["switch/raw_s"] <= row["switch/exposed_s"] < row["timing_s/step"]
+        assert row["train_tokens"] > 0
+    assert summary["exposed_seconds"] == pytest.approx(rows[1]["switch/exposed_s"])
+    assert summary["raw_seconds"] == pytest.approx(rows[1]["switch/raw_s"])
+    planned = summary["planned"]
+    assert planned["ref_d2h"]["bytes"] == 0 == planned["ref_d2h"]["exposed_seconds"]
+    # The optimizer's copy back hides behind the trainer's modelled compute.
+    assert planned["optimizer_h2d"]["exposed_seconds"] < planned["optimizer_h2d"]["seconds"]
+    assert summary["planned_exposed_seconds"] == pytest.approx(
+        sum(p["exposed_seconds"] for p in planned.values()))
+    md = (tmp_path / "summary.md").read_text()
+    assert "| switch, exposed |" in md and "planned exposed s" in md
