@@ -65,12 +65,6 @@ def _run(model_dir, out_dir, *extra) -> Run:
     return run
 
 
-def _say_elastic(worker) -> None:
-    """The worker's side of an elastic pool: the engine's (fixed) pool says it is elastic, so
-    the worker streams; the engine's own elastic pool is tested in tests/rollout."""
-    worker.engine.cfg.kv_pool = "elastic"
-
-
 class LateTransfer:
     """A real Transfer that reports itself done only once waited for, or after `queries`
     calls of done(): a copy still running on a copy engine."""
@@ -219,9 +213,8 @@ def test_the_optimizer_copy_is_waited_for_right_before_its_step(model_dir, tmp_p
 
 def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(model_dir, tmp_path,
                                                                         monkeypatch):
-    trainer = _run(model_dir, tmp_path)
+    trainer = _run(model_dir, tmp_path, "rollout.kv_pool=elastic")
     worker = trainer.worker
-    _say_elastic(worker)
     log = _event_log(worker, monkeypatch)
     _late(worker.actor.arena, "offload", "actor.optimizer", log, queries=3)
     first = trainer.step(0)
@@ -251,8 +244,7 @@ def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(model_di
 
 
 def test_a_run_settles_its_last_copies(model_dir, tmp_path):
-    trainer = _run(model_dir, tmp_path, "run.steps=2")
-    _say_elastic(trainer.worker)
+    trainer = _run(model_dir, tmp_path, "run.steps=2", "rollout.kv_pool=elastic")
     trainer.run()
     assert not (trainer.worker._to_host or trainer.worker._queued_to_host)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -289,9 +281,8 @@ def test_a_card_too_full_for_the_early_optimizer_copy_falls_back_and_says_so(
 
 def test_a_kv_wake_that_does_not_fit_beside_the_copies_waits_for_them(model_dir, tmp_path,
                                                                       monkeypatch, capsys):
-    trainer = _run(model_dir, tmp_path)
+    trainer = _run(model_dir, tmp_path, "rollout.kv_pool=elastic")
     worker = trainer.worker
-    _say_elastic(worker)
     real_wake = worker.engine.wake_up
 
     def wake(tags):

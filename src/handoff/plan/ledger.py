@@ -207,9 +207,8 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
 
 
 def elastic_kv_pool(rollout: RolloutConfig) -> bool:
-    """Whether the engine's KV pool grows as memory frees (rollout.kv_pool=elastic; a tree
-    without that key has only the fixed pool)."""
-    return getattr(rollout, "kv_pool", "fixed") == "elastic"
+    """Whether the engine's KV pool grows as memory frees (rollout.kv_pool=elastic)."""
+    return rollout.kv_pool == "elastic"
 
 
 def exposed_seconds(seconds: dict[str, float], memory: MemoryConfig, *, compute_seconds: float,
