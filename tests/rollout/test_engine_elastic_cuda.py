@@ -96,7 +96,7 @@ def test_less_mapped_when_taken_and_refused_below_one_sequence(qwen3_dir, ref):
     engine.sleep(1)
     free = torch.cuda.mem_get_info()[0]
     hog = torch.empty(free - 64 * MiB, dtype=torch.uint8, device="cuda")
-    with pytest.raises(HandoffError, match=r"cannot wake \['kv_cache'\]"):
+    with pytest.raises(HandoffError, match=r"cannot wake \[.*'kv_cache'\]"):
         engine.wake_up()
     del hog, other
     torch.cuda.empty_cache()

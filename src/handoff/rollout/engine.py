@@ -204,8 +204,9 @@ class Engine:
         if usable < last:
             warnings.warn(f"the elastic KV pool mapped {usable} blocks at this wake, {last} at "
                           f"the last: {fmt_bytes((last - usable) * self.runner.kv_block_bytes())} "
-                          "less was free (another owner holds it); generation runs on less, "
-                          "and the pool grows if it is freed", stacklevel=2)
+                          "less was free (another owner, or memory still being copied off the "
+                          "card); generation runs on less, and the pool grows if it is freed",
+                          stacklevel=2)
         self._wake_blocks = usable
 
     def _num_blocks(self) -> int:
