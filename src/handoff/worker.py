@@ -117,6 +117,7 @@ class HybridWorker:
         self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
         self._queued_to_host: list[str] = []   # actor parts whose copy starts once those land
         self._landed = SwitchRecord()          # copies that landed outside a move
+        self._grow_due = False                 # landed memory not yet handed to the KV pool
         self._optimizer_back: Move | None = None   # its copy back, started before the update
         self._between_steps_seconds = 0.0
         self._said: set[str] = set()
@@ -221,15 +222,21 @@ class HybridWorker:
             self._start_to_host(self._queued_to_host.pop(0))
 
     def _land_between_steps(self) -> None:
-        """Between two engine steps: land the copies that finished, hand their memory to the
-        KV pool, start the next part's copy. Never waits for a copy."""
+        """Between two engine steps: land the copies that finished; when the pool holds
+        generation back (engine.kv_short) and no copy of ours is in flight, hand the freed
+        memory to the KV pool; start the next part's copy. Never waits for a copy.
+
+        The hand-over (emptying the cache: a device sync, then the map) costs steps' worth of
+        time, so it waits until the pool is short rather than running at every landing."""
         t0 = time.perf_counter()
-        if self._land(self._landed, wait=False):
-            aggressive_empty_cache()
-            self._start_queued_to_host()
+        self._grow_due = self._land(self._landed, wait=False) or self._grow_due
+        if self._grow_due and not self._to_host and self.engine.kv_short:
+            aggressive_empty_cache()   # no copy in flight: it waits for the engine's step only
             before = self.engine.kv_mapped_bytes
             if self.engine.grow_kv() > before:
                 self.probe("kv pool grown")   # the timeline shows the pool growing
+            self._grow_due = False
+        self._start_queued_to_host()
         self._between_steps_seconds += time.perf_counter() - t0
 
     def settle(self) -> None:

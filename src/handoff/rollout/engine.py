@@ -281,6 +281,7 @@ class Engine:
         for seq in seqs:
             self.scheduler.add(seq)
         self.scheduler.peak_running = 0
+        self.scheduler.blocks_short = False
         bar = _progress_bar(len(seqs)) if progress else None
         try:
             staged = None
@@ -388,6 +389,12 @@ class Engine:
             return 0
         return self.pool.region_bytes("kv_cache") if self.elastic else self.runner.kv_cache_bytes
 
+    @property
+    def kv_short(self) -> bool:
+        """The pool has held generation back since this generate began or the pool last
+        grew: a sequence could not be admitted, or a step found no block for a token."""
+        return self.scheduler.blocks_short
+
     def grow_kv(self) -> int:
         """Back more of the KV pool with memory freed since the wake; returns the mapped
         bytes. A fixed pool (rollout.kv_pool=fixed) is mapped whole at its wake: no-op."""
@@ -398,6 +405,7 @@ class Engine:
             if usable > before:
                 self.runner.reset_kv_cache(before, usable)
                 self.blocks.grow(usable)
+                self.scheduler.blocks_short = False
         return self.kv_mapped_bytes
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

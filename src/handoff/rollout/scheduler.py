@@ -32,6 +32,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.peak_running = 0   # most sequences running at once (the engine resets it per call)
+        self.blocks_short = False   # a step found too few free blocks (the engine clears it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -56,6 +57,7 @@ class Scheduler:
             if admitted and num_tokens + seq.num_tokens > self.max_num_batched_tokens:
                 break
             if not self.blocks.allocate(seq):
+                self.blocks_short = True
                 break
             num_tokens += seq.num_tokens - seq.num_cached_tokens
             self.waiting.popleft()
@@ -75,6 +77,7 @@ class Scheduler:
                 continue
             victim = running.pop()  # from the back: the front already holds its slot
             self._preempt(victim)
+            self.blocks_short = True
         return list(running)
 
     def reserve_ahead(self) -> list[Sequence] | None:
@@ -86,7 +89,10 @@ class Scheduler:
         if self.waiting:
             return None
         batch = [s for s in self.running if not self._ends_by_length(s, ahead=1)]
-        if not batch or not all(self.blocks.reserve_decode_slot(s, ahead=1) for s in batch):
+        if not batch:
+            return None
+        if not all(self.blocks.reserve_decode_slot(s, ahead=1) for s in batch):
+            self.blocks_short = True
             return None
         return batch
 
