@@ -100,3 +100,20 @@ def test_elastic_tag_cannot_be_tracked_region():
         pool.elastic("kv", arena, min_per_slab=4 * KiB)
     with pytest.raises(HandoffError, match="is not elastic"):
         pool.grow("kv")
+
+
+def test_cuda_without_cuda_bindings_names_the_install(monkeypatch):
+    import builtins
+
+    from handoff.memory import elastic
+
+    real_import = builtins.__import__
+
+    def no_bindings(name, *args, **kwargs):
+        if name.startswith("cuda.bindings") or name == "cuda":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_bindings)
+    with pytest.raises(HandoffError, match=r"pip install 'handoff\[elastic\]'.*kv_pool=fixed"):
+        elastic.ElasticArena(torch.device("cuda", 0), slabs=2, slab_bytes=2 << 20)

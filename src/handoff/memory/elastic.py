@@ -170,8 +170,13 @@ class _VmmBackend:
     """The CUDA driver's virtual memory management, on the current torch device's context."""
 
     def __init__(self, device: torch.device) -> None:
-        from cuda.bindings import driver
-
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            raise HandoffError("rollout.kv_pool=elastic maps memory through NVIDIA's "
+                               "cuda-bindings, which is not installed: pip install "
+                               "'handoff[elastic]' (cuda-bindings of your CUDA major version), "
+                               "or use rollout.kv_pool=fixed") from None
         self.cu = driver
         self.device = device
         torch.cuda.init()
