@@ -243,9 +243,9 @@ def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(model_di
     assert second["switch/params_d2h/bytes"] == parts["params"]
     assert second["switch/optimizer_d2h/seconds"] > 0
     # The last step's copies land when the run ends (a checkpoint or a resume settles too).
-    assert worker._to_host or worker._queued_to_host
+    assert worker.copies_pending
     worker.settle()
-    assert not (worker._to_host or worker._queued_to_host)
+    assert not worker.copies_pending
     assert worker.take_landed().actions["params_d2h"].bytes == parts["params"]
     assert all(t.untyped_storage().nbytes() == 0 for t in worker.actor.part_tensors("params"))
 
@@ -253,7 +253,7 @@ def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(model_di
 def test_a_run_settles_its_last_copies(model_dir, tmp_path):
     trainer = _run(model_dir, tmp_path, "run.steps=2", "rollout.kv_pool=elastic")
     trainer.run()
-    assert not (trainer.worker._to_host or trainer.worker._queued_to_host)
+    assert not trainer.worker.copies_pending
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["switch/optimizer_d2h/bytes"] == 0 < rows[1]["switch/optimizer_d2h/bytes"]
 
@@ -293,7 +293,7 @@ def test_a_kv_wake_that_does_not_fit_beside_the_copies_waits_for_them(model_dir,
     real_wake = worker.engine.wake_up
 
     def wake(tags):
-        if tags == ["kv_cache"] and (worker._to_host or worker._queued_to_host):
+        if tags == ["kv_cache"] and worker.copies_pending:
             raise HandoffError("cannot wake 'kv_cache': not enough free memory")
         real_wake(tags)
 

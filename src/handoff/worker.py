@@ -243,10 +243,15 @@ class HybridWorker:
         """Wait for every copy to the host still pending and land it: before anything that
         needs the trainer's state on the host or the card back (a checkpoint, a resume, the
         run's end). Their actions go to `take_landed()`."""
-        while self._to_host or self._queued_to_host:
+        while self.copies_pending:
             self._land(self._landed, wait=True)
             aggressive_empty_cache()
             self._start_queued_to_host()
+
+    @property
+    def copies_pending(self) -> bool:
+        """A copy of the trainer's state to the host is in flight or queued."""
+        return bool(self._to_host or self._queued_to_host)
 
     def take_landed(self) -> SwitchRecord:
         """The copies that landed outside a move since the last call (generation, `settle`)."""
@@ -258,7 +263,7 @@ class HybridWorker:
     def generate(self, prompts: list[list[int]], params, *, progress: bool = False):
         """The engine's generation. Copies to the host a streamed switch left running land
         between its steps (their memory grows the KV pool); the rest once it ends."""
-        streamed = bool(self._to_host or self._queued_to_host)
+        streamed = self.copies_pending
         self._between_steps_seconds = 0.0
         t0 = time.perf_counter()
         outs = self.engine.generate(prompts, params, progress=progress,
@@ -394,7 +399,7 @@ class HybridWorker:
         try:
             self.engine.wake_up(["kv_cache"])
         except HandoffError as e:
-            if not (self._to_host or self._queued_to_host):
+            if not self.copies_pending:
                 raise
             self._say_once("kv wake", f"memory.overlap: the KV pool could not map beside the "
                            f"copies to the host ({e}): they are waited for first (the "
