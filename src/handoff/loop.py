@@ -11,9 +11,9 @@ with `switch/<action>/seconds` and `/bytes` for each ledger action; the run ends
 own seconds; `switch/exposed_s` is the step's wall time in which neither the engine
 generates nor the trainer computes (a wait for a copy or a map counts, and so does the host
 work between them, scoring; a checkpoint save does not): step - checkpoint - generation -
-trainer compute. With memory.overlap a copy is
-counted in the step it lands in: with an elastic KV pool a step's copies to the host land
-in the next step's generation (the last step's when the run ends, in no row).
+trainer compute. With memory.overlap a copy is counted in the step it lands in: with an
+elastic KV pool a step's copies to the host land in the next step's generation (the last
+step's when the run ends, in no row).
 
 Under torchrun every rank runs this loop on its share of the step's prompts (data parallel);
 the trainer's FSDP2 group spans all ranks, rewards are averaged over ranks, and rank 0

@@ -27,9 +27,8 @@ from rich.table import Table
 from handoff.calibrate import Rates
 from handoff.config import Config
 from handoff.memory.meter import MemoryMeter, plot_timeline
-from handoff.plan.hardware import hardware_profile
-from handoff.plan.hardware import HardwareProfile
-from handoff.plan.ledger import (SWITCH_ACTIONS, Dtypes, elastic_kv_pool, exposed_seconds,
+from handoff.plan.hardware import HardwareProfile, hardware_profile
+from handoff.plan.ledger import (SWITCH_ACTIONS, Dtypes, exposed_seconds,
                                  switch_actions)
 from handoff.plan.shapes import load_shape
 from handoff.plan.trainer import train_seconds
@@ -73,7 +72,7 @@ def planned_exposure(cfg: Config, rates: Rates, planned: dict[str, dict], *,
                             old_logprobs=cfg.actor.updates_per_step > 1)
     return exposed_seconds({a: p["seconds"] for a, p in planned.items()}, cfg.memory,
                            compute_seconds=compute, generation_seconds=generation_seconds,
-                           elastic_pool=elastic_kv_pool(cfg.rollout))
+                           elastic_pool=cfg.rollout.kv_pool == "elastic")
 
 
 class RunReport:
@@ -85,7 +84,6 @@ class RunReport:
         self.out_dir = out_dir
         self.meter = meter
         self.rows: list[dict] = []
-        self._rates = rates
         self.rates = rates.values
         # The pool as its wake maps it: CUDA maps whole allocator segments (2 MiB-rounded),
         # a little more than the pool's tensors.
@@ -161,7 +159,7 @@ class RunReport:
 
         step_s = median("timing_s/step")
         switch_s = sum(m["seconds"] for m in measured.values())
-        exposure = planned_exposure(self.cfg, self._rates, self.planned,
+        exposure = planned_exposure(self.cfg, Rates(self.rates), self.planned,
                                     train_tokens=median("train_tokens"),
                                     generation_seconds=median("timing_s/gen"))
         for action, seconds in exposure.items():

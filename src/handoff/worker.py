@@ -43,7 +43,7 @@ from handoff.memory.allocator import aggressive_empty_cache, device_free_bytes, 
 from handoff.memory.meter import MemoryMeter
 from handoff.memory.regions import RegionPool
 from handoff.memory.staging import Transfer
-from handoff.plan.ledger import SWITCH_ACTIONS, elastic_kv_pool
+from handoff.plan.ledger import SWITCH_ACTIONS
 from handoff.rollout.engine import Engine
 from handoff.sync.weights import SyncStats, sync_weights
 from handoff.train.actor import Actor
@@ -147,7 +147,7 @@ class HybridWorker:
     def _streams_to_host(self) -> bool:
         """Whether generation starts while the copies to the host run: memory.overlap with an
         elastic KV pool (a fixed one must be mapped whole at its wake)."""
-        return self.cfg.memory.overlap and elastic_kv_pool(self.engine.cfg)
+        return self.cfg.memory.overlap and self.engine.elastic
 
     def _timed(self, record: SwitchRecord, action: str, fn: Callable[[], T],
                nbytes: Callable[[], int] = lambda: 0) -> T:
@@ -411,25 +411,25 @@ class HybridWorker:
         """Training -> generation in the switch order of docs/ARCHITECTURE.md."""
         mem = self.cfg.memory
         record = SwitchRecord()
-        if self._streams_to_host():
-            # Before any copy is queued, emptying waits only for the update's kernels: the
-            # training phase's cached blocks go back to the driver, so the KV wake can map
-            # them (on the H200 4B run, without this it mapped 8.5 GB instead of ~70 GB).
+        streamed = self._streams_to_host()
+        if streamed or not mem.optimizer_offload:
+            # Before any copy is queued, emptying waits only for the update's kernels; streamed,
+            # the training phase's cached blocks so go back to the driver for the KV wake to map
+            # (docs/PERF.md, "The streamed switch").
             aggressive_empty_cache()
         if mem.optimizer_offload:
             self._start_to_host("optimizer")
-            # Emptying the cache now would wait for the optimizer copy (and free none of its
-            # memory: that comes when the copy is waited on): the weights wake tries without
-            # it, and _wake_weights waits, empties and retries if the card is too full.
-            gc.collect()
-        else:
-            aggressive_empty_cache()
+            if not streamed:
+                # Emptying the cache now would wait for the optimizer copy (and free none of
+                # its memory: that comes when the copy is waited on): the weights wake tries
+                # without it, and _wake_weights waits, empties and retries if it must.
+                gc.collect()
         self.probe("before resume weights")
         with expandable_segments(False):
             self._timed(record, "engine_weights_sync", lambda: self._sync_weights(record),
                         nbytes=lambda: record.sync.bytes)
             self.probe("after update_weights")
-            if self._streams_to_host():
+            if streamed:
                 # Generation starts under the copies: they land between its steps.
                 if mem.param_offload:
                     self._queue_to_host("params")

@@ -170,14 +170,7 @@ class _VmmBackend:
     """The CUDA driver's virtual memory management, on the current torch device's context."""
 
     def __init__(self, device: torch.device) -> None:
-        try:
-            from cuda.bindings import driver
-        except ImportError:
-            raise HandoffError("rollout.kv_pool=elastic maps memory through NVIDIA's "
-                               "cuda-bindings, which is not installed: pip install "
-                               "'handoff[elastic]' (cuda-bindings of your CUDA major version), "
-                               "or use rollout.kv_pool=fixed") from None
-        self.cu = driver
+        self.cu = _driver()
         self.device = device
         torch.cuda.init()
         torch.cuda.set_device(device)
@@ -194,8 +187,7 @@ class _VmmBackend:
 
     @classmethod
     def _prop(cls, index: int):
-        from cuda.bindings import driver
-
+        driver = _driver()
         prop = driver.CUmemAllocationProp()
         prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -204,8 +196,7 @@ class _VmmBackend:
 
     @classmethod
     def granule_of(cls, device: torch.device) -> int:
-        from cuda.bindings import driver
-
+        driver = _driver()
         flag = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         return int(_check(driver.cuMemGetAllocationGranularity(cls._prop(device.index), flag)))
 
@@ -256,12 +247,22 @@ class _CudaRange:
                                          "data": (ptr, False), "version": 3, "strides": None}
 
 
+def _driver():
+    """NVIDIA's driver binding, or the error that names its install."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        raise HandoffError("rollout.kv_pool=elastic maps memory through NVIDIA's "
+                           "cuda-bindings, which is not installed: pip install "
+                           "'handoff[elastic]' (cuda-bindings of your CUDA major version), "
+                           "or use rollout.kv_pool=fixed") from None
+    return driver
+
+
 def _check(result):
     """cuda-bindings returns (error, *values): raise on an error, return the value(s)."""
     err, *values = result
     if int(err) != 0:
-        from cuda.bindings import driver
-
-        _, name = driver.cuGetErrorName(err)
+        _, name = _driver().cuGetErrorName(err)
         raise HandoffError(f"CUDA driver call failed: {name.decode() if name else int(err)}")
     return values[0] if len(values) == 1 else (values or None)

@@ -156,7 +156,8 @@ class RegionPool:
         e = self._elastic[tag]
         arena = e.arena
         spare = arena.free_bytes() - e.keep_free_bytes - self.wake_margin_bytes
-        per_slab = arena.mapped_per_slab + max(spare, 0) // arena.slabs // arena.granule * arena.granule
+        granules = max(spare, 0) // arena.slabs // arena.granule
+        per_slab = arena.mapped_per_slab + granules * arena.granule
         if first and per_slab < e.min_per_slab:
             raise HandoffError(self._oom_message(
                 [tag], e.min_per_slab * arena.slabs + e.keep_free_bytes, arena.free_bytes(),

@@ -75,8 +75,8 @@ class HardwareProfile:
     # (calibrate.measure_decode_rates). 0: weights / decode_bw_bps alone.
     decode_floor_s: float = 0.0
     decode_per_seq_s: float = 0.0
-    # The paged decode kernel's KV read rate (`handoff bench kernel`: 4.2-4.4 TB/s on the
-    # H200, 90% of its HBM peak; other cards assumed at the same share). 0: decode_bw_bps.
+    # The paged decode kernel's KV read rate (`handoff bench kernel`, docs/PERF.md: the H200
+    # measured; other cards at the H200's share of HBM peak, 90%). 0: decode_bw_bps.
     kv_read_bps: float = 0.0
 
     def to_dict(self) -> dict:

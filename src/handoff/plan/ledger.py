@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from handoff.config import MemoryConfig, ParallelConfig, RolloutConfig
+from handoff.config import MemoryConfig, ParallelConfig
 from handoff.plan.hardware import GB, HardwareProfile
 from handoff.plan.kvpool import engine_weight_bytes
 from handoff.plan.shapes import ModelShape
@@ -204,11 +204,6 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
         move("ref_h2d", "H2D", ref_on, owners["reference"], "only loaded for the ref forward",
              no_ref),
     ]
-
-
-def elastic_kv_pool(rollout: RolloutConfig) -> bool:
-    """Whether the engine's KV pool grows as memory frees (rollout.kv_pool=elastic)."""
-    return rollout.kv_pool == "elastic"
 
 
 def exposed_seconds(seconds: dict[str, float], memory: MemoryConfig, *, compute_seconds: float,

@@ -27,7 +27,7 @@ from handoff.plan.advice import advice_text, find_fitting_plan, offload_options
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.kvpool import (Workload, engine_weight_bytes, generation_gain, kv_pool_bytes,
                                  kv_table)
-from handoff.plan.ledger import (Dtypes, SwitchAction, elastic_kv_pool, exposed_seconds,
+from handoff.plan.ledger import (Dtypes, SwitchAction, exposed_seconds,
                                  memory_by_owner, offloaded_bytes_per_card, shard_size,
                                  switch_actions, switch_summary, weight_sync_seconds)
 from handoff.plan.shapes import ModelShape, load_shape
@@ -135,7 +135,7 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
                     kv_bytes=dtypes.kv_bytes)
     req_row = next(r for r in rows if r.requested)
     step, exposed = step_time(shape, hw, workload, actions, req_row.generation_seconds,
-                              memory=memory, elastic_pool=elastic_kv_pool(cfg.rollout),
+                              memory=memory, elastic_pool=elastic,
                               given=wl_cfg.step_seconds, ref=ref,
                               old_logprobs=cfg.actor.updates_per_step > 1)
     switch = switch_summary(actions, step["seconds"], exposed=exposed)

@@ -100,7 +100,8 @@ def max_safe_utilization(shape: ModelShape, parallel: ParallelConfig, memory: Me
 
 
 def elastic_utilization(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
-                        hw: HardwareProfile, *, dtypes: Dtypes = Dtypes(), ref: bool = True) -> float:
+                        hw: HardwareProfile, *, dtypes: Dtypes = Dtypes(),
+                        ref: bool = True) -> float:
     """The share of HBM an elastic pool's engine holds (rollout.kv_pool=elastic): all the
     card has free once the trainer's state has left, less what no allocator returns and what
     the trainer keeps on the card; no utilization to choose, no fragmentation share (the pool

@@ -175,7 +175,8 @@ class Engine:
             capacity = cfg.num_blocks
         elif self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[1]
-            capacity = (total - self.pool.region_bytes("weights") - overhead) // (2 * layers * slab_block)
+            room = total - self.pool.region_bytes("weights") - overhead
+            capacity = room // runner.kv_block_bytes()
         else:
             capacity = kv_pool_blocks(cfg, block_bytes=runner.kv_block_bytes(), on_cuda=False,
                                       max_model_len=self.max_model_len)
@@ -194,8 +195,7 @@ class Engine:
 
     def _mapped_blocks(self) -> int:
         """Blocks of the elastic pool backed by memory now."""
-        return min(self.kv_arena.mapped_per_slab // self._slab_block_bytes,
-                   self.kv_arena.slab_bytes // self._slab_block_bytes)
+        return self.kv_arena.mapped_per_slab // self._slab_block_bytes
 
     def _after_elastic_wake(self) -> None:
         usable, last = self._mapped_blocks(), self._wake_blocks
