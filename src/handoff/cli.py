@@ -362,9 +362,9 @@ def bench_train_compute_cmd(
                                       "uniform:LO:HI | longtail:MEDIAN:MAX"),
     group: int = typer.Option(8, help="samples per prompt (the GRPO group)"),
     variant: Optional[list[str]] = typer.Option(
-        None, "--variant", help="padded | packed | NAME:key=value,... (micro_batch_tokens, "
-        "micro_batch_size, logprob_chunk_tokens, gradient_checkpointing); repeat to compare in "
-        "one run (default: padded, packed)"),
+        None, "--variant", help="padded | packed | compiled | NAME:key=value,... "
+        "(micro_batch_tokens, micro_batch_size, logprob_chunk_tokens, gradient_checkpointing, "
+        "compile); repeat to compare in one run (default: padded, packed)"),
     micro_batch_size: int = typer.Option(16, help="rows per micro-batch of the padded variant"),
     gradient_checkpointing: bool = typer.Option(
         True, "--gradient-checkpointing/--no-gradient-checkpointing",

@@ -139,6 +139,9 @@ class ActorConfig:
         "recompute activations in backward (auto: only when a micro-batch of "
         "handoff.plan.trainer.MIN_TOKENS_WITHOUT_RECOMPUTE tokens would not fit without it)"))
     updates_per_step: int = F(1, help="optimizer steps per rollout batch", ge=1)
+    compile: bool = F(False, help=(
+        "torch.compile each decoder layer's forward (actor and reference): norms, RoPE and "
+        "SwiGLU fused; the first micro-batches pay for the compile (handoff.train.compiled)"))
 
 
 @dataclass

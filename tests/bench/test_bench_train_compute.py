@@ -46,3 +46,36 @@ def test_bench_runs_padded_and_packed_in_one_call(tmp_path):
         assert prof["categories"]["optimizer"] > 0 and prof["categories"]["logprob_head"] > 0
     assert padded["profile"]["recompute_seconds"] > 0          # checkpointing on
     assert packed["profile"]["recompute_seconds"] == 0         # auto: the CPU has room
+
+
+def test_profile_keeps_host_copies_out_of_compute_and_names_top_kernels():
+    """Kernels go by the op that launched them, a host<->card memcpy to host_copies (the
+    copy engines run it beside the compute: not in total_seconds), each category's largest
+    kernels named."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from handoff.bench.train_profile import summarize
+
+    cpu = torch.autograd.DeviceType.CPU
+
+    def op(name, kernels, parent=None):
+        return NS(name=name, device_type=cpu, cpu_parent=parent,
+                  kernels=[NS(name=k, duration=us) for k, us in kernels])
+
+    step = op("handoff.optimizer_step", [])
+    events = [op("aten::mm", [("nvjet_gemm", 3000.0)]),
+              op("aten::copy_", [("Memcpy HtoD (Pinned -> Device)", 9000.0),
+                                 ("elementwise_copy_bf16", 500.0)]),
+              op("aten::copy_", [("elementwise_copy_bf16", 250.0)]),
+              op("aten::mul", [("vectorized_mul", 1000.0)]),
+              op("aten::_foreach_mul_", [("multi_tensor_apply", 200.0)], parent=step)]
+    r = summarize(NS(events=lambda: events), torch.device("cuda"))
+    cats = r["categories"]
+    assert cats["host_copies"] == pytest.approx(9e-3) and cats["copies"] == pytest.approx(7.5e-4)
+    assert cats["gemm"] == pytest.approx(3e-3) and cats["optimizer"] == pytest.approx(2e-4)
+    assert r["total_seconds"] == pytest.approx(3e-3 + 7.5e-4 + 1e-3 + 2e-4)
+    assert r["launches"] == 6
+    assert r["top_kernels"]["copies"] == [["elementwise_copy_bf16", pytest.approx(7.5e-4)]]
+    assert r["top_kernels"]["elementwise_norm"][0][0] == "vectorized_mul"

@@ -45,22 +45,27 @@ from handoff.plan.trainer import (activation_bytes_per_token, fixed_activation_b
 from handoff.train.actor import Actor, resolve_actor_config
 from handoff.train.attention import backend_for
 from handoff.train.batch import RolloutBatch
+from handoff.train.compiled import set_compiled_layers
 from handoff.train.grpo import group_advantages
 from handoff.train.model import ShardedModel, set_activation_checkpointing
 from handoff.train.packing import micro_batch_rows
 
 VARIANT_KEYS = ("micro_batch_tokens", "micro_batch_size", "logprob_chunk_tokens",
-                "gradient_checkpointing")
+                "gradient_checkpointing", "compile")
 
 
 def builtin_variants(micro_batch_size: int, gradient_checkpointing: bool) -> dict[str, dict]:
-    """padded: today's path (rows of micro_batch_size, full logits); packed: tokens sized
-    from the card's memory, chunked head, recompute only if needed (examples/h200-4b.yaml)."""
+    """padded: the first path (rows of micro_batch_size, full logits); packed: tokens sized
+    from the card's memory, chunked head, recompute only if needed; compiled: packed with the
+    decoder layers through torch.compile (examples/h200-4b.yaml)."""
     return {"padded": {"micro_batch_tokens": 0, "logprob_chunk_tokens": 0,
                        "micro_batch_size": micro_batch_size,
                        "gradient_checkpointing": gradient_checkpointing},
             "packed": {"micro_batch_tokens": "auto", "logprob_chunk_tokens": 2048,
-                       "micro_batch_size": micro_batch_size, "gradient_checkpointing": "auto"}}
+                       "micro_batch_size": micro_batch_size, "gradient_checkpointing": "auto"},
+            "compiled": {"micro_batch_tokens": "auto", "logprob_chunk_tokens": 2048,
+                         "micro_batch_size": micro_batch_size, "gradient_checkpointing": "auto",
+                         "compile": True}}
 
 
 def parse_variant(spec: str, builtins: dict[str, dict]) -> tuple[str, dict]:
@@ -163,6 +168,7 @@ def _apply(actor: Actor, ref: ShardedModel, cfg) -> None:
         m.micro_batch_size = cfg.micro_batch_size
         m.micro_batch_tokens = cfg.micro_batch_tokens
         m.logprob_chunk_tokens = cfg.logprob_chunk_tokens
+        set_compiled_layers(m.module, cfg.compile)
     set_activation_checkpointing(actor.module, cfg.gradient_checkpointing)
 
 
@@ -323,6 +329,8 @@ def describe(st: dict) -> str:
         parts.append("recompute")
     chunk = st["logprob_chunk_tokens"]
     parts.append(f"head chunk {chunk}" if chunk else "full logits")
+    if st.get("compile"):
+        parts.append("compiled layers")
     return ", ".join(parts)
 
 
@@ -386,8 +394,15 @@ def render(result: dict, console) -> None:
                     continue
                 s = pr["recompute_seconds"] if c.startswith("recompute") else pr["categories"][c]
                 cells.append(f"{s:.3f} s ({s / max(pr['total_seconds'], 1e-12):.0%})")
-            prof.add_row(c, *cells)
+            prof.add_row("host_copies (offloads, beside compute)" if c == "host_copies" else c,
+                         *cells)
         console.print(prof)
+        for v in profiled:
+            for c in ("copies", "elementwise_norm", "other"):
+                named = v["profile"].get("top_kernels", {}).get(c) or []
+                if named:
+                    console.print(f"{v['name']}, {c}: " + "; ".join(
+                        f"{s:.3f} s {n[:70]}" for n, s in named), highlight=False)
     ok = [v for v in result["variants"] if not v["oom"]]
     if len(ok) > 1:
         base = ok[0]

@@ -6,12 +6,15 @@
     summary = summarize(prof, device)   # {"categories": {...: seconds}, "launches": n, ...}
 
 On CUDA each kernel (and memcpy / memset) is attributed to the CPU op that launched it, and
-that op's chain of parents decides the category, in this order: the optimizer step's range,
+that op's chain of parents decides the category (a copy between host and card is
+`host_copies`, whatever launched it: it runs on the copy engines beside the compute), in this
+order: the optimizer step's range,
 attention ops, matmuls (GEMM), the log-prob head (its range, or softmax / logsumexp ops),
 copies (copy_, cat, index, gather, scatter, fill), other aten ops (elementwise, norms,
 reductions), the rest. On CPU the same rules sum each op's own CPU time. Kernels under
 `handoff.recompute` (a layer's attention and MLP run again inside backward by activation
-checkpointing) are also summed on their own, as a part of the categories above.
+checkpointing) are also summed on their own, as a part of the categories above. The
+TOP_KERNELS kernels (ops on CPU) of each category that took the most time are listed by name.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from handoff.train.logprobs import HEAD_RANGE
 OPTIMIZER_RANGE = "handoff.optimizer_step"
 RECOMPUTE_RANGE = "handoff.recompute"
 CATEGORIES = ("gemm", "attention", "logprob_head", "elementwise_norm", "copies", "optimizer",
-              "other")
+              "other", "host_copies")
+# Copies between host and card (the offloads around the parts): copy engines, not compute.
+_HOST_COPY = re.compile(r"^Memcpy (HtoD|DtoH)")
+TOP_KERNELS = 6
 _RULES = (
     ("optimizer", re.compile(re.escape(OPTIMIZER_RANGE))),
     ("attention", re.compile(r"flash|fmha|attention|varlen|sdpa", re.I)),
@@ -65,8 +71,10 @@ def category(names: list[str]) -> str:
 
 
 def summarize(prof, device: torch.device) -> dict:
-    """Seconds per category, seconds under recompute, and the launch (or op) count."""
+    """Seconds per category (total_seconds leaves host_copies out), seconds under recompute,
+    the launch (or op) count, and each category's top kernels: {category: [[name, s], ...]}."""
     seconds = dict.fromkeys(CATEGORIES, 0.0)
+    by_name: dict[tuple[str, str], float] = {}
     recompute = 0.0
     launches = 0
     cuda = device.type == "cuda"
@@ -74,23 +82,28 @@ def summarize(prof, device: torch.device) -> dict:
         if evt.device_type != torch.autograd.DeviceType.CPU:
             continue
         if cuda:
-            kernels = getattr(evt, "kernels", [])
-            if not kernels:
-                continue
-            spent = sum(k.duration for k in kernels) / 1e6
-            launches += len(kernels)
+            spans = [(k.name, k.duration / 1e6) for k in getattr(evt, "kernels", [])]
+        elif evt.name.startswith("aten::") and not evt.is_user_annotation:
+            spans = [(evt.name, evt.self_cpu_time_total / 1e6)]
         else:
-            if not evt.name.startswith("aten::") or evt.is_user_annotation:
-                continue
-            spent = evt.self_cpu_time_total / 1e6
-            launches += 1
+            spans = []
+        if not spans:
+            continue
+        launches += len(spans)
         names = _chain(evt)
-        seconds[category(names)] += spent
-        if RECOMPUTE_RANGE in names:
-            recompute += spent
-    total = sum(seconds.values())
+        launched_by = category(names)
+        for name, spent in spans:
+            cat = "host_copies" if _HOST_COPY.search(name) else launched_by
+            seconds[cat] += spent
+            by_name[cat, name] = by_name.get((cat, name), 0.0) + spent
+            if RECOMPUTE_RANGE in names and cat != "host_copies":
+                recompute += spent
+    top = {c: [[n, s] for (cc, n), s in sorted(by_name.items(), key=lambda x: -x[1])
+               if cc == c][:TOP_KERNELS] for c in CATEGORIES}
+    total = sum(s for c, s in seconds.items() if c != "host_copies")
     return {"categories": seconds, "total_seconds": total, "recompute_seconds": recompute,
-            "launches": launches, "unit": "kernel time" if cuda else "CPU op self time"}
+            "launches": launches, "top_kernels": top,
+            "unit": "kernel time" if cuda else "CPU op self time"}
 
 
 @contextmanager

@@ -54,7 +54,8 @@ class Actor(ShardedModel):
                          micro_batch_size=actor.micro_batch_size, offload_mode=offload_mode,
                          arena=arena, gradient_checkpointing=actor.gradient_checkpointing,
                          micro_batch_tokens=actor.micro_batch_tokens,
-                         logprob_chunk_tokens=actor.logprob_chunk_tokens)
+                         logprob_chunk_tokens=actor.logprob_chunk_tokens,
+                         compile_layers=actor.compile)
         self.optimizer = MixedPrecisionAdamW(self.module.named_parameters(), lr=actor.lr,
                                              weight_decay=actor.weight_decay)
         self._parts["grads"] = self._grad_tensors
@@ -200,7 +201,7 @@ def build_actor(cfg: Config, *, device: str | torch.device,
 def build_reference(cfg: Config, *, device: str | torch.device,
                     arena: PinnedArena | None = None) -> ShardedModel | None:
     """The frozen reference model, or None when actor.kl_coef == 0 (no KL term at all); its
-    forwards use the actor's micro-batches and log-prob head."""
+    forwards use the actor's micro-batches, log-prob head and compiled layers."""
     if cfg.actor.kl_coef == 0:
         return None
     actor_cfg, _ = resolve_actor_config(cfg, device)
@@ -208,4 +209,4 @@ def build_reference(cfg: Config, *, device: str | torch.device,
                         micro_batch_size=actor_cfg.micro_batch_size,
                         micro_batch_tokens=actor_cfg.micro_batch_tokens,
                         logprob_chunk_tokens=actor_cfg.logprob_chunk_tokens,
-                        offload_mode=cfg.memory.offload_mode, arena=arena)
+                        compile_layers=actor_cfg.compile, offload_mode=cfg.memory.offload_mode, arena=arena)

@@ -98,6 +98,7 @@ def padded_sdpa(q_THD, k_TKD, v_TKD, seqs, scale: float) -> torch.Tensor:
     return o_NHLD.transpose(1, 2)[seqs.seq_T, seqs.pos_T]
 
 
+@torch.compiler.disable   # one kernel already; its backend probe must not be traced (compiled.py)
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None, *,
                      scaling: float | None = None, dropout: float = 0.0,

@@ -28,7 +28,8 @@ each layer in per forward, so `to()` moves nothing.
 Micro-batches are right-padded rows of micro_batch_size, or whole sequences packed up to
 micro_batch_tokens (train/packing.py, attention per sequence in train/attention.py); the
 head scores tokens in chunks of logprob_chunk_tokens without [tokens x vocab] fp32 logits
-when that is > 0 (train/logprobs.py).
+when that is > 0 (train/logprobs.py). With compile_layers each decoder layer's forward runs
+through torch.compile (train/compiled.py).
 
 Shape legend: B sequences, T tokens, V vocabulary.
 """
@@ -47,6 +48,7 @@ from handoff.memory.staging import PinnedArena, Transfer
 from handoff.model_files import check_loading_info
 from handoff.train import attention
 from handoff.train.batch import RolloutBatch
+from handoff.train.compiled import set_compiled_layers
 from handoff.dist import all_reduce_, init_mesh, resolve_device
 from handoff.train.forward import token_forward
 from handoff.train.logprobs import install_token_head
@@ -120,7 +122,8 @@ class ShardedModel:
     def __init__(self, path: str, *, role: str = "ref", device: str | torch.device = "cpu",
                  dtype: str = "bfloat16", micro_batch_size: int = 8, offload_mode: str = "arena",
                  arena: PinnedArena | None = None, gradient_checkpointing: bool = False,
-                 micro_batch_tokens: int = 0, logprob_chunk_tokens: int = 0):
+                 micro_batch_tokens: int = 0, logprob_chunk_tokens: int = 0,
+                 compile_layers: bool = False):
         if offload_mode not in ("arena", "fsdp"):
             raise HandoffError(f"offload_mode={offload_mode!r}: choose arena or fsdp")
         self.role = role
@@ -139,6 +142,8 @@ class ShardedModel:
         if not self.trainable:
             model.requires_grad_(False)
         self.module = self._shard(model)
+        # After sharding: FSDP2's hooks stay outside the compiled forwards (train/compiled.py).
+        set_compiled_layers(self.module, compile_layers)
         self._parts = {"params": self._param_tensors}
         self._host: set[str] = set()
         self._pending: dict[str, Transfer] = {}      # onloads compute must wait for, by part
@@ -213,6 +218,16 @@ class ShardedModel:
                 self._host.discard(part)
                 self._pending[part] = transfers[part]
         return Move(transfers)
+
+    def allocate_on_device(self, **parts: bool) -> None:
+        """Re-create the device storage of the named offloaded parts without copying into it
+        (PinnedArena.allocate): a later `to("device", ...)` copies into it."""
+        self._check_parts(parts)
+        if self.offload_mode == "fsdp":
+            return
+        for part in (p for p in self._parts if parts.get(p) and p in self._host):
+            self._offloads[part].wait()      # the way out landed (its pages freed) first
+            self.arena.allocate(self._set_name(part))
 
     def _is_host(self, where: str | torch.device) -> bool:
         name = str(where)

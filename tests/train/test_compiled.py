@@ -1,0 +1,69 @@
+"""actor.compile: decoder layers through torch.compile give the eager path's numbers.
+
+The graphs are built with dynamo's aot_eager backend (the same capture, autograd and graph
+breaks as inductor without its code generation, which takes minutes on a small CI host); the
+device run uses inductor (docs/PERF.md).
+"""
+
+import pytest
+import torch
+
+from handoff.config import ActorConfig
+from handoff.modelzoo import init_model
+from handoff.train import compiled
+from handoff.train.actor import Actor
+from handoff.train.grpo import group_advantages
+from handoff.train.model import ShardedModel
+
+from test_packing import long_tailed_batch
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(init_model("tiny-qwen3", tmp_path_factory.mktemp("tq"), dtype="float32", seed=1))
+
+
+def _actor(ckpt, **kw):
+    torch.manual_seed(0)
+    cfg = ActorConfig(micro_batch_tokens=48, logprob_chunk_tokens=16,
+                      gradient_checkpointing=kw.pop("gradient_checkpointing", False), **kw)
+    return Actor(ckpt, actor=cfg, device="cpu", dtype="float32")
+
+
+def _step_numbers(actor):
+    batch = long_tailed_batch()
+    batch.advantages = group_advantages(batch.rewards, batch.group_size)
+    logp, _ = actor.log_probs(batch, with_entropy=False)
+    sums = actor.accumulate(batch)
+    grads = [p.grad.full_tensor().clone() for p in actor.module.parameters()]
+    return logp, sums, grads
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_layers_match_eager(ckpt, monkeypatch, checkpointing):
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    eager = _step_numbers(_actor(ckpt, gradient_checkpointing=checkpointing))
+    actor = _actor(ckpt, gradient_checkpointing=checkpointing, compile=True)
+    assert compiled.layers_compiled(actor.module)
+    got = _step_numbers(actor)
+    assert torch.allclose(got[0], eager[0], atol=1e-5)
+    assert torch.allclose(got[1], eager[1], atol=1e-5)
+    for g, e in zip(got[2], eager[2]):
+        assert torch.allclose(g, e, atol=1e-5)
+
+
+def test_compile_switches_off_and_on_again(ckpt, monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    ref = ShardedModel(ckpt, role="ref", device="cpu", dtype="float32", micro_batch_tokens=48,
+                       compile_layers=True)
+    layer = ref.module.model.layers[0]
+    assert compiled.layers_compiled(ref.module) and "forward" in layer.__dict__
+    batch = long_tailed_batch()
+    on, _ = ref.log_probs(batch, with_entropy=False)
+    compiled.set_compiled_layers(ref.module, False)
+    assert not compiled.layers_compiled(ref.module) and "forward" not in layer.__dict__
+    off, _ = ref.log_probs(batch, with_entropy=False)
+    assert torch.allclose(on, off, atol=1e-5)
+    compiled.set_compiled_layers(ref.module, True)
+    compiled.set_compiled_layers(ref.module, True)        # idempotent: compiled once
+    assert not hasattr(layer.__dict__["_handoff_eager_forward"], "_torchdynamo_orig_callable")
