@@ -24,16 +24,16 @@ from handoff.plan.ledger import SWITCH_ACTIONS
 SEQUENTIAL = [
     "probe after generate", "probe after engine sleep", "onload actor.params",
     "probe after params onload", "onload ref.params", "forward ref", "offload ref.params",
-    "onload actor.optimizer", "forward actor", "optimizer step", "probe after update",
+    "probe after ref forward", "onload actor.optimizer", "forward actor", "optimizer step", "probe after update",
     "offload actor.optimizer", "probe before resume weights", "wake weights",
     "probe after update_weights", "offload actor.params", "probe after params offload",
     "wake kv_cache", "probe after resume kv_cache"]
-# memory.overlap with a fixed pool: the optimizer's copy back queued behind the ref's, the
-# ref dropped after its forward; the copies to the host still land before the KV wake.
+# memory.overlap with a fixed pool: the params' and the optimizer's copies back queued behind
+# the ref's, none waited for before the ref's forward, the ref dropped after it; the copies to the host still land before the KV wake.
 OVERLAPPED = [
-    "probe after generate", "probe after engine sleep", "onload actor.params",
-    "probe after params onload", "onload ref.params", "onload actor.optimizer", "forward ref",
-    "drop ref.params", "forward actor", "optimizer step", "probe after update",
+    "probe after generate", "probe after engine sleep", "onload ref.params",
+    "onload actor.params", "onload actor.optimizer", "probe after params onload", "forward ref",
+    "drop ref.params", "probe after ref forward", "forward actor", "optimizer step", "probe after update",
     "offload actor.optimizer", "probe before resume weights", "wake weights",
     "probe after update_weights", "offload actor.params", "probe after params offload",
     "wake kv_cache", "probe after resume kv_cache"]
@@ -268,7 +268,7 @@ def test_a_fixed_pool_says_once_why_it_waits(model_dir, tmp_path, capsys):
     assert "memory.overlap" not in capsys.readouterr().err
 
 
-def test_a_card_too_full_for_the_early_optimizer_copy_falls_back_and_says_so(
+def test_a_card_too_full_for_the_early_copies_back_falls_back_and_says_so(
         model_dir, tmp_path, monkeypatch, capsys):
     import handoff.worker as worker_module
 
@@ -278,12 +278,13 @@ def test_a_card_too_full_for_the_early_optimizer_copy_falls_back_and_says_so(
     for step in range(2):
         trainer.step(step)
     onloads = [e for e in _compact(log) if e.startswith(("onload", "forward", "drop"))]
-    # The sequential place for the optimizer, the overlap kept for the ref.
-    assert onloads[:5] == ["onload actor.params", "onload ref.params", "forward ref",
+    # The params waited for at once and the optimizer in its sequential place; the ref kept
+    # streamed (its forward waits for it either way).
+    assert onloads[:5] == ["onload ref.params", "onload actor.params", "forward ref",
                            "drop ref.params", "onload actor.optimizer"]
     said = [line for line in capsys.readouterr().err.splitlines()
-            if "comes back right before the update" in line]
-    assert len(said) == 1
+            if "come back before the compute that needs them" in line]
+    assert len(said) == 1 and "params and optimizer need" in said[0]
 
 
 def test_a_kv_wake_that_does_not_fit_beside_the_copies_waits_for_them(model_dir, tmp_path,

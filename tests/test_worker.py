@@ -243,11 +243,16 @@ def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path,
     assert "empty cache" in log[waited:]  # before the KV pool is mapped
 
 
-def test_the_copies_after_the_engine_sleep_go_by_kernel(model_dir, tmp_path, monkeypatch):
-    """The copy engines are busy right after the engine's sleep: the params and the ref come
-    back by kernel (the ledger prices those two at the kernel's rate), the optimizer, a
-    forward later, on the copy engines."""
-    trainer = Run(tiny_cfg(model_dir, tmp_path, "run.steps=1"))
+@pytest.mark.parametrize("overlap, expected", [
+    ("false", [("actor.params", True), ("ref.params", True), ("actor.optimizer", False)]),
+    ("true", [("ref.params", True), ("actor.params", False), ("actor.optimizer", False)])])
+def test_the_copies_after_the_engine_sleep_go_by_kernel(model_dir, tmp_path, monkeypatch,
+                                                        overlap, expected):
+    """The copy engines are busy right after the engine's sleep: what is waited for then
+    comes back by kernel (the ledger prices those at the kernel's rate), the params and the
+    ref in turn; streamed only the ref, the actor's parts queued behind it on the copy
+    engines."""
+    trainer = Run(tiny_cfg(model_dir, tmp_path, "run.steps=1", f"memory.overlap={overlap}"))
     arena = trainer.worker.actor.arena
     onloads, real_onload = [], arena.onload
 
@@ -257,4 +262,4 @@ def test_the_copies_after_the_engine_sleep_go_by_kernel(model_dir, tmp_path, mon
 
     monkeypatch.setattr(arena, "onload", onload)
     trainer.step(0)
-    assert onloads == [("actor.params", True), ("ref.params", True), ("actor.optimizer", False)]
+    assert onloads == expected

@@ -36,7 +36,7 @@ from handoff.config import Config
 from handoff.dist import mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
-from handoff.memory.allocator import frozen_gc_heap
+from handoff.memory.allocator import alloc_retries, frozen_gc_heap
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_dir import claim_out_dir, trim_metrics, write_run_config
 from handoff.run_report import RunReport, console
@@ -49,7 +49,7 @@ from handoff.worker import SwitchRecord
 
 
 # Engine counters a step row reports as this step's share (stats() gives them since start).
-_ENGINE_COUNTERS = ("preemptions", "decode_steps", "decode_seconds")
+_ENGINE_COUNTERS = ("preemptions", "decode_steps", "decode_seconds", "prefill_seconds")
 
 
 def _prompt_seed(seed: int, step: int, index: int) -> int:
@@ -94,11 +94,13 @@ class Scored:
 
 def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord,
              engine: dict, *, world: int, gen_s: float, train_s: float, checkpoint_s: float,
-             step_s: float, work_s: float) -> dict:
+             step_s: float, work: dict[str, float], copy_wait_s: float = 0.0,
+             alloc_retries: int = 0) -> dict:
     """The step's metrics row (rewards and lengths averaged over every rank; the engine's
     numbers, `engine` = its stats after the step's generate with this step's preemptions,
-    are this rank's, and so are `work_s`, its generation + trainer compute seconds, and
-    train_tokens, the prompt + response tokens it trained on)."""
+    are this rank's, and so are `work`, its generation and trainer compute seconds by phase
+    (HybridWorker.work), `copy_wait_s`, the compute's waits for copies, and train_tokens, the
+    prompt + response tokens it trained on)."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
     length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
     tokens, _, _ = mean_over_ranks([float(sum(scored.lengths))])
@@ -109,7 +111,9 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         "response_length": length_mean, **{k: float(v) for k, v in update.items()},
         "timing_s/gen": gen_s, "timing_s/train": train_s, "timing_s/step": step_s,
         "timing_s/checkpoint": checkpoint_s, "tokens_per_s": tokens * world / gen_s,
-        "switch/exposed_s": step_s - checkpoint_s - work_s,
+        "switch/exposed_s": step_s - checkpoint_s - sum(work.values()),
+        "switch/copy_wait_s": copy_wait_s,
+        **{f"work_s/{phase}": seconds for phase, seconds in work.items()},
         "switch/raw_s": sum(a.seconds for a in switch.actions.values()),
         "train_tokens": sum(scored.prompt_lengths) + sum(scored.lengths),
         "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
@@ -123,6 +127,9 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         "engine/peak_running": engine["peak_running"], "engine/preemptions": engine["preemptions"],
         "engine/decode_steps": engine["decode_steps"],
         "engine/decode_s": engine["decode_seconds"],
+        "engine/prefill_s": engine["prefill_seconds"],
+        # Allocations that flushed torch's cache (a device sync each): the step ran short.
+        "memory/alloc_retries": alloc_retries,
     }
     if sync.verified_buckets:   # sync.verify: every bucket's checksum matched on both sides
         row["sync/verified_buckets"] = sync.verified_buckets
@@ -230,6 +237,7 @@ class Run:
             self.cfg, self.task, self.tokenizer, step, rank=self.rank, world=self.world,
             tp=worker.engine.tp.size)
         before = worker.engine.stats()
+        retries = alloc_retries(worker.device)
         t0 = time.perf_counter()
         outs = worker.generate(prompt_ids, params)
         gen_s = time.perf_counter() - t0
@@ -252,7 +260,9 @@ class Run:
                                       worker.take_landed()])
         return step_row(step, scored, update, switch, engine, world=self.world, gen_s=gen_s,
                         train_s=train_s, checkpoint_s=checkpoint_s,
-                        step_s=time.perf_counter() - t_step, work_s=worker.work_seconds)
+                        step_s=time.perf_counter() - t_step, work=worker.work,
+                        copy_wait_s=worker.copy_wait_seconds,
+                        alloc_retries=alloc_retries(worker.device) - retries)
 
     # ---------------------------------------------------------------- the run
 

@@ -19,8 +19,9 @@ With memory.overlap (the streamed switch) some copies outlive the move that star
 optimizer's copy back lands inside the update, and with an elastic KV pool the copies to
 the host land between the next generation's engine steps. A copy is recorded in the record
 of the move it lands in, or, landing outside one (generation, `settle`), in `take_landed()`:
-either way in the step it lands in. `work_seconds` adds up the step's generation and trainer
-compute (less their waits for copies), the rest of the step is the switch's exposed time.
+either way in the step it lands in. `work` holds the step's generation and trainer compute
+seconds by phase (less their waits for copies, which `copy_wait_seconds` adds up);
+`work_seconds` is their sum, the rest of the step is the switch's exposed time.
 
 Under torchrun each rank runs one worker: the trainer's FSDP2 mesh spans every rank, and
 the engines of parallel.tp consecutive ranks form one tensor-parallel engine (each rank
@@ -55,7 +56,8 @@ T = TypeVar("T")
 _console = Console(stderr=True)
 
 # The probe names of one step, in order (the source's "before resume weights" etc.).
-PROBES_TO_TRAIN = ("after generate", "after engine sleep", "after params onload")
+PROBES_TO_TRAIN = ("after generate", "after engine sleep", "after params onload",
+                   "after ref forward")
 PROBES_TO_ROLLOUT = ("after update", "before resume weights", "after update_weights",
                      "after params offload", "after resume kv_cache")
 
@@ -113,12 +115,14 @@ class HybridWorker:
         self.actor, self.ref, self.engine = actor, ref, engine
         self.pool, self.meter = pool, meter
         self.step = -1  # probes before the first step carry step -1
-        self.work_seconds = 0.0     # this step's generation + trainer compute (module docstring)
+        self.work: dict[str, float] = {}   # this step's work seconds by phase (module docstring)
+        self.copy_wait_seconds = 0.0       # this step's compute waits for copies
         self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
         self._queued_to_host: list[str] = []   # actor parts whose copy starts once those land
         self._landed = SwitchRecord()          # copies that landed outside a move
         self._grow_due = False                 # landed memory not yet handed to the KV pool
-        self._optimizer_back: Move | None = None   # its copy back, started before the update
+        self._ref_back: Move | None = None           # streamed: queued by to_train
+        self._coming_back: dict[str, Move] = {}     # actor parts' copies back, not yet waited
         self._between_steps_seconds = 0.0
         self._said: set[str] = set()
         mem = cfg.memory
@@ -135,7 +139,15 @@ class HybridWorker:
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.work_seconds = 0.0
+        self.work = {}
+        self.copy_wait_seconds = 0.0
+
+    @property
+    def work_seconds(self) -> float:
+        return sum(self.work.values())
+
+    def _add_work(self, phase: str, seconds: float) -> None:
+        self.work[phase] = self.work.get(phase, 0.0) + seconds
 
     def _say_once(self, key: str, text: str) -> None:
         """One line on stderr (rank 0), the first time `key` comes up in this worker."""
@@ -160,14 +172,17 @@ class HybridWorker:
         record.add(action, time.perf_counter() - t0, nbytes())
         return result
 
-    def _compute(self, fn: Callable[[], T]) -> T:
-        """Run trainer compute `fn`; its wall time, less its waits for copies, is work."""
+    def _compute(self, phase: str, fn: Callable[[], T]) -> T:
+        """Run trainer compute `fn`; its wall time, less its waits for copies, is `phase`'s
+        work."""
         wait_for_compute(self.device)
         waited = self._copy_waits()
         t0 = time.perf_counter()
         result = fn()
         wait_for_compute(self.device)
-        self.work_seconds += time.perf_counter() - t0 - (self._copy_waits() - waited)
+        waited = self._copy_waits() - waited
+        self.copy_wait_seconds += waited
+        self._add_work(phase, time.perf_counter() - t0 - waited)
         return result
 
     def _copy_waits(self) -> float:
@@ -268,19 +283,27 @@ class HybridWorker:
         t0 = time.perf_counter()
         outs = self.engine.generate(prompts, params, progress=progress,
                                     between_steps=self._land_between_steps if streamed else None)
-        self.work_seconds += time.perf_counter() - t0 - self._between_steps_seconds
+        self._add_work("generate", time.perf_counter() - t0 - self._between_steps_seconds)
         self.settle()
         self.probe("after generate")
         return outs
 
     def to_train(self) -> SwitchRecord:
-        """Engine sleep(2) (weights and KV discarded), then the actor's params come back, by
-        kernel: right after a large sleep the copy engines run at half rate (docs/PERF.md)."""
+        """Engine sleep(2) (weights and KV discarded), then the trainer's state comes back.
+
+        In turn (memory.overlap=false): the actor's params, waited for; the ref and the
+        optimizer follow in log_probs and update; params and ref come back by kernel: right
+        after a large sleep the copy engines run at half rate (docs/PERF.md). Streamed: the
+        ref's copy, then the params', then the optimizer's are queued on the one H2D stream,
+        none waited for here (`_stream_back`)."""
+        mem = self.cfg.memory
         record = SwitchRecord()
         self._timed(record, "engine_sleep", lambda: self.engine.sleep(2))
         aggressive_empty_cache()
         self.probe("after engine sleep")
-        if self.cfg.memory.param_offload:
+        if mem.overlap:
+            self._stream_back(record)
+        elif mem.param_offload:
             record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
         self.probe("after params onload")
         return record
@@ -294,19 +317,16 @@ class HybridWorker:
         With one update per step "old" is None: the policy has not moved, so the update's own
         (detached) forward gives them and a pass is saved.
 
-        With memory.overlap the ref's copy back and then the optimizer's are queued first (one
-        H2D stream: the ref's forward waits for its own copy only), and the ref's device copy
+        With memory.overlap the ref's copy back was queued by to_train, and its device copy
         is dropped after its forward: it never changes, so the host copy of its first offload
         is still the truth (ref_d2h moves 0 bytes)."""
         mem = self.cfg.memory
         record = SwitchRecord()
-        ref_back = None
-        if mem.overlap:
-            ref_back = self._start_ref_back()
-            self._start_optimizer_back()
+        ref_back, self._ref_back = self._ref_back, None
         old = None
         if self.cfg.actor.updates_per_step > 1:
-            old = self._compute(lambda: self.actor.log_probs(batch, with_entropy=False)[0])
+            old = self._compute("old_logprobs",
+                                lambda: self.actor.log_probs(batch, with_entropy=False)[0])
         ref = None
         if self.ref is not None:
             if not mem.overlap:
@@ -314,10 +334,12 @@ class HybridWorker:
             if ref_back is not None:
                 moved = ref_back.wait()["params"]
                 record.add("ref_h2d", moved["seconds"], moved["bytes"])
-            ref = self._compute(lambda: self.ref.log_probs(batch, with_entropy=False)[0])
+            ref = self._compute("ref_forward",
+                                lambda: self.ref.log_probs(batch, with_entropy=False)[0])
             if mem.ref_offload:
                 moved = self.ref.to("host", params=True, copy=not mem.overlap).wait()["params"]
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
+            self.probe("after ref forward")
         return {"old": old, "ref": ref}, record
 
     def _start_ref_back(self) -> Move | None:
@@ -325,33 +347,53 @@ class HybridWorker:
             return None
         return self.ref.to("device", params=True, by_kernel=True)
 
-    def _start_optimizer_back(self) -> None:
-        """Start the optimizer's copy back, not waited for (Actor.step waits for it). It needs
-        room beside the ref's forward; the card holds then what it holds in the update (the
-        ref where the grads will be, an activation peak below the update's), so only the
-        state itself is checked. Without that room it comes back before the update."""
-        if not self.cfg.memory.optimizer_offload:
-            return
-        need = self.actor.memory_parts()["optimizer"] + (self.cfg.memory.wake_margin_mb << 20)
+    def _stream_back(self, record: SwitchRecord) -> None:
+        """Queue the ref's, the params' and the optimizer's copies back, none waited for (the
+        compute that needs one waits: the ref's forward, the actor's forward, its optimizer
+        step). Every storage is allocated first, on an idle card: allocations made while a
+        copy kernel runs wait for it (docs/PERF.md). The ref's copy goes by kernel (its
+        forward waits for it), the actor's on the copy engines (under the ref's forward, at
+        half rate or not, without taking its SMs).
+
+        An actor part needs room beside the ref's forward; the card holds then what it holds
+        in the update (the ref where the grads will be, an activation peak below the
+        update's), so only the parts' bytes are checked. Without that room the params come
+        back now and the optimizer right before the update (the sequential order), said once."""
+        mem = self.cfg.memory
+        if self.ref is not None and mem.ref_offload:
+            self.ref.allocate_on_device(params=True)
+        parts = [p for p, on in (("params", mem.param_offload),
+                                 ("optimizer", mem.optimizer_offload)) if on]
         free = device_free_bytes(self.device)
-        if free is not None and free < need:
-            self._say_once("optimizer back", f"memory.overlap: the optimizer state needs "
-                           f"{fmt_bytes(need)} beside the ref's forward, {fmt_bytes(free)} is "
-                           "free: it comes back right before the update instead (the sequential "
-                           "order); offload less or lower actor.micro_batch_tokens to overlap it")
-            return
-        self._optimizer_back = self.actor.to("device", optimizer=True)
+        need, streamed = mem.wake_margin_mb << 20, []
+        for part in parts:     # in queue order: a part without room stops the rest
+            need += self.actor.memory_parts()[part]
+            if free is not None and free < need:
+                late = " and ".join(parts[len(streamed):])
+                self._say_once("copies back", f"memory.overlap: the actor's {late} need "
+                               f"{fmt_bytes(need)} beside the ref's forward, {fmt_bytes(free)} "
+                               "is free: they come back before the compute that needs them "
+                               "instead (the sequential order); offload less or lower "
+                               "actor.micro_batch_tokens to overlap it")
+                break
+            streamed.append(part)
+        self.actor.allocate_on_device(**dict.fromkeys(streamed, True))
+        self._ref_back = self._start_ref_back()
+        for part in streamed:
+            self._coming_back[part] = self.actor.to("device", **{part: True})
+        if mem.param_offload and "params" not in streamed:
+            record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
 
     def update(self, batch: RolloutBatch) -> tuple[dict[str, float], SwitchRecord]:
         """The GRPO update; the optimizer's state comes back right before it unless its copy
         already runs (memory.overlap), which lands inside it, before the optimizer step."""
         record = SwitchRecord()
-        if self.cfg.memory.optimizer_offload and self._optimizer_back is None:
+        if self.cfg.memory.optimizer_offload and "optimizer" not in self._coming_back:
             record.add_moves(self.actor.to("device", optimizer=True).wait(), "h2d")
-        metrics = self._compute(lambda: self.actor.update(batch))
-        if self._optimizer_back is not None:
-            record.add_moves(self._optimizer_back.wait(), "h2d")
-            self._optimizer_back = None
+        metrics = self._compute("update", lambda: self.actor.update(batch))
+        for move in self._coming_back.values():
+            record.add_moves(move.wait(), "h2d")
+        self._coming_back.clear()
         self.probe("after update")
         return metrics, record
 

@@ -156,8 +156,8 @@ def test_seconds_follow_the_link_rate():
 
 
 def test_the_streamed_switch_hides_its_copies_behind_work():
-    """memory.overlap: the ref is never copied down again, the optimizer's copy back hides
-    behind the trainer's compute, the copies to the host behind generation (elastic pool)."""
+    """memory.overlap: the ref is never copied down again, the params' and the optimizer's
+    copies back hide behind the trainer's compute, the copies to the host behind generation (elastic pool)."""
     shape, parallel, mem, pool = plan_switch("qwen3-32b", 8, overlap=True)
     acts = switch_actions(shape, parallel, mem, H100, kv_pool_bytes=pool)
     by_name = {a.name: a for a in acts}
@@ -171,13 +171,20 @@ def test_the_streamed_switch_hides_its_copies_behind_work():
                                generation_seconds=generation, elastic_pool=elastic)
 
     assert exposed(MemoryConfig(overlap=False)) == raw
-    fixed = exposed(compute=1.0, elastic=False)
+    # The params' and the optimizer's copies back queue behind the ref's, under the compute.
+    assert raw["params_h2d"] == pytest.approx(by_name["params_d2h"].seconds)  # copy engines
+    fixed = exposed(compute=raw["params_h2d"] + 1.0, elastic=False)
+    assert fixed["params_h2d"] == 0
     assert fixed["optimizer_h2d"] == pytest.approx(raw["optimizer_h2d"] - 1.0)
+    short = exposed(compute=raw["params_h2d"] / 2, elastic=False)
+    assert short["params_h2d"] == pytest.approx(raw["params_h2d"] / 2)
+    assert short["optimizer_h2d"] == pytest.approx(raw["optimizer_h2d"])
     for name in ("optimizer_d2h", "params_d2h"):   # a fixed pool maps after them
         assert fixed[name] == raw[name]
     hidden = exposed()
     assert hidden["optimizer_h2d"] == hidden["optimizer_d2h"] == hidden["params_d2h"] == 0
-    for name in ("engine_weights_sync", "kv_cache_wake", "engine_sleep", "params_h2d", "ref_h2d"):
+    assert hidden["params_h2d"] == 0
+    for name in ("engine_weights_sync", "kv_cache_wake", "engine_sleep", "ref_h2d"):
         assert hidden[name] == raw[name]
     # Generation shorter than the two copies to the host (one stream: the params' last).
     half = raw["optimizer_d2h"] / 2

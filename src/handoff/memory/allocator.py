@@ -8,6 +8,7 @@ frozen GC heap, host memory.
         ...
     total, available = host_memory()
     free = device_free_bytes(device)    # what the card can still allocate (None on CPU)
+    n = alloc_retries(device)           # times the cache was flushed to satisfy an allocation
 
 Switch expandable_segments only through this module, so the recorded value and PyTorch's
 agree.
@@ -94,6 +95,15 @@ def device_free_bytes(device: torch.device) -> int | None:
         return None
     cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return torch.cuda.mem_get_info(device)[0] + cached_unused
+
+
+def alloc_retries(device: torch.device) -> int:
+    """How many allocations found the card full and had to flush torch's cache first (each
+    a device sync and cudaFree calls; 0 off CUDA): a training phase that does so is short
+    of memory, and pays for it in time."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def rss_bytes() -> int:

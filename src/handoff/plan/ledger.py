@@ -147,7 +147,9 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
 
     to_train copies the params in right after the engine's sleep, and the ref soon after,
     while the copy engines are busy with the pages the sleep released: those two copies
-    are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps."""
+    are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps. With
+    memory.overlap only the ref's is: the params' copy runs behind it on the copy engines,
+    under the ref's forward."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
     opt_on = memory.optimizer_offload
@@ -157,7 +159,8 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     pcie = hw.pinned_pcie_bps
     h2d = h2d_bps or pcie
     by_kernel = hw.kernel_h2d_bps or h2d
-    seconds = {"params_h2d": owners["params"] / by_kernel,
+    # Streamed, the params queue behind the ref's copy on the copy engines (worker.py).
+    seconds = {"params_h2d": owners["params"] / (h2d if memory.overlap else by_kernel),
                "ref_h2d": owners["reference"] / by_kernel, "optimizer_h2d": opt / h2d}
 
     def move(name: str, direction: str, on: bool, nbytes: int, note: str, off_note: str):
@@ -209,13 +212,15 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
 def exposed_seconds(seconds: dict[str, float], memory: MemoryConfig, *, compute_seconds: float,
                     generation_seconds: float | None, elastic_pool: bool) -> dict[str, float]:
     """Each action's seconds the step waits for (the module docstring), from its own
-    `seconds` by name: the optimizer's H2D hides behind `compute_seconds` (the trainer's
-    forwards and backwards, plan.trainer), the D2H copies behind `generation_seconds` when
+    `seconds` by name: the params' and the optimizer's H2D hide behind `compute_seconds`
+    (the trainer's forwards and backwards, plan.trainer), the D2H copies behind `generation_seconds` when
     the pool is elastic (a fixed pool is mapped whole at its wake, after them)."""
     exposed = dict(seconds)
     if not memory.overlap:
         return exposed
-    exposed["optimizer_h2d"] = max(0.0, seconds["optimizer_h2d"] - compute_seconds)
+    params_late = max(0.0, seconds["params_h2d"] - compute_seconds)
+    both_back_late = max(0.0, seconds["params_h2d"] + seconds["optimizer_h2d"] - compute_seconds)
+    exposed["params_h2d"], exposed["optimizer_h2d"] = params_late, both_back_late - params_late
     if elastic_pool and generation_seconds is not None:
         optimizer_late = max(0.0, seconds["optimizer_d2h"] - generation_seconds)
         both_late = max(0.0, seconds["optimizer_d2h"] + seconds["params_d2h"]

@@ -144,6 +144,7 @@ class Engine:
                           "generated_tokens": 0}
         self._decode_seconds = 0.0
         self._decode_wait_seconds = 0.0
+        self._prefill_seconds = 0.0
 
     # ---------------------------------------------------------------- sizing
 
@@ -327,7 +328,9 @@ class Engine:
         self._counters["prefill_steps" if is_prefill else "decode_steps"] += 1
         self._counters["generated_tokens"] += sum(s.status is Status.RUNNING for s in seqs)
         finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
-        if not is_prefill:
+        if is_prefill:
+            self._prefill_seconds += time.perf_counter() - start
+        else:
             self._decode_seconds += time.perf_counter() - start
             self._decode_wait_seconds += self.runner.wait_seconds - waited
         return finished, following
@@ -457,6 +460,7 @@ class Engine:
             "graph_reserve_bytes": self.graph_reserve_bytes, **self.runner.stats(),
             "decode_seconds": self._decode_seconds,
             "decode_wait_seconds": self._decode_wait_seconds,
+            "prefill_seconds": self._prefill_seconds,
             # Decode step wall time, and the part of it the host spends not waiting for the
             # device (scheduling, inputs, launches, postprocess).
             "decode_ms_per_step": 1e3 * self._decode_seconds / steps,
