@@ -294,15 +294,19 @@ class HybridWorker:
         In turn (memory.overlap=false): the actor's params, waited for; the ref and the
         optimizer follow in log_probs and update; params and ref come back by kernel: right
         after a large sleep the copy engines run at half rate (docs/PERF.md). Streamed: the
-        ref's copy, then the params', then the optimizer's are queued on the one H2D stream,
-        none waited for here (`_stream_back`)."""
+        ref's copy, then the params', both by kernel, are queued on the one H2D stream, not
+        waited for here: the ref's forward waits for its own copy, the params land under it.
+        The optimizer's copy starts after the ref's forward (log_probs): queued right after
+        the sleep it cost ~0.55 s of host time, two seconds later ~0.05 s (docs/PERF.md,
+        "The streamed switch")."""
         mem = self.cfg.memory
         record = SwitchRecord()
         self._timed(record, "engine_sleep", lambda: self.engine.sleep(2))
         aggressive_empty_cache()
         self.probe("after engine sleep")
         if mem.overlap:
-            self._stream_back(record)
+            self._ref_back = self._start_ref_back()
+            self._stream_back(record, ("params",), by_kernel=True)
         elif mem.param_offload:
             record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
         self.probe("after params onload")
@@ -317,8 +321,8 @@ class HybridWorker:
         With one update per step "old" is None: the policy has not moved, so the update's own
         (detached) forward gives them and a pass is saved.
 
-        With memory.overlap the ref's copy back was queued by to_train, and its device copy
-        is dropped after its forward: it never changes, so the host copy of its first offload
+        With memory.overlap the ref's copy back was queued by to_train, the optimizer's is
+        queued after the ref's forward, and the ref's device copy is dropped after it: it never changes, so the host copy of its first offload
         is still the truth (ref_d2h moves 0 bytes)."""
         mem = self.cfg.memory
         record = SwitchRecord()
@@ -340,6 +344,8 @@ class HybridWorker:
                 moved = self.ref.to("host", params=True, copy=not mem.overlap).wait()["params"]
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
             self.probe("after ref forward")
+        if mem.overlap:   # behind the actor's forwards and backwards (to_train says why not sooner)
+            self._stream_back(record, ("optimizer",))
         return {"old": old, "ref": ref}, record
 
     def _start_ref_back(self) -> Move | None:
@@ -347,41 +353,35 @@ class HybridWorker:
             return None
         return self.ref.to("device", params=True, by_kernel=True)
 
-    def _stream_back(self, record: SwitchRecord) -> None:
-        """Queue the ref's, the params' and the optimizer's copies back, none waited for (the
-        compute that needs one waits: the ref's forward, the actor's forward, its optimizer
-        step). Every storage is allocated first, on an idle card: allocations made while a
-        copy kernel runs wait for it (docs/PERF.md). The ref's copy goes by kernel (its
-        forward waits for it), the actor's on the copy engines (under the ref's forward, at
-        half rate or not, without taking its SMs).
+    def _stream_back(self, record: SwitchRecord, parts: tuple[str, ...], *,
+                     by_kernel: bool = False) -> None:
+        """Queue the copies back of the actor's offloaded `parts` (in that order on the one
+        H2D stream), none waited for: the compute that needs one waits (the actor's forward
+        for the params, its optimizer step for the optimizer).
 
-        An actor part needs room beside the ref's forward; the card holds then what it holds
-        in the update (the ref where the grads will be, an activation peak below the
-        update's), so only the parts' bytes are checked. Without that room the params come
-        back now and the optimizer right before the update (the sequential order), said once."""
+        A part needs room beside what runs then; the card holds at most what it holds in the
+        update (the ref where the grads will be, an activation peak below the update's), so
+        only the parts' bytes are checked. Without that room the params come back now and
+        the optimizer right before the update (the sequential order), said once."""
         mem = self.cfg.memory
-        if self.ref is not None and mem.ref_offload:
-            self.ref.allocate_on_device(params=True)
-        parts = [p for p, on in (("params", mem.param_offload),
-                                 ("optimizer", mem.optimizer_offload)) if on]
+        wanted = [p for p in parts if {"params": mem.param_offload,
+                                       "optimizer": mem.optimizer_offload}[p]]
         free = device_free_bytes(self.device)
         need, streamed = mem.wake_margin_mb << 20, []
-        for part in parts:     # in queue order: a part without room stops the rest
+        for part in wanted:     # in queue order: a part without room stops the rest
             need += self.actor.memory_parts()[part]
             if free is not None and free < need:
-                late = " and ".join(parts[len(streamed):])
-                self._say_once("copies back", f"memory.overlap: the actor's {late} need "
-                               f"{fmt_bytes(need)} beside the ref's forward, {fmt_bytes(free)} "
+                late = " and ".join(wanted[len(streamed):])
+                self._say_once(f"{late} back", f"memory.overlap: the actor's {late} need "
+                               f"{fmt_bytes(need)} beside what the card holds, {fmt_bytes(free)} "
                                "is free: they come back before the compute that needs them "
                                "instead (the sequential order); offload less or lower "
                                "actor.micro_batch_tokens to overlap it")
                 break
             streamed.append(part)
-        self.actor.allocate_on_device(**dict.fromkeys(streamed, True))
-        self._ref_back = self._start_ref_back()
         for part in streamed:
-            self._coming_back[part] = self.actor.to("device", **{part: True})
-        if mem.param_offload and "params" not in streamed:
+            self._coming_back[part] = self.actor.to("device", by_kernel=by_kernel, **{part: True})
+        if "params" in wanted and "params" not in streamed:
             record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
 
     def update(self, batch: RolloutBatch) -> tuple[dict[str, float], SwitchRecord]:

@@ -151,15 +151,3 @@ def test_drop_frees_without_a_copy_and_the_host_copy_comes_back():
     with pytest.raises(HandoffError, match="no host copy"):
         arena.drop("ref", tensors)
 
-
-def test_allocate_makes_the_storage_and_the_onload_then_only_copies():
-    arena = PinnedArena(pin=False)
-    t = torch.arange(12, dtype=torch.float32)
-    arena.stage("w", [t])
-    arena.offload("w").wait()
-    assert t.untyped_storage().nbytes() == 0
-    arena.allocate("w")
-    arena.allocate("w")                       # idempotent
-    assert t.untyped_storage().nbytes() == 48
-    arena.onload("w").wait()
-    assert torch.equal(t, torch.arange(12, dtype=torch.float32))

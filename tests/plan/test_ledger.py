@@ -172,7 +172,6 @@ def test_the_streamed_switch_hides_its_copies_behind_work():
 
     assert exposed(MemoryConfig(overlap=False)) == raw
     # The params' and the optimizer's copies back queue behind the ref's, under the compute.
-    assert raw["params_h2d"] == pytest.approx(by_name["params_d2h"].seconds)  # copy engines
     fixed = exposed(compute=raw["params_h2d"] + 1.0, elastic=False)
     assert fixed["params_h2d"] == 0
     assert fixed["optimizer_h2d"] == pytest.approx(raw["optimizer_h2d"] - 1.0)

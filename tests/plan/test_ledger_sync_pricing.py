@@ -122,16 +122,9 @@ def test_copies_right_after_the_sleep_are_priced_at_the_kernel_rate():
     shape = load_shape("qwen3-4b")
     hw = replace(H200, kernel_h2d_bps=50 * GB)
     acts = _acts(shape, hw, h2d_bps=55 * GB)
-    # The ref comes back by kernel (the copy engines are busy then); streamed (the default)
-    # the params queue behind it on the copy engines, in turn they come by kernel too.
-    assert acts["ref_h2d"].seconds == pytest.approx(acts["ref_h2d"].bytes_per_card / (50 * GB))
-    assert acts["params_h2d"].seconds == pytest.approx(
-        acts["params_h2d"].bytes_per_card / (55 * GB))
-    in_turn = {a.name: a for a in switch_actions(shape, ParallelConfig(gpus=1),
-                                                 MemoryConfig(overlap=False), hw,
-                                                 kv_pool_bytes=100 * GB, h2d_bps=55 * GB)}
-    assert in_turn["params_h2d"].seconds == pytest.approx(
-        in_turn["params_h2d"].bytes_per_card / (50 * GB))
+    # The params and the ref come back by kernel (the copy engines are busy then).
+    for name in ("params_h2d", "ref_h2d"):
+        assert acts[name].seconds == pytest.approx(acts[name].bytes_per_card / (50 * GB))
     # The optimizer comes in long after (before the update), on the copy engines.
     assert acts["optimizer_h2d"].seconds == pytest.approx(
         acts["optimizer_h2d"].bytes_per_card / (55 * GB))

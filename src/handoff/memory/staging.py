@@ -5,7 +5,6 @@
     t = arena.offload("optim")           # async D2H on the D2H copy stream, device side freed
     ...                                  # the GPU is someone else's now
     arena.onload("optim").wait()         # device storage re-created, async H2D, then wait
-    arena.allocate("optim")              # only the storage (an onload later copies into it)
     arena.drop("ref", ref_tensors)       # no copy: the host copy is still the truth (frozen sets)
 
 Allocating pinned memory is slow (16 GiB took 7.5 s on the H200), so a named set keeps its
@@ -255,25 +254,18 @@ class PinnedArena:
         s.on_device = False
         return Transfer(name, 0, seconds=time.perf_counter() - t0)
 
-    def allocate(self, name: str) -> None:
-        """Re-create the set's freed device storage (same sizes), without copying into it
-        yet: a caller that queues several sets allocates them all first, on an idle card
-        (allocations made while a copy kernel runs wait for it, docs/PERF.md). Idempotent."""
+    def onload(self, name: str, *, by_kernel: bool = False) -> Transfer:
+        """Re-create freed device storage (same sizes), then copy the host data back.
+
+        by_kernel: the copy is done by a kernel reading the pinned host memory
+        (handoff.memory.host_copy), not by the copy engines: right after a large region's
+        sleep the copy engines are busy and run at half the link's rate."""
         s = self._settled(name)
         if not s.on_device:
             for storage, n in zip(s.storages, s.nbytes):
                 storage.resize_(n)
             s.on_device = True
-
-    def onload(self, name: str, *, by_kernel: bool = False) -> Transfer:
-        """Re-create freed device storage (unless `allocate` did), then copy the host data
-        back.
-
-        by_kernel: the copy is done by a kernel reading the pinned host memory
-        (handoff.memory.host_copy), not by the copy engines: right after a large region's
-        sleep the copy engines are busy and run at half the link's rate."""
-        self.allocate(name)
-        return self._copy(name, self._get(name), to_host=False, by_kernel=by_kernel)
+        return self._copy(name, s, to_host=False, by_kernel=by_kernel)
 
     def _get(self, name: str) -> _Set:
         if name not in self._sets:

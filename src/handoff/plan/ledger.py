@@ -147,9 +147,7 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
 
     to_train copies the params in right after the engine's sleep, and the ref soon after,
     while the copy engines are busy with the pages the sleep released: those two copies
-    are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps. With
-    memory.overlap only the ref's is: the params' copy runs behind it on the copy engines,
-    under the ref's forward."""
+    are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
     opt_on = memory.optimizer_offload
@@ -159,8 +157,7 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     pcie = hw.pinned_pcie_bps
     h2d = h2d_bps or pcie
     by_kernel = hw.kernel_h2d_bps or h2d
-    # Streamed, the params queue behind the ref's copy on the copy engines (worker.py).
-    seconds = {"params_h2d": owners["params"] / (h2d if memory.overlap else by_kernel),
+    seconds = {"params_h2d": owners["params"] / by_kernel,
                "ref_h2d": owners["reference"] / by_kernel, "optimizer_h2d": opt / h2d}
 
     def move(name: str, direction: str, on: bool, nbytes: int, note: str, off_note: str):

@@ -219,16 +219,6 @@ class ShardedModel:
                 self._pending[part] = transfers[part]
         return Move(transfers)
 
-    def allocate_on_device(self, **parts: bool) -> None:
-        """Re-create the device storage of the named offloaded parts without copying into it
-        (PinnedArena.allocate): a later `to("device", ...)` copies into it."""
-        self._check_parts(parts)
-        if self.offload_mode == "fsdp":
-            return
-        for part in (p for p in self._parts if parts.get(p) and p in self._host):
-            self._offloads[part].wait()      # the way out landed (its pages freed) first
-            self.arena.allocate(self._set_name(part))
-
     def _is_host(self, where: str | torch.device) -> bool:
         name = str(where)
         if name in _HOST_NAMES:
