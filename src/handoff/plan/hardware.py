@@ -22,8 +22,9 @@ Where the numbers come from:
 * a100-80g: PCIe Gen4 and NVLink3 figures, decode bandwidth at 60% of the 2.0 TB/s peak.
 * cpu: the CPU demo, where "HBM" is host memory and every link is a memcpy.
 * train_flops_per_s (the trainer's model FLOP/s per card): h200 from the 4B colocated step of
-  2026-12-03 (2.4e15 model FLOPs in ~10.7 s of trainer compute, padded micro-batches of 16
-  rows with recompute); h100-sxm assumed equal (the same GH100 compute); a100-80g scaled by
+  2026-12-04 (packed micro-batches, eager layers: 2.65e15 model FLOPs in 8.35 s of ref
+  forward + update, 317 TFLOP/s; `handoff bench train-compute` gave 311 on the same shape,
+  408 with actor.compile); h100-sxm assumed equal (the same GH100 compute); a100-80g scaled by
   the bf16 matmul peaks (312 / 989); cpu a round figure near the CPU demo's (2026-12-03,
   2-core box shared with other jobs: ~6 N T of ~1.4K tokens in a ~43 s update, ~26 GFLOP/s,
   switch moves included). Measure yours with `handoff bench train-compute` and pass
@@ -69,7 +70,7 @@ class HardwareProfile:
     kernel_h2d_bps: float = 0.0
     # Model FLOP/s the trainer reaches per card (handoff.plan.trainer: 6N T actor + 2N T ref
     # over its compute seconds); prices the training part of the step when none is given.
-    train_flops_per_s: float = 225e12
+    train_flops_per_s: float = 315e12
     # A decode step's fixed part (weights read, launches, sampling, the host's turn) and
     # what each running sequence adds beyond its KV reads; measured by the engine at start
     # (calibrate.measure_decode_rates). 0: weights / decode_bw_bps alone.
@@ -90,7 +91,7 @@ PROFILES: dict[str, HardwareProfile] = {
         map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
-        host_ram_bytes=2048 * GB, gpus_per_node=8, train_flops_per_s=225e12,
+        host_ram_bytes=2048 * GB, gpus_per_node=8, train_flops_per_s=315e12,
         kv_read_bps=0.9 * 3350 * GB),
     "h200": HardwareProfile(
         name="h200", hbm_bytes=139 * GIB, pinned_pcie_bps=55 * GB, nvlink_bps=450 * GB,
@@ -99,14 +100,14 @@ PROFILES: dict[str, HardwareProfile] = {
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=25e-6,
         host_ram_bytes=2048 * GB, gpus_per_node=8, kernel_h2d_bps=51 * GB,
-        train_flops_per_s=225e12, kv_read_bps=4300 * GB),
+        train_flops_per_s=315e12, kv_read_bps=4300 * GB),
     "a100-80g": HardwareProfile(
         name="a100-80g", hbm_bytes=80 * GB, pinned_pcie_bps=20 * GB, nvlink_bps=300 * GB,
         decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, sync_copy_bps=1000 * GB,
         map_bps=300 * GB, unmap_bps=300 * GB,
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
-        host_ram_bytes=1024 * GB, gpus_per_node=8, train_flops_per_s=71e12,
+        host_ram_bytes=1024 * GB, gpus_per_node=8, train_flops_per_s=99e12,
         kv_read_bps=0.9 * 2039 * GB),
     "cpu": HardwareProfile(
         name="cpu", hbm_bytes=16 * GB, pinned_pcie_bps=5 * GB, nvlink_bps=5 * GB,
