@@ -322,8 +322,9 @@ class HybridWorker:
         (detached) forward gives them and a pass is saved.
 
         With memory.overlap the ref's copy back was queued by to_train, the optimizer's is
-        queued after the ref's forward, and the ref's device copy is dropped after it: it never changes, so the host copy of its first offload
-        is still the truth (ref_d2h moves 0 bytes)."""
+        queued after the ref's forward, and the ref's device copy is dropped after it: it
+        never changes, so the host copy of its first offload is still the truth (ref_d2h
+        moves 0 bytes)."""
         mem = self.cfg.memory
         record = SwitchRecord()
         ref_back, self._ref_back = self._ref_back, None
@@ -343,7 +344,7 @@ class HybridWorker:
             if mem.ref_offload:
                 moved = self.ref.to("host", params=True, copy=not mem.overlap).wait()["params"]
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
-            self.probe("after ref forward")
+        self.probe("after ref forward")   # with no ref too: every step has the same probes
         if mem.overlap:   # behind the actor's forwards and backwards (to_train says why not sooner)
             self._stream_back(record, ("optimizer",))
         return {"old": old, "ref": ref}, record

@@ -150,4 +150,3 @@ def test_drop_frees_without_a_copy_and_the_host_copy_comes_back():
     arena.stage("ref", tensors)   # a new binding: its host space no longer counts as a copy
     with pytest.raises(HandoffError, match="no host copy"):
         arena.drop("ref", tensors)
-

@@ -399,7 +399,7 @@ def render(result: dict, console) -> None:
         console.print(prof)
         for v in profiled:
             for c in ("copies", "elementwise_norm", "other"):
-                named = v["profile"].get("top_kernels", {}).get(c) or []
+                named = v["profile"]["top_kernels"][c]
                 if named:
                     console.print(f"{v['name']}, {c}: " + "; ".join(
                         f"{s:.3f} s {n[:70]}" for n, s in named), highlight=False)

@@ -98,8 +98,10 @@ def summarize(prof, device: torch.device) -> dict:
             by_name[cat, name] = by_name.get((cat, name), 0.0) + spent
             if RECOMPUTE_RANGE in names and cat != "host_copies":
                 recompute += spent
-    top = {c: [[n, s] for (cc, n), s in sorted(by_name.items(), key=lambda x: -x[1])
-               if cc == c][:TOP_KERNELS] for c in CATEGORIES}
+    top: dict[str, list] = {c: [] for c in CATEGORIES}
+    for (cat, name), spent in sorted(by_name.items(), key=lambda x: -x[1]):
+        if len(top[cat]) < TOP_KERNELS:
+            top[cat].append([name, spent])
     total = sum(s for c, s in seconds.items() if c != "host_copies")
     return {"categories": seconds, "total_seconds": total, "recompute_seconds": recompute,
             "launches": launches, "top_kernels": top,

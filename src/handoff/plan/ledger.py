@@ -210,8 +210,9 @@ def exposed_seconds(seconds: dict[str, float], memory: MemoryConfig, *, compute_
                     generation_seconds: float | None, elastic_pool: bool) -> dict[str, float]:
     """Each action's seconds the step waits for (the module docstring), from its own
     `seconds` by name: the params' and the optimizer's H2D hide behind `compute_seconds`
-    (the trainer's forwards and backwards, plan.trainer), the D2H copies behind `generation_seconds` when
-    the pool is elastic (a fixed pool is mapped whole at its wake, after them)."""
+    (the trainer's forwards and backwards, plan.trainer), the D2H copies behind
+    `generation_seconds` when the pool is elastic (a fixed pool is mapped whole at its wake,
+    after them)."""
     exposed = dict(seconds)
     if not memory.overlap:
         return exposed

@@ -209,4 +209,5 @@ def build_reference(cfg: Config, *, device: str | torch.device,
                         micro_batch_size=actor_cfg.micro_batch_size,
                         micro_batch_tokens=actor_cfg.micro_batch_tokens,
                         logprob_chunk_tokens=actor_cfg.logprob_chunk_tokens,
-                        compile_layers=actor_cfg.compile, offload_mode=cfg.memory.offload_mode, arena=arena)
+                        compile_layers=actor_cfg.compile,
+                        offload_mode=cfg.memory.offload_mode, arena=arena)
