@@ -296,9 +296,9 @@ class HybridWorker:
         after a large sleep the copy engines run at half rate (docs/PERF.md). Streamed: the
         ref's copy, then the params', both by kernel, are queued on the one H2D stream, not
         waited for here: the ref's forward waits for its own copy, the params land under it.
-        The optimizer's copy starts after the ref's forward (log_probs): queued right after
-        the sleep it cost ~0.55 s of host time, two seconds later ~0.05 s (docs/PERF.md,
-        "The streamed switch")."""
+        The optimizer's copy starts after the ref's forward (log_probs), under the actor's
+        forwards and backwards (docs/PERF.md, "The streamed switch", says what each place
+        cost)."""
         mem = self.cfg.memory
         record = SwitchRecord()
         self._timed(record, "engine_sleep", lambda: self.engine.sleep(2))
@@ -345,7 +345,7 @@ class HybridWorker:
                 moved = self.ref.to("host", params=True, copy=not mem.overlap).wait()["params"]
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
         self.probe("after ref forward")   # with no ref too: every step has the same probes
-        if mem.overlap:   # behind the actor's forwards and backwards (to_train says why not sooner)
+        if mem.overlap:   # behind the actor's forwards and backwards (to_train's docstring)
             self._stream_back(record, ("optimizer",))
         return {"old": old, "ref": ref}, record
 

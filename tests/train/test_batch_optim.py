@@ -79,3 +79,16 @@ def test_bf16_params_step_an_fp32_master_and_hold_12_bytes_per_param():
         assert torch.allclose(master, q.detach(), atol=1e-6)
         assert torch.equal(p.detach(), master.bfloat16())
     assert opt.nbytes() == 22 * 12
+
+
+def test_the_optimizer_state_is_one_storage_its_tensors_apart():
+    """The state moves as one storage (one allocation and a few large copies per switch):
+    every tensor a view of `flat`, none overlapping another."""
+    params = _params(torch.bfloat16)
+    opt = MixedPrecisionAdamW([("a", params[0]), ("b", params[1])], lr=1e-3)
+    tensors = list(opt.tensors().values())
+    assert {t.untyped_storage()._cdata for t in tensors} == {opt.flat.untyped_storage()._cdata}
+    spans = sorted((t.storage_offset(), t.storage_offset() + t.numel()) for t in tensors)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] == opt.flat.numel() == 22 * 3
+    assert torch.equal(opt.state["a"]["master"], params[0].detach().float())

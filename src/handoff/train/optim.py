@@ -1,6 +1,7 @@
 """AdamW over FSDP2 shards with fp32 master weights: the 12 bytes/param of the source's layout.
 
-For each parameter shard this rank owns it keeps, all fp32 and allocated once up front:
+For each parameter shard this rank owns it keeps, all fp32 and allocated once up front, as
+views of one flat buffer (`flat`):
   master      a copy of the shard (4 B/param), only when the params are not fp32 themselves
   exp_avg     Adam's first moment (4 B/param)
   exp_avg_sq  Adam's second moment (4 B/param)
@@ -35,17 +36,31 @@ class MixedPrecisionAdamW:
         self.names: list[str] = []
         self.params: list[nn.Parameter] = []
         self.state: dict[str, dict[str, torch.Tensor]] = {}
+        shards = []
         for name, p in named_params:
             if not p.requires_grad:
                 continue
             shard = local_shard(p.detach())
-            kinds = {"exp_avg": torch.zeros_like(shard, dtype=torch.float32),
-                     "exp_avg_sq": torch.zeros_like(shard, dtype=torch.float32)}
-            if shard.dtype != torch.float32:
-                kinds["master"] = shard.float()
+            kinds = ["exp_avg", "exp_avg_sq"] + (["master"] if shard.dtype != torch.float32
+                                                 else [])
             self.names.append(name)
             self.params.append(p)
-            self.state[name] = kinds
+            shards.append((name, shard, kinds))
+        # Every state tensor is a view of one flat fp32 buffer: the optimizer part moves as one
+        # storage (one allocation and a few large copies per switch, not one per tensor:
+        # docs/PERF.md, "The streamed switch").
+        total = sum(shard.numel() * len(kinds) for _, shard, kinds in shards)
+        device = shards[0][1].device if shards else torch.device("cpu")
+        self.flat = torch.zeros(total, dtype=torch.float32, device=device)
+        offset = 0
+        for name, shard, kinds in shards:
+            self.state[name] = {}
+            for kind in kinds:
+                view = self.flat[offset:offset + shard.numel()].view(shard.shape)
+                if kind == "master":
+                    view.copy_(shard)
+                self.state[name][kind] = view
+                offset += shard.numel()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every state tensor by '<param name>/<kind>': what offload and checkpoints move."""
