@@ -158,6 +158,8 @@ def test_a_run_measures_its_start_rates_and_times_its_saves(model_dir, tmp_path)
     saved = trainer.step(0, save=True)
     assert saved["timing_s/checkpoint"] > 0
     assert saved["timing_s/checkpoint"] < saved["timing_s/step"]
+    # The prompts' sampling and their scoring are host work of the step's own, inside it.
+    assert 0 < saved["timing_s/host"] < saved["timing_s/step"] - saved["timing_s/gen"]
     assert trainer.step(1)["timing_s/checkpoint"] == 0.0
     trainer.report.start(0)
     trainer.report.log_step(saved)

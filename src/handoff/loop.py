@@ -94,13 +94,14 @@ class Scored:
 
 def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord,
              engine: dict, *, world: int, gen_s: float, train_s: float, checkpoint_s: float,
-             step_s: float, work: dict[str, float], copy_wait_s: float = 0.0,
-             alloc_retries: int = 0) -> dict:
+             step_s: float, work: dict[str, float], host_s: float = 0.0,
+             copy_wait_s: float = 0.0, alloc_retries: int = 0) -> dict:
     """The step's metrics row (rewards and lengths averaged over every rank; the engine's
     numbers, `engine` = its stats after the step's generate with this step's preemptions,
     are this rank's, and so are `work`, its generation and trainer compute seconds by phase
-    (HybridWorker.work), `copy_wait_s`, the compute's waits for copies, and train_tokens, the
-    prompt + response tokens it trained on)."""
+    (HybridWorker.work), `copy_wait_s`, the compute's waits for copies, `host_s`, the step's
+    host work outside the worker (its prompts and their scoring: part of the exposed time),
+    and train_tokens, the prompt + response tokens it trained on)."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
     length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
     tokens, _, _ = mean_over_ranks([float(sum(scored.lengths))])
@@ -110,7 +111,8 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         "step": step + 1, "reward_mean": reward_mean, "reward_std": reward_std,
         "response_length": length_mean, **{k: float(v) for k, v in update.items()},
         "timing_s/gen": gen_s, "timing_s/train": train_s, "timing_s/step": step_s,
-        "timing_s/checkpoint": checkpoint_s, "tokens_per_s": tokens * world / gen_s,
+        "timing_s/checkpoint": checkpoint_s, "timing_s/host": host_s,
+        "tokens_per_s": tokens * world / gen_s,
         "switch/exposed_s": step_s - checkpoint_s - sum(work.values()),
         "switch/copy_wait_s": copy_wait_s,
         **{f"work_s/{phase}": seconds for phase, seconds in work.items()},
@@ -233,9 +235,11 @@ class Run:
         worker = self.worker
         worker.begin_step(step)
         t_step = time.perf_counter()
+        host_s = 0.0   # the step's own host work outside the worker: prompts, then scoring
         problems, prompt_ids, indices, params = step_prompts(
             self.cfg, self.task, self.tokenizer, step, rank=self.rank, world=self.world,
             tp=worker.engine.tp.size)
+        host_s += time.perf_counter() - t_step
         before = worker.engine.stats()
         retries = alloc_retries(worker.device)
         t0 = time.perf_counter()
@@ -244,7 +248,9 @@ class Run:
         engine = worker.engine.stats()
         for counter in _ENGINE_COUNTERS:   # this step's share of the engine's counters
             engine[counter] -= before[counter]
+        t0 = time.perf_counter()
         scored = self._score(problems, prompt_ids, indices, outs)
+        host_s += time.perf_counter() - t0
         to_train = worker.to_train()
         t0 = time.perf_counter()
         logprobs, ref_moves = worker.log_probs(scored.batch)
@@ -259,7 +265,7 @@ class Run:
         switch = SwitchRecord.merged([to_train, ref_moves, optimizer_moves, to_rollout,
                                       worker.take_landed()])
         return step_row(step, scored, update, switch, engine, world=self.world, gen_s=gen_s,
-                        train_s=train_s, checkpoint_s=checkpoint_s,
+                        train_s=train_s, checkpoint_s=checkpoint_s, host_s=host_s,
                         step_s=time.perf_counter() - t_step, work=worker.work,
                         copy_wait_s=worker.copy_wait_seconds,
                         alloc_retries=alloc_retries(worker.device) - retries)

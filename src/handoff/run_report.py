@@ -169,7 +169,10 @@ class RunReport:
             "steps": len(self.rows), "rates": self.rates, "planned": self.planned,
             "measured": measured, "step_seconds": step_s, "switch_seconds": switch_s,
             "switch_share": switch_s / step_s if step_s else None,
-            "planned_exposed_seconds": sum(exposure.values()),
+            # The measured exposed time holds the step's own host work too (its prompts and
+            # their scoring, timed): the plan adds it as measured, like generation's seconds.
+            "host_seconds": median("timing_s/host"),
+            "planned_exposed_seconds": sum(exposure.values()) + median("timing_s/host"),
             "exposed_seconds": median("switch/exposed_s"), "raw_seconds": median("switch/raw_s"),
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
@@ -248,8 +251,11 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
     for name, p, m in _totals(s):
         lines.append(f"| {name} | | | {p['seconds']:.4f} | {m['seconds']:.4f} | "
                      f"{_ratio(p, m)} | |")
+    host = (f", of which {s['host_seconds']:.3f} s the step's own host work, measured: its "
+            "prompts and their scoring" if s.get("host_seconds") else "")
     exposed = (f", {s['exposed_seconds']:.3f} s of it exposed (the step waits for it; "
-               f"planned {s['planned_exposed_seconds']:.3f} s)" if "exposed_seconds" in s else "")
+               f"planned {s['planned_exposed_seconds']:.3f} s{host})"
+               if "exposed_seconds" in s else "")
     lines += ["", f"Switch: {s['switch_seconds']:.3f} s of a {s['step_seconds']:.3f} s step "
                   f"({_share(s)}){exposed}.",
               f"Mean reward: {s['reward_first']:.3f} over the first quarter of steps, "
