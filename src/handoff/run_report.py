@@ -157,7 +157,7 @@ class RunReport:
         def median(key: str) -> float:
             return statistics.median(r.get(key, 0.0) for r in rows) if rows else 0.0
 
-        step_s = median("timing_s/step")
+        step_s, host_s = median("timing_s/step"), median("timing_s/host")
         switch_s = sum(m["seconds"] for m in measured.values())
         exposure = planned_exposure(self.cfg, Rates(self.rates), self.planned,
                                     train_tokens=median("train_tokens"),
@@ -171,8 +171,8 @@ class RunReport:
             "switch_share": switch_s / step_s if step_s else None,
             # The measured exposed time holds the step's own host work too (its prompts and
             # their scoring, timed): the plan adds it as measured, like generation's seconds.
-            "host_seconds": median("timing_s/host"),
-            "planned_exposed_seconds": sum(exposure.values()) + median("timing_s/host"),
+            "host_seconds": host_s,
+            "planned_exposed_seconds": sum(exposure.values()) + host_s,
             "exposed_seconds": median("switch/exposed_s"), "raw_seconds": median("switch/raw_s"),
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,

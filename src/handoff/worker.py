@@ -306,7 +306,7 @@ class HybridWorker:
         self.probe("after engine sleep")
         if mem.overlap:
             self._ref_back = self._start_ref_back()
-            self._stream_back(record, ("params",), by_kernel=True)
+            self._stream_back(record, "params", by_kernel=True)
         elif mem.param_offload:
             record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
         self.probe("after params onload")
@@ -346,7 +346,7 @@ class HybridWorker:
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
         self.probe("after ref forward")   # with no ref too: every step has the same probes
         if mem.overlap:   # behind the actor's forwards and backwards (to_train's docstring)
-            self._stream_back(record, ("optimizer",))
+            self._stream_back(record, "optimizer")
         return {"old": old, "ref": ref}, record
 
     def _start_ref_back(self) -> Move | None:
@@ -354,35 +354,29 @@ class HybridWorker:
             return None
         return self.ref.to("device", params=True, by_kernel=True)
 
-    def _stream_back(self, record: SwitchRecord, parts: tuple[str, ...], *,
-                     by_kernel: bool = False) -> None:
-        """Queue the copies back of the actor's offloaded `parts` (in that order on the one
-        H2D stream), none waited for: the compute that needs one waits (the actor's forward
-        for the params, its optimizer step for the optimizer).
+    def _stream_back(self, record: SwitchRecord, part: str, *, by_kernel: bool = False) -> None:
+        """Queue the copy back of the actor's `part` if it is offloaded, not waited for: the
+        compute that needs it waits (the actor's forward for the params, its optimizer step
+        for the optimizer).
 
-        A part needs room beside what runs then; the card holds at most what it holds in the
+        It needs room beside what runs then; the card holds at most what it holds in the
         update (the ref where the grads will be, an activation peak below the update's), so
-        only the parts' bytes are checked. Without that room the params come back now and
+        only the part's bytes are checked. Without that room the params come back now and
         the optimizer right before the update (the sequential order), said once."""
         mem = self.cfg.memory
-        wanted = [p for p in parts if {"params": mem.param_offload,
-                                       "optimizer": mem.optimizer_offload}[p]]
+        if not {"params": mem.param_offload, "optimizer": mem.optimizer_offload}[part]:
+            return
         free = device_free_bytes(self.device)
-        need, streamed = mem.wake_margin_mb << 20, []
-        for part in wanted:     # in queue order: a part without room stops the rest
-            need += self.actor.memory_parts()[part]
-            if free is not None and free < need:
-                late = " and ".join(wanted[len(streamed):])
-                self._say_once(f"{late} back", f"memory.overlap: the actor's {late} need "
-                               f"{fmt_bytes(need)} beside what the card holds, {fmt_bytes(free)} "
-                               "is free: they come back before the compute that needs them "
-                               "instead (the sequential order); offload less or lower "
-                               "actor.micro_batch_tokens to overlap it")
-                break
-            streamed.append(part)
-        for part in streamed:
+        need = self.actor.memory_parts()[part] + (mem.wake_margin_mb << 20)
+        if free is None or free >= need:
             self._coming_back[part] = self.actor.to("device", by_kernel=by_kernel, **{part: True})
-        if "params" in wanted and "params" not in streamed:
+            return
+        self._say_once(f"{part} back", f"memory.overlap: the actor's {part} need "
+                       f"{fmt_bytes(need)} beside what the card holds, {fmt_bytes(free)} is "
+                       "free: they come back before the compute that needs them instead (the "
+                       "sequential order); offload less or lower actor.micro_batch_tokens to "
+                       "overlap it")
+        if part == "params":
             record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
 
     def update(self, batch: RolloutBatch) -> tuple[dict[str, float], SwitchRecord]:

@@ -216,15 +216,19 @@ def exposed_seconds(seconds: dict[str, float], memory: MemoryConfig, *, compute_
     exposed = dict(seconds)
     if not memory.overlap:
         return exposed
-    params_late = max(0.0, seconds["params_h2d"] - compute_seconds)
-    both_back_late = max(0.0, seconds["params_h2d"] + seconds["optimizer_h2d"] - compute_seconds)
-    exposed["params_h2d"], exposed["optimizer_h2d"] = params_late, both_back_late - params_late
+    exposed["params_h2d"], exposed["optimizer_h2d"] = _late_in_turn(
+        seconds["params_h2d"], seconds["optimizer_h2d"], compute_seconds)
     if elastic_pool and generation_seconds is not None:
-        optimizer_late = max(0.0, seconds["optimizer_d2h"] - generation_seconds)
-        both_late = max(0.0, seconds["optimizer_d2h"] + seconds["params_d2h"]
-                        - generation_seconds)
-        exposed["optimizer_d2h"], exposed["params_d2h"] = optimizer_late, both_late - optimizer_late
+        exposed["optimizer_d2h"], exposed["params_d2h"] = _late_in_turn(
+            seconds["optimizer_d2h"], seconds["params_d2h"], generation_seconds)
     return exposed
+
+
+def _late_in_turn(first: float, second: float, behind: float) -> tuple[float, float]:
+    """Two copies in turn on one stream behind `behind` seconds of work: the seconds of each
+    that outlast the work."""
+    first_late = max(0.0, first - behind)
+    return first_late, max(0.0, first + second - behind) - first_late
 
 
 def switch_summary(actions: list[SwitchAction], step_seconds: float | None = None, *,

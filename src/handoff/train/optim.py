@@ -67,7 +67,7 @@ class MixedPrecisionAdamW:
         return {f"{n}/{k}": t for n, kinds in self.state.items() for k, t in kinds.items()}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+        return self.flat.numel() * self.flat.element_size()
 
     @torch.no_grad()
     def step(self, grad_scale: float = 1.0) -> None:
