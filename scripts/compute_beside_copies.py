@@ -1,41 +1,69 @@
-"""Does work on the compute stream slow down while a large set's copies run on a copy stream?
+"""What waits behind a large set's copies on the copy engines, and what does not?
 
     python3 scripts/compute_beside_copies.py           # on the device, after device-env.sh
     CUDA_DEVICE_MAX_CONNECTIONS=32 python3 scripts/compute_beside_copies.py
 
 In the streamed switch the work beside the copies ran slower by about the copies' own time
 (the update +0.84 s beside the optimizer's 0.875 s copy back: docs/PERF.md, "The streamed
-switch"), with no wait for a copy counted. This times, on the compute stream, a fixed amount
-of work (bf16 GEMMs; then micro-batch-like steps: a small pageable H2D, GEMMs, a `.item()`)
-idle and with a 12 GB set queued through the arena on its copy stream, in both directions.
-Run it with the environment variable above too: if the compute stream shares a hardware
-queue with the copy stream (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), its launches wait
-behind the queued copies.
+switch"), with no wait for a copy counted. This times, with a 12 GB set queued through the
+arena on its copy stream in each direction, against the same on an idle card:
+* compute-stream work: bf16 GEMMs alone; micro-batch-like steps (inputs uploaded pageable,
+  or pinned through `host_copy.upload`, GEMMs, a `.item()`);
+* a step's results read back (a few KB): by a copy, and by `host_copy.results_to_host`.
+Run it with the environment variable above too: if the compute stream shared a hardware
+queue with the copy stream (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), its launches would
+wait behind the queued copies, whatever the inputs.
 """
 
 import os
+import statistics
 import time
 
 import torch
 
+from handoff.memory.host_copy import results_to_host, upload
 from handoff.memory.staging import PinnedArena
 
 GB = 1 << 30
 
 
-def work(a: torch.Tensor, steps: int, *, with_io: bool) -> float:
-    """Wall seconds of `steps` units of compute-stream work."""
+def work(a: torch.Tensor, steps: int, *, inputs: str) -> float:
+    """Wall seconds of `steps` units of compute-stream work; inputs: none, pageable, pinned."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    host = torch.arange(4096)
     for _ in range(steps):
-        if with_io:
-            torch.arange(4096).to(a.device)            # a micro-batch's inputs (pageable)
+        if inputs == "pageable":
+            host.to(a.device)                           # a micro-batch's inputs
+        elif inputs == "pinned":
+            upload(host, a.device)
         for _ in range(4):
             a @ a
-        if with_io:
-            (a[0, 0] * 0).item()                       # a readback that syncs the host
+        if inputs != "none":
+            (a[0, 0] * 0).item()                        # a readback that syncs the host
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def readbacks(by_kernel: bool, k: int = 8) -> list[float]:
+    """Milliseconds per results readback of 256 rows, as the engine does after a step."""
+    tokens_B = torch.arange(256, device="cuda")
+    logprobs_B = torch.zeros(256, device="cuda")
+    tokens = torch.empty(256, dtype=torch.int64, pin_memory=True)
+    logprobs = torch.empty(256, dtype=torch.float32, pin_memory=True)
+    lat = []
+    for _ in range(k):
+        t = time.perf_counter()
+        if by_kernel:
+            results_to_host(tokens, logprobs, tokens_B, logprobs_B)
+        else:
+            tokens.copy_(tokens_B, non_blocking=True)
+            logprobs.copy_(logprobs_B, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        ready.synchronize()
+        lat.append((time.perf_counter() - t) * 1e3)
+    return lat
 
 
 def main() -> None:
@@ -47,17 +75,28 @@ def main() -> None:
     arena.offload("set", free_device=False).wait()     # the host copy valid both ways
     connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "(unset)")
     print(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}")
-    for with_io in (False, True):
-        work(a, 20, with_io=with_io)                   # warm-up
-        idle = work(a, 60, with_io=with_io)
+
+    def queued(direction: str):
+        return (arena.onload("set") if direction == "h2d"
+                else arena.offload("set", free_device=False))
+
+    for inputs in ("none", "pageable", "pinned"):
+        work(a, 20, inputs=inputs)                     # warm-up
+        idle = work(a, 60, inputs=inputs)
         for direction in ("h2d", "d2h"):
-            copy = (arena.onload("set") if direction == "h2d"
-                    else arena.offload("set", free_device=False))
-            beside = work(a, 60, with_io=with_io)
+            copy = queued(direction)
+            beside = work(a, 60, inputs=inputs)
             copy.wait()
-            print(f"{'steps with io' if with_io else 'GEMMs only':14s} beside {direction}: "
-                  f"{beside:.3f} s, idle {idle:.3f} s (+{beside - idle:.3f} s; the copy "
-                  f"{copy.seconds:.3f} s)")
+            print(f"steps, inputs {inputs:8s} beside {direction}: {beside:.3f} s, idle "
+                  f"{idle:.3f} s (+{beside - idle:.3f} s; the copy {copy.seconds:.3f} s)")
+    for by_kernel in (False, True):
+        readbacks(by_kernel)
+        idle = statistics.median(readbacks(by_kernel))
+        copy = queued("d2h")
+        lat = readbacks(by_kernel)
+        copy.wait()
+        print(f"results readback {'by kernel' if by_kernel else 'by copy  '}: idle {idle:.3f} "
+              f"ms; beside d2h first {lat[0]:.2f} ms, median {statistics.median(lat):.3f} ms")
     arena.close()
 
 

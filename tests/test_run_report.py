@@ -78,11 +78,16 @@ def test_planned_actions_move_with_the_measured_rates(tmp_path):
     assert own["engine_weights_sync"]["seconds"] == pytest.approx(
         base["engine_weights_sync"]["seconds"] - 0.9 * weights / RATES["map_bps"])
     assert own["kv_cache_wake"] == base["kv_cache_wake"]
-    # A measured kernel H2D rate prices the two copies that follow the engine's sleep.
+    # A measured kernel H2D rate prices the copies that follow the engine's sleep by kernel:
+    # the ref's, and in turn (memory.overlap=false) the params' too.
     kernel = planned_actions(cfg, Rates({**RATES, "h2d_kernel_bps": RATES["h2d_bps"] / 2}), pool)
-    for name in ("params_h2d", "ref_h2d"):
-        assert kernel[name]["seconds"] == pytest.approx(2 * base[name]["seconds"])
+    assert kernel["ref_h2d"]["seconds"] == pytest.approx(2 * base["ref_h2d"]["seconds"])
+    assert kernel["params_h2d"] == base["params_h2d"]   # streamed: on the copy engines
     assert kernel["optimizer_h2d"] == base["optimizer_h2d"]
+    in_turn = _cfg("qwen3-4b", tmp_path, "memory.overlap=false")
+    assert planned_actions(in_turn, Rates({**RATES, "h2d_kernel_bps": RATES["h2d_bps"] / 2}),
+                           pool)["params_h2d"]["seconds"] == pytest.approx(
+        2 * planned_actions(in_turn, Rates(RATES), pool)["params_h2d"]["seconds"])
     # The run's sync is in-process: no per-bucket IPC charge, whatever the profile says.
     ipc_heavy = _cfg("qwen3-4b", tmp_path, "hardware.sync_bucket_ms=1000")
     assert planned_actions(ipc_heavy, Rates(RATES), pool) == base

@@ -28,12 +28,15 @@ SEQUENTIAL = [
     "offload actor.optimizer", "probe before resume weights", "wake weights",
     "probe after update_weights", "offload actor.params", "probe after params offload",
     "wake kv_cache", "probe after resume kv_cache"]
-# memory.overlap with a fixed pool: the params' copy back queued behind the ref's, neither
-# waited for before the ref's forward, the ref dropped after it, the optimizer's queued then; the copies to the host still land before the KV wake.
+# memory.overlap with a fixed pool: the ref's copy back queued, not waited for; the params'
+# queued once the ref's inputs are on the device, under its forward; the ref dropped after
+# it; the optimizer's queued once the update's inputs are; the copies to the host still land
+# before the KV wake.
 OVERLAPPED = [
     "probe after generate", "probe after engine sleep", "onload ref.params",
-    "onload actor.params", "probe after params onload", "forward ref", "drop ref.params",
-    "probe after ref forward", "onload actor.optimizer", "forward actor", "optimizer step", "probe after update",
+    "probe after params onload", "onload actor.params", "forward ref", "drop ref.params",
+    "probe after ref forward", "onload actor.optimizer", "forward actor", "optimizer step",
+    "probe after update",
     "offload actor.optimizer", "probe before resume weights", "wake weights",
     "probe after update_weights", "offload actor.params", "probe after params offload",
     "wake kv_cache", "probe after resume kv_cache"]

@@ -106,6 +106,10 @@ class RolloutConfig:
     max_model_len: int = F(4096, help="longest prompt + response in tokens", ge=2)
     kv_dtype: str = F("auto", help="KV cache dtype (auto: the model dtype)", choices=("auto", "fp8"))
     cuda_graphs: bool = F(True, help="capture decode as CUDA graphs (CUDA only)")
+    readback_by_kernel: bool = F(True, help=(
+        "each step's tokens and log-probs go to the host by a kernel, not the copy engines, "
+        "where they would wait behind the trainer's state going to the host under generation "
+        "(CUDA only; false: a copy)"))
     temperature: float = F(1.0, help="sampling temperature (0: greedy)", ge=0)
     top_p: float = F(1.0, help="nucleus sampling mass", gt=0, le=1)
     top_k: int = F(0, help="keep the k most likely tokens (0: all)", ge=0)

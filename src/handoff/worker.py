@@ -122,6 +122,7 @@ class HybridWorker:
         self._landed = SwitchRecord()          # copies that landed outside a move
         self._grow_due = False                 # landed memory not yet handed to the KV pool
         self._ref_back: Move | None = None           # streamed: queued by to_train
+        self._params_due = False   # streamed: the params' copy back waits for the ref's inputs
         self._coming_back: dict[str, Move] = {}     # actor parts' copies back, not yet waited
         self._between_steps_seconds = 0.0
         self._said: set[str] = set()
@@ -294,11 +295,12 @@ class HybridWorker:
         In turn (memory.overlap=false): the actor's params, waited for; the ref and the
         optimizer follow in log_probs and update; params and ref come back by kernel: right
         after a large sleep the copy engines run at half rate (docs/PERF.md). Streamed: the
-        ref's copy, then the params', both by kernel, are queued on the one H2D stream, not
-        waited for here: the ref's forward waits for its own copy, the params land under it.
-        The optimizer's copy starts after the ref's forward (log_probs), under the actor's
-        forwards and backwards (docs/PERF.md, "The streamed switch", says what each place
-        cost)."""
+        ref's copy is queued by kernel, not waited for here (the ref's forward waits for it).
+        The params' copy is queued on the copy engines once the ref's micro-batch inputs are
+        on the device, under its forward (a copy of the inputs queued behind it would wait
+        for all of it); with no ref forward first, by kernel, now. The optimizer's copy is
+        queued once the update's inputs are on the device, under the actor's forwards and
+        backwards (docs/PERF.md, "The streamed switch", says what each place cost)."""
         mem = self.cfg.memory
         record = SwitchRecord()
         self._timed(record, "engine_sleep", lambda: self.engine.sleep(2))
@@ -306,7 +308,10 @@ class HybridWorker:
         self.probe("after engine sleep")
         if mem.overlap:
             self._ref_back = self._start_ref_back()
-            self._stream_back(record, "params", by_kernel=True)
+            self._params_due = (self.ref is not None and mem.param_offload
+                                and self.cfg.actor.updates_per_step == 1)
+            if not self._params_due:
+                self._stream_back(record, "params", by_kernel=True)
         elif mem.param_offload:
             record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
         self.probe("after params onload")
@@ -321,10 +326,10 @@ class HybridWorker:
         With one update per step "old" is None: the policy has not moved, so the update's own
         (detached) forward gives them and a pass is saved.
 
-        With memory.overlap the ref's copy back was queued by to_train, the optimizer's is
-        queued after the ref's forward, and the ref's device copy is dropped after it: it
-        never changes, so the host copy of its first offload is still the truth (ref_d2h
-        moves 0 bytes)."""
+        With memory.overlap the ref's copy back was queued by to_train, the actor's params'
+        copy is queued once the ref's inputs are on the device (to_train says why), and the
+        ref's device copy is dropped after its forward: it never changes, so the host copy of
+        its first offload is still the truth (ref_d2h moves 0 bytes)."""
         mem = self.cfg.memory
         record = SwitchRecord()
         ref_back, self._ref_back = self._ref_back, None
@@ -339,15 +344,22 @@ class HybridWorker:
             if ref_back is not None:
                 moved = ref_back.wait()["params"]
                 record.add("ref_h2d", moved["seconds"], moved["bytes"])
-            ref = self._compute("ref_forward",
-                                lambda: self.ref.log_probs(batch, with_entropy=False)[0])
+            ref = self._compute("ref_forward", lambda: self.ref.log_probs(
+                batch, with_entropy=False,
+                inputs_ready=lambda: self._params_back_if_due(record, by_kernel=False))[0])
             if mem.ref_offload:
                 moved = self.ref.to("host", params=True, copy=not mem.overlap).wait()["params"]
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
         self.probe("after ref forward")   # with no ref too: every step has the same probes
-        if mem.overlap:   # behind the actor's forwards and backwards (to_train's docstring)
-            self._stream_back(record, "optimizer")
         return {"old": old, "ref": ref}, record
+
+    def _params_back_if_due(self, record: SwitchRecord, *, by_kernel: bool = True) -> None:
+        """Queue the params' copy back if to_train left it for the ref's forward: there on the
+        copy engines (beside the forward, no SMs taken); anywhere else (the ref's forward did
+        not run) by kernel, as the actor's own forward needs them next."""
+        if self._params_due:
+            self._params_due = False
+            self._stream_back(record, "params", by_kernel=by_kernel)
 
     def _start_ref_back(self) -> Move | None:
         if self.ref is None or not self.cfg.memory.ref_offload:
@@ -361,8 +373,9 @@ class HybridWorker:
 
         It needs room beside what runs then; the card holds at most what it holds in the
         update (the ref where the grads will be, an activation peak below the update's), so
-        only the part's bytes are checked. Without that room the params come back now and
-        the optimizer right before the update (the sequential order), said once."""
+        only the part's bytes are checked. Without that room the part comes back now, before
+        any forward (the sequential order), said once; called inside compute, that wait is
+        the compute's wait for a copy."""
         mem = self.cfg.memory
         if not {"params": mem.param_offload, "optimizer": mem.optimizer_offload}[part]:
             return
@@ -376,21 +389,32 @@ class HybridWorker:
                        "free: they come back before the compute that needs them instead (the "
                        "sequential order); offload less or lower actor.micro_batch_tokens to "
                        "overlap it")
-        if part == "params":
-            record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
+        t0 = time.perf_counter()
+        moved = self.actor.to("device", by_kernel=part == "params", **{part: True}).wait()
+        self.actor.copy_wait_seconds += time.perf_counter() - t0
+        record.add_moves(moved, "h2d")
 
     def update(self, batch: RolloutBatch) -> tuple[dict[str, float], SwitchRecord]:
         """The GRPO update; the optimizer's state comes back right before it unless its copy
         already runs (memory.overlap), which lands inside it, before the optimizer step."""
         record = SwitchRecord()
-        if self.cfg.memory.optimizer_offload and "optimizer" not in self._coming_back:
+        self._params_back_if_due(record)
+        optimizer_back = None
+        if self.cfg.memory.overlap:   # behind the actor's forwards and backwards (to_train)
+            optimizer_back = lambda: self._stream_back(record, "optimizer")  # noqa: E731
+        elif self.cfg.memory.optimizer_offload:
             record.add_moves(self.actor.to("device", optimizer=True).wait(), "h2d")
-        metrics = self._compute("update", lambda: self.actor.update(batch))
+        metrics = self._compute("update", lambda: self.actor.update(
+            batch, inputs_ready=optimizer_back))
+        self._land_coming_back(record)
+        self.probe("after update")
+        return metrics, record
+
+    def _land_coming_back(self, record: SwitchRecord) -> None:
+        """Record the copies back (landed by now: the compute that needed them waited)."""
         for move in self._coming_back.values():
             record.add_moves(move.wait(), "h2d")
         self._coming_back.clear()
-        self.probe("after update")
-        return metrics, record
 
     # ---------------------------------------------------------------- the switch back
 
@@ -448,6 +472,8 @@ class HybridWorker:
         """Training -> generation in the switch order of docs/ARCHITECTURE.md."""
         mem = self.cfg.memory
         record = SwitchRecord()
+        self._params_back_if_due(record)   # a step without training: the sync reads them
+        self._land_coming_back(record)
         streamed = self._streams_to_host()
         if streamed or not mem.optimizer_offload:
             # Before any copy is queued, emptying waits only for the update's kernels; streamed,

@@ -1,9 +1,9 @@
-"""The SM-driven host-to-device copy (run on the device; skipped without a GPU)."""
+"""The SM-driven copies between host and device (run on the device; skipped without a GPU)."""
 
 import pytest
 import torch
 
-from handoff.memory.host_copy import copy_from_host
+from handoff.memory.host_copy import copy_from_host, results_to_host
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -37,3 +37,38 @@ def test_copy_from_host_from_an_unaligned_source_falls_back_to_the_copy_engine()
     copy_from_host(dst, src[1:])
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), src[1:])
+
+
+@pytest.mark.parametrize("n", [1, 255, 1025])
+def test_results_to_host_writes_the_pinned_rows_and_nothing_past_them(n):
+    tokens_B = torch.randint(0, 1 << 40, (n,), device="cuda")
+    logprobs_B = -torch.rand(n, device="cuda")
+    tokens = torch.full((n + 8,), -7, dtype=torch.int64, pin_memory=True)
+    logprobs = torch.full((n + 8,), 3.0, dtype=torch.float32, pin_memory=True)
+    results_to_host(tokens[:n], logprobs[:n], tokens_B, logprobs_B)
+    torch.cuda.synchronize()
+    assert torch.equal(tokens[:n], tokens_B.cpu()) and torch.equal(logprobs[:n], logprobs_B.cpu())
+    assert (tokens[n:] == -7).all() and (logprobs[n:] == 3.0).all()
+
+
+def test_results_to_host_does_not_wait_behind_a_large_copy_to_the_host():
+    """The copy engine's D2H queue is busy with a 4 GB copy; the kernel's results land first."""
+    big = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    host = torch.empty(4 << 30, dtype=torch.uint8, pin_memory=True)
+    side = torch.cuda.Stream()
+    tokens_B = torch.arange(64, device="cuda")
+    logprobs_B = torch.zeros(64, device="cuda")
+    tokens = torch.zeros(64, dtype=torch.int64, pin_memory=True)
+    logprobs = torch.ones(64, dtype=torch.float32, pin_memory=True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        host.copy_(big, non_blocking=True)
+    big_done = torch.cuda.Event()
+    big_done.record(side)
+    results_to_host(tokens, logprobs, tokens_B, logprobs_B)
+    ready = torch.cuda.Event()
+    ready.record()
+    ready.synchronize()
+    assert not big_done.query(), "the 4 GB copy ended first: the test shows nothing"
+    assert torch.equal(tokens, tokens_B.cpu()) and not logprobs.any()
+    big_done.synchronize()

@@ -15,8 +15,9 @@ D = Dtypes()
 BUCKET = 512 << 20
 
 
-def _acts(shape, hw, parallel=ParallelConfig(gpus=1), pool=100 * GB, **kw):
-    return {a.name: a for a in switch_actions(shape, parallel, MemoryConfig(), hw,
+def _acts(shape, hw, parallel=ParallelConfig(gpus=1), pool=100 * GB, memory=None, **kw):
+    memory = memory or MemoryConfig(overlap=False)
+    return {a.name: a for a in switch_actions(shape, parallel, memory, hw,
                                               kv_pool_bytes=pool, **kw)}
 
 
@@ -130,6 +131,13 @@ def test_copies_right_after_the_sleep_are_priced_at_the_kernel_rate():
         acts["optimizer_h2d"].bytes_per_card / (55 * GB))
     assert acts["params_d2h"].seconds == pytest.approx(
         acts["params_d2h"].bytes_per_card / H200.pinned_pcie_bps)
+    # Streamed with a ref, the params come back on the copy engines under the ref's forward.
+    streamed = _acts(shape, hw, h2d_bps=55 * GB, memory=MemoryConfig(overlap=True))
+    assert streamed["params_h2d"].seconds == pytest.approx(
+        streamed["params_h2d"].bytes_per_card / (55 * GB))
+    assert streamed["ref_h2d"].seconds == acts["ref_h2d"].seconds
+    no_ref = _acts(shape, hw, h2d_bps=55 * GB, memory=MemoryConfig(overlap=True), ref=False)
+    assert no_ref["params_h2d"].seconds == acts["params_h2d"].seconds
     # A card whose kernel rate is not known: every move at the link's rate.
     plain = _acts(shape, replace(H200, kernel_h2d_bps=0.0))
     assert plain["params_h2d"].seconds == pytest.approx(

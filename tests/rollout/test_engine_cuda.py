@@ -133,3 +133,17 @@ def test_fp8_kv_on_cuda_stays_close_to_bf16(qwen3_dir, ref):
     assert fp8.generate(ref.mixed_prompts, params)[0].outputs[0].token_ids
     bf16.sleep(2)
     fp8.sleep(2)
+
+
+def test_results_by_kernel_equal_results_by_copy(qwen3_dir, ref):
+    """rollout.readback_by_kernel on and off: the same tokens and log-probs, bit for bit."""
+    outs = {}
+    sampled = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=32)
+    for by_kernel in (True, False):
+        engine = Engine(str(qwen3_dir), ref.cfg(num_blocks=512, block_size=16,
+                                                readback_by_kernel=by_kernel), dtype="bfloat16")
+        assert engine.runner.readback_by_kernel is by_kernel
+        done = engine.generate(ref.mixed_prompts, sampled)
+        outs[by_kernel] = [(s.token_ids, s.logprobs) for o in done for s in o.outputs]
+        engine.sleep(2)
+    assert outs[True] == outs[False]

@@ -8,5 +8,5 @@ pinned memory and copy streams.
 
 Files: allocator.py (the caching allocator's knobs, the frozen GC heap, host readings),
 regions.py (RegionPool and its CPU backend), tms_backend.py (its CUDA backend),
-staging.py (PinnedArena), host_copy.py (H2D by kernel), meter.py.
+staging.py (PinnedArena), host_copy.py (copies by kernel, off the copy engines), meter.py.
 """

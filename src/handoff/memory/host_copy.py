@@ -1,27 +1,35 @@
-"""Host-to-device copies done by the GPU's SMs, not its copy engines.
+"""Small and fast copies between host and device: by the GPU's SMs, not its copy engines,
+where a copy must not queue behind others; otherwise without stalling the host.
 
-    copy_from_host(dst_cuda_u8, src_pinned_u8)   # a kernel reads the pinned source over PCIe
+    copy_from_host(dst_cuda_u8, src_pinned_u8)            # a kernel reads the pinned source
+    results_to_host(tokens_host, logprobs_host, tokens_B, logprobs_B)   # a kernel writes them
+    upload(host_array_or_tensor, device)                  # pinned, queued like a kernel
 
-For about a second after a large region goes to sleep the copy engines run at half rate
-(likely the driver clearing the pages it got back), while kernels run at full speed
-(docs/PERF.md, "The colocated step"). The switch to training starts with such copies (the
-actor's params, then the reference). A kernel that loads the pinned source through its
-unified (UVA) address and stores it to the device takes the SMs' path instead. No library
-offers a host-to-device copy that avoids the copy engines, hence this kernel.
+The copy engines serve each direction in the order copies were queued, whatever their
+stream: a small copy queued behind a large set waits for the whole set (docs/PERF.md, "The
+streamed switch"). And for about a second after a large region goes to sleep they run at
+half rate (likely the driver clearing the pages it got back), while kernels run at full
+speed. A kernel that loads or stores pinned host memory through its unified (UVA) address
+takes the SMs' path instead: the switch's first copies back (the actor's params, the
+reference) and the engine's per-step results (a few KB, which must not wait behind the
+trainer's state going to the host under generation) go that way. No library offers a copy
+that avoids the copy engines, hence these kernels.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 _BLOCK = 4096   # int32 words per program: 16 KiB, enough loads in flight to cover PCIe latency
+_RESULTS_BLOCK = 1024   # rows per program of the results kernel (a step has <= a few hundred)
 
 
 @functools.cache
-def _kernel():
-    """The Triton kernel, compiled on first use (CPU-only installs never import triton here)."""
+def _kernels():
+    """The Triton kernels, compiled on first use (CPU-only installs never import triton here)."""
     import triton
     import triton.language as tl
 
@@ -31,7 +39,14 @@ def _kernel():
         mask = offs < n
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
-    return copy_words
+    @triton.jit
+    def copy_results(tok_dst, lp_dst, tok_src, lp_src, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(tok_dst + offs, tl.load(tok_src + offs, mask=mask), mask=mask)
+        tl.store(lp_dst + offs, tl.load(lp_src + offs, mask=mask), mask=mask)
+
+    return copy_words, copy_results
 
 
 def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -40,8 +55,32 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     nbytes = dst.numel()
     words = nbytes // 4 if dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 else 0
     if words:
-        _kernel()[(-(-words // _BLOCK),)](dst[:words * 4].view(torch.int32),
-                                          src[:words * 4].view(torch.int32), words,
-                                          BLOCK=_BLOCK, num_warps=8)
+        _kernels()[0][(-(-words // _BLOCK),)](dst[:words * 4].view(torch.int32),
+                                              src[:words * 4].view(torch.int32), words,
+                                              BLOCK=_BLOCK, num_warps=8)
     if words * 4 < nbytes:   # the unaligned rest, a few bytes
         dst[words * 4:].copy_(src[words * 4:], non_blocking=True)
+
+
+def results_to_host(tokens: torch.Tensor, logprobs: torch.Tensor, tokens_B: torch.Tensor,
+                    logprobs_B: torch.Tensor) -> None:
+    """Pinned host `tokens`, `logprobs` <- the step's CUDA `tokens_B`, `logprobs_B` (same
+    length, dtypes and contiguity; one launch on the current stream, asynchronous: record
+    an event after it and synchronize that before reading the host side)."""
+    n = tokens_B.numel()
+    assert tokens.numel() == logprobs.numel() == logprobs_B.numel() == n, "one row each"
+    assert tokens.dtype == tokens_B.dtype and logprobs.dtype == logprobs_B.dtype
+    if n:
+        _kernels()[1][(-(-n // _RESULTS_BLOCK),)](tokens, logprobs, tokens_B.contiguous(),
+                                                  logprobs_B.contiguous(), n,
+                                                  BLOCK=_RESULTS_BLOCK, num_warps=4)
+
+
+def upload(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array or tensor on `device` without stalling the host: a pageable
+    host-to-device copy waits for the copy's staging, a pinned one is queued like a kernel
+    (torch's pinned blocks are cached and kept until the copy has read them)."""
+    t = torch.from_numpy(np.ascontiguousarray(host)) if isinstance(host, np.ndarray) else host
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

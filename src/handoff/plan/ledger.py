@@ -147,7 +147,9 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
 
     to_train copies the params in right after the engine's sleep, and the ref soon after,
     while the copy engines are busy with the pages the sleep released: those two copies
-    are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps."""
+    are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps. Streamed
+    (memory.overlap) with a ref, the params' copy runs on the copy engines under the ref's
+    forward, at the H2D rate."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
     opt_on = memory.optimizer_offload
@@ -157,7 +159,8 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     pcie = hw.pinned_pcie_bps
     h2d = h2d_bps or pcie
     by_kernel = hw.kernel_h2d_bps or h2d
-    seconds = {"params_h2d": owners["params"] / by_kernel,
+    params_rate = h2d if memory.overlap and ref else by_kernel
+    seconds = {"params_h2d": owners["params"] / params_rate,
                "ref_h2d": owners["reference"] / by_kernel, "optimizer_h2d": opt / h2d}
 
     def move(name: str, direction: str, on: bool, nbytes: int, note: str, off_note: str):

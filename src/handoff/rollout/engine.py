@@ -109,7 +109,8 @@ class Engine:
         kv_dtype = FP8_DTYPE if cfg.kv_dtype == "fp8" else self.dtype
         self.runner = ModelRunner(model, device=self.device, block_size=cfg.block_size,
                                   kv_dtype=kv_dtype, attention_backend=attention_backend,
-                                  cuda_graphs=cfg.cuda_graphs)
+                                  cuda_graphs=cfg.cuda_graphs,
+                                  readback_by_kernel=cfg.readback_by_kernel)
         self.activation_peak_bytes = 0  # profiled on CUDA when the pool is sized from util
         self.graph_reserve_bytes = 0    # kept free for the decode graphs (CUDA, from util)
         self.elastic = cfg.kv_pool == "elastic"

@@ -26,11 +26,12 @@ import numpy as np
 import torch
 
 from handoff.memory.allocator import expandable_segments
+from handoff.memory.host_copy import results_to_host, upload
 from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefill,
                                        packed_prefill_available, select_decode_backend)
 from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
 from handoff.rollout.models.qwen3 import CausalLM
-from handoff.rollout.sampling import SamplingBatch, sample, to_device, uniforms
+from handoff.rollout.sampling import SamplingBatch, sample, uniforms
 from handoff.rollout.sequence import Sequence
 
 
@@ -39,7 +40,7 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, *, device: torch.device, block_size: int,
                  kv_dtype: torch.dtype, attention_backend: str | None = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, readback_by_kernel: bool = True):
         self.model = model
         self.spec = model.spec
         self.device = device
@@ -67,6 +68,9 @@ class ModelRunner:
         self.hidden_out: torch.Tensor | None = None  # [rows, E], written by the graphs
         self.next_ids: torch.Tensor | None = None  # int64 [rows + 1]: the next input token
         self._host_results: list | None = None      # two pinned (tokens, logprobs) pairs
+        # Results to the host by a kernel: a copy would queue behind the trainer's state
+        # going to the host under generation (handoff.memory.host_copy).
+        self.readback_by_kernel = readback_by_kernel
         self._launches = 0
         self.wait_seconds = 0.0  # host time spent waiting for the device's results
 
@@ -161,7 +165,8 @@ class ModelRunner:
                 "graph_captures": 0 if graphs is None else graphs.num_captures,
                 "graph_pool_bytes": 0 if graphs is None else graphs.pool_bytes,
                 "graph_driver_bytes": 0 if graphs is None else graphs.driver_bytes,
-                "graph_batch_sizes": list(self.sizes), "packed_prefill": self.packed_prefill}
+                "graph_batch_sizes": list(self.sizes), "packed_prefill": self.packed_prefill,
+                "readback_by_kernel": self.readback_by_kernel}
 
     # ---------------------------------------------------------------- steps
 
@@ -180,8 +185,11 @@ class ModelRunner:
             return tokens_B, logprobs_B, None
         tokens, logprobs = (t[:len(seqs)] for t in self._host_results[self._launches % 2])
         self._launches += 1
-        tokens.copy_(tokens_B, non_blocking=True)
-        logprobs.copy_(logprobs_B, non_blocking=True)
+        if self.readback_by_kernel:
+            results_to_host(tokens, logprobs, tokens_B, logprobs_B)
+        else:
+            tokens.copy_(tokens_B, non_blocking=True)
+            logprobs.copy_(logprobs_B, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         return tokens, logprobs, ready
@@ -272,7 +280,7 @@ class ModelRunner:
             uniform=uniforms(keys, steps))
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(array, self.device)
+        return upload(array, self.device)
 
     # ---------------------------------------------------------------- sizing
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from handoff.errors import HandoffError
+from handoff.memory.host_copy import upload
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -113,16 +114,6 @@ class SamplingBatch:
         return bool((self.top_k > 0).any() or (self.top_p < 1).any())
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` without stalling the host: a pageable host-to-device copy
-    waits for all work queued on the stream first, a pinned one is queued like a kernel
-    (torch's pinned blocks are cached and kept until the copy has read them)."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _truncate(probs_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
     """Zero the tokens outside top-k, then outside the top-p nucleus of what is left (HF order)."""
     vocab = probs_BV.shape[-1]
@@ -147,15 +138,15 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor,
         tokens_B = logits_BV.argmax(dim=-1)
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     else:
-        temp_B = to_device(np.where(batch.temperature == 0, 1.0, batch.temperature)
+        temp_B = upload(np.where(batch.temperature == 0, 1.0, batch.temperature)
                            .astype(np.float32), device)
         logprobs_BV = torch.log_softmax(logits_BV / temp_B[:, None], dim=-1)
         probs_BV = logprobs_BV.exp()
         if batch.needs_truncation:
             probs_BV = _truncate(probs_BV,
-                                 to_device(batch.top_k, device), to_device(batch.top_p, device))
+                                 upload(batch.top_k, device), upload(batch.top_p, device))
         cdf_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
-        u_B = to_device(batch.uniform, device)
+        u_B = upload(batch.uniform, device)
         target_B1 = (u_B * cdf_BV[:, -1])[:, None]
         tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
         tokens_B.clamp_(max=logits_BV.shape[-1] - 1)
@@ -164,6 +155,6 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor,
         picked_B = probs_BV.gather(1, tokens_B[:, None]).squeeze(1)
         tokens_B = torch.where(picked_B > 0, tokens_B, probs_BV.argmax(dim=-1))
         if batch.any_greedy:
-            greedy_B = to_device(batch.temperature == 0, device)
+            greedy_B = upload(batch.temperature == 0, device)
             tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), tokens_B)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)

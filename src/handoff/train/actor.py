@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 
@@ -71,9 +72,12 @@ class Actor(ShardedModel):
 
     # ---- the GRPO update ------------------------------------------------------------------
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, *,
+               inputs_ready: Callable[[], None] | None = None) -> dict[str, float]:
         """GRPO on this rank's rows: advantages from rewards, then `updates_per_step` optimizer
-        steps over consecutive slices; returns metrics averaged over those steps."""
+        steps over consecutive slices; returns metrics averaged over those steps.
+        `inputs_ready()` runs once every slice's micro-batch inputs are on the device, before
+        the first forward (ShardedModel.log_probs says why)."""
         cfg = self.cfg
         if cfg.kl_coef > 0 and batch.ref_logprobs is None:
             raise HandoffError(f"actor.kl_coef={cfg.kl_coef} but the batch has no ref_logprobs: "
@@ -81,19 +85,24 @@ class Actor(ShardedModel):
         if len(batch) < cfg.updates_per_step:
             raise HandoffError(f"{len(batch)} rows cannot feed actor.updates_per_step="
                                f"{cfg.updates_per_step}: lower it or sample more rows")
-        # The optimizer's copy back may still run: only its step waits for it (step()).
-        self._check_on_device("params", "optimizer")
+        self._check_on_device("params")
         batch.advantages = grpo.group_advantages(batch.rewards, batch.group_size)
         if batch.old_logprobs is None and cfg.updates_per_step > 1:
             # Later slices see a moved policy, so the ratio needs the sampling policy's log-probs.
             batch.old_logprobs, _ = self.log_probs(batch, with_entropy=False)
         b, steps = len(batch), cfg.updates_per_step
         bounds = [round(i * b / steps) for i in range(steps + 1)]
-        history = [self._one_step(batch.rows(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+        minis = [batch.rows(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        prepared = [(mini, self._micro_batches(mini)) for mini in minis]
+        if inputs_ready is not None:
+            inputs_ready()
+        # The optimizer's copy back may still run: only its step waits for it (step()).
+        self._check_on_device("optimizer")
+        history = [self._one_step(mini, micro_batches) for mini, micro_batches in prepared]
         return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
 
-    def _one_step(self, mini: RolloutBatch) -> dict[str, float]:
-        values = dict(zip(grpo.LossSums.NAMES, self.accumulate(mini).tolist()))
+    def _one_step(self, mini: RolloutBatch, micro_batches: list) -> dict[str, float]:
+        values = dict(zip(grpo.LossSums.NAMES, self.accumulate(mini, micro_batches).tolist()))
         grad_norm = self.step()
         n = max(values.pop("num_tokens"), 1.0)
         metrics = {k: v / n for k, v in values.items()}
@@ -101,9 +110,10 @@ class Actor(ShardedModel):
                        skipped_step=float(not math.isfinite(grad_norm)))
         return metrics
 
-    def accumulate(self, batch: RolloutBatch) -> torch.Tensor:
-        """Forward + backward of every micro-batch of `batch` (advantages set), grads summed
-        into the shards; returns the LossSums of all ranks added up (see grpo.LossSums.NAMES)."""
+    def accumulate(self, batch: RolloutBatch, micro_batches: list | None = None) -> torch.Tensor:
+        """Forward + backward of every micro-batch of `batch` (advantages set; its micro-batches
+        built already, or now), grads summed into the shards; returns the LossSums of all ranks
+        added up (see grpo.LossSums.NAMES)."""
         cfg = self.cfg
         assert batch.advantages is not None, "set batch.advantages (grpo.group_advantages) first"
         self._require_on_device("params", "grads")
@@ -111,7 +121,7 @@ class Actor(ShardedModel):
         tokens = all_reduce_(batch.response_mask.sum().to(self.device, torch.float32))
         scale = self.world_size / max(float(tokens.item()), 1.0)
         sums = torch.zeros(len(grpo.LossSums.NAMES), device=self.device)
-        for mb, real in self._micro_batches(batch):
+        for mb, real in micro_batches or self._micro_batches(batch):
             logp, ent = token_forward(self.module, mb, chunk_tokens=self.logprob_chunk_tokens,
                                       with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
             old = mb.gather(batch.old_logprobs)

@@ -37,7 +37,7 @@ Shape legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -270,9 +270,11 @@ class ShardedModel:
 
     # ---- forward --------------------------------------------------------------------------
 
-    def _micro_batches(self, batch: RolloutBatch):
-        """(micro-batch, real) pairs; every rank runs the same count (FSDP collectives must
-        pair up), so a rank with fewer repeats its first one as a discarded dummy."""
+    def _micro_batches(self, batch: RolloutBatch) -> list[tuple[object, bool]]:
+        """(micro-batch, real) pairs, every one's inputs on the device before any forward
+        runs (a copy queued after that cannot hold them back); every rank runs the same
+        count (FSDP collectives must pair up), so a rank with fewer repeats its first one as
+        a discarded dummy."""
         if len(batch) == 0:
             raise HandoffError(f"{self.role} got an empty batch: every rank needs at least one row")
         lengths = [int(n) for n in batch.attention_mask.sum(1).tolist()]
@@ -280,21 +282,26 @@ class ShardedModel:
                                   micro_batch_size=self.micro_batch_size)
         count = len(groups)
         count_all = int(all_reduce_(torch.tensor([count], device=self.device), "max").item())
-        for i in range(count_all):
-            rows = groups[i] if i < count else groups[0]
-            yield build_micro_batch(batch, rows, lengths, self.device,
-                                    packed=self.micro_batch_tokens > 0), i < count
+        return [(build_micro_batch(batch, groups[i] if i < count else groups[0], lengths,
+                                   self.device, packed=self.micro_batch_tokens > 0), i < count)
+                for i in range(count_all)]
 
     @torch.no_grad()
-    def log_probs(self, batch: RolloutBatch, *, with_entropy: bool = True
+    def log_probs(self, batch: RolloutBatch, *, with_entropy: bool = True,
+                  inputs_ready: Callable[[], None] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probs [B, T] (and entropy [B, T]) in fp32 on the batch's device."""
+        """Per-token log-probs [B, T] (and entropy [B, T]) in fp32 on the batch's device.
+        `inputs_ready()` runs once every micro-batch's inputs are on the device, before the
+        first forward: where a copy queued beside the forwards cannot delay them."""
+        micro_batches = self._micro_batches(batch)
+        if inputs_ready is not None:
+            inputs_ready()
         self._require_on_device("params")
         self.module.eval()
         b, t = batch.input_ids.shape
         logp_BT = torch.zeros(b, t, dtype=torch.float32, device=self.device)
         ent_BT = torch.zeros_like(logp_BT) if with_entropy else None
-        for mb, real in self._micro_batches(batch):
+        for mb, real in micro_batches:
             logp, ent = token_forward(self.module, mb, chunk_tokens=self.logprob_chunk_tokens,
                                       with_entropy=with_entropy)
             if real:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from handoff.memory.host_copy import upload
 from handoff.train.batch import RolloutBatch
 
 
@@ -90,17 +91,19 @@ class PackedMicroBatch:
     @classmethod
     def build(cls, batch: RolloutBatch, rows: list[int], lengths: list[int],
               device: torch.device) -> "PackedMicroBatch":
-        """`lengths`: every row's token count (attention_mask sums), read once per batch."""
+        """`lengths`: every row's token count (attention_mask sums), read once per batch.
+        The index tensors are built on the host and go to the device as one copy."""
         lengths_N = torch.tensor([lengths[r] for r in rows], dtype=torch.int64)
-        total = int(lengths_N.sum())
-        seq_T = torch.repeat_interleave(torch.arange(len(rows)), lengths_N, output_size=total)
-        pos_T = torch.arange(total) - (torch.cumsum(lengths_N, 0) - lengths_N)[seq_T]
-        cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(lengths_N, 0)
-        seqs = PackedSeqs(cu_seqlens=cu.to(device), max_len=int(lengths_N.max()),
-                          seq_T=seq_T.to(device), pos_T=pos_T.to(device), num_seqs=len(rows))
-        row_T = torch.tensor(rows, dtype=torch.int64)[seq_T].to(device)
-        ids_T = batch.input_ids.to(device, non_blocking=True)[row_T, seqs.pos_T]
+        num, total = len(rows), int(lengths_N.sum())
+        ends_N = torch.cumsum(lengths_N, 0)
+        seq_T = torch.repeat_interleave(torch.arange(num), lengths_N, output_size=total)
+        host = torch.cat([torch.zeros(1, dtype=torch.int64), ends_N, seq_T,
+                          torch.arange(total) - (ends_N - lengths_N)[seq_T],
+                          torch.tensor(rows, dtype=torch.int64)[seq_T]])
+        cu, seq_T, pos_T, row_T = torch.split(upload(host, device), [num + 1, total, total, total])
+        seqs = PackedSeqs(cu_seqlens=cu.to(torch.int32), max_len=int(lengths_N.max()),
+                          seq_T=seq_T, pos_T=pos_T, num_seqs=num)
+        ids_T = batch.input_ids.to(device, non_blocking=True)[row_T, pos_T]
         return cls(rows=list(rows), input_ids=ids_T[None], row_T=row_T, seqs=seqs)
 
     def per_token(self, values_1T: torch.Tensor) -> torch.Tensor:
