@@ -9,6 +9,10 @@ switch"), with no wait for a copy counted. This times, with a 12 GB set queued t
 arena on its copy stream in each direction, against the same on an idle card:
 * compute-stream work: bf16 GEMMs alone; micro-batch-like steps (inputs uploaded pageable,
   or pinned through `host_copy.upload`, GEMMs, a `.item()`);
+* launch-bound work (thousands of tiny kernels: the host's pace, not the GPU's), in case
+  the copy engines' reads of pinned host memory slow the host down;
+* allocating a 48 GB storage (expandable segments on, as in training), idle and while GEMMs
+  run (the optimizer's storage is allocated when its copy back is queued);
 * a step's results read back (a few KB): by a copy, and by `host_copy.results_to_host`.
 Run it with the environment variable above too: if the compute stream shared a hardware
 queue with the copy stream (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), its launches would
@@ -21,6 +25,7 @@ import time
 
 import torch
 
+from handoff.memory.allocator import set_expandable_segments
 from handoff.memory.host_copy import results_to_host, upload
 from handoff.memory.staging import PinnedArena
 
@@ -32,6 +37,12 @@ def work(a: torch.Tensor, steps: int, *, inputs: str) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     host = torch.arange(4096)
+    if inputs == "launches":
+        small = torch.zeros(256, device=a.device)
+        for _ in range(steps * 100):
+            small.add_(1.0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
     for _ in range(steps):
         if inputs == "pageable":
             host.to(a.device)                           # a micro-batch's inputs
@@ -80,7 +91,7 @@ def main() -> None:
         return (arena.onload("set") if direction == "h2d"
                 else arena.offload("set", free_device=False))
 
-    for inputs in ("none", "pageable", "pinned"):
+    for inputs in ("none", "pageable", "pinned", "launches"):
         work(a, 20, inputs=inputs)                     # warm-up
         idle = work(a, 60, inputs=inputs)
         for direction in ("h2d", "d2h"):
@@ -89,6 +100,22 @@ def main() -> None:
             copy.wait()
             print(f"steps, inputs {inputs:8s} beside {direction}: {beside:.3f} s, idle "
                   f"{idle:.3f} s (+{beside - idle:.3f} s; the copy {copy.seconds:.3f} s)")
+    set_expandable_segments(True)
+    for beside_gemms in (False, True):
+        storage = torch.empty(0, dtype=torch.uint8, device=dev).untyped_storage()
+        torch.cuda.synchronize()
+        if beside_gemms:
+            for _ in range(200):
+                a @ a                                   # ~1.3 s of queued compute
+        t0 = time.perf_counter()
+        storage.resize_(48 * 10**9)
+        host_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        print(f"allocating 48 GB {'beside GEMMs' if beside_gemms else 'on an idle card'}: "
+              f"{host_s * 1e3:.1f} ms of host")
+        storage.resize_(0)
+        torch.cuda.empty_cache()
+    set_expandable_segments(False)
     for by_kernel in (False, True):
         readbacks(by_kernel)
         idle = statistics.median(readbacks(by_kernel))

@@ -60,7 +60,10 @@ def test_results_to_host_does_not_wait_behind_a_large_copy_to_the_host():
     logprobs_B = torch.zeros(64, device="cuda")
     tokens = torch.zeros(64, dtype=torch.int64, pin_memory=True)
     logprobs = torch.ones(64, dtype=torch.float32, pin_memory=True)
+    results_to_host(tokens, logprobs, tokens_B, logprobs_B)   # compiled before it is timed
     torch.cuda.synchronize()
+    tokens.zero_()
+    logprobs.fill_(1.0)
     with torch.cuda.stream(side):
         host.copy_(big, non_blocking=True)
     big_done = torch.cuda.Event()
