@@ -13,7 +13,8 @@ arena on its copy stream in each direction, against the same on an idle card:
   the copy engines' reads of pinned host memory slow the host down;
 * allocating a 48 GB storage (expandable segments on, as in training), idle and while GEMMs
   run (the optimizer's storage is allocated when its copy back is queued);
-* a step's results read back (a few KB): by a copy, and by `host_copy.results_to_host`.
+* a step's results read back (a few KB): by a copy, and by `host_copy.results_to_host`;
+* a device-to-device copy (`copy_`, as FSDP2 unshards at world size 1), beside each set.
 Run it with the environment variable above too: if the compute stream shared a hardware
 queue with the copy stream (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), its launches would
 wait behind the queued copies, whatever the inputs.
@@ -116,6 +117,19 @@ def main() -> None:
         storage.resize_(0)
         torch.cuda.empty_cache()
     set_expandable_segments(False)
+    src = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    for direction in ("none", "h2d", "d2h"):
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        copy = None if direction == "none" else queued(direction)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        d2d_ms = (time.perf_counter() - t0) * 1e3
+        if copy is not None:
+            copy.wait()
+        print(f"256 MB device-to-device copy_ beside {direction}: {d2d_ms:.2f} ms")
     for by_kernel in (False, True):
         readbacks(by_kernel)
         idle = statistics.median(readbacks(by_kernel))

@@ -326,9 +326,13 @@ def test_exposed_and_raw_seconds_in_the_metrics_and_the_summary(model_dir, tmp_p
     assert planned["ref_d2h"]["bytes"] == 0 == planned["ref_d2h"]["exposed_seconds"]
     # The optimizer's copy back hides behind the trainer's modelled compute.
     assert planned["optimizer_h2d"]["exposed_seconds"] < planned["optimizer_h2d"]["seconds"]
-    # ... and the step's own host work (prompts, scoring), measured, is exposed by its nature.
+    # ... and host work the ledger does not price, measured, is exposed by its nature: the
+    # step's own (prompts, scoring) and the switch's cache flushes.
     assert 0 < summary["host_seconds"] == pytest.approx(rows[1]["timing_s/host"])
+    assert 0 < summary["flush_seconds"] == pytest.approx(rows[1]["switch/flush_s"])
+    assert rows[1]["switch/flush_s"] < rows[1]["switch/exposed_s"]
     assert summary["planned_exposed_seconds"] == pytest.approx(
-        sum(p["exposed_seconds"] for p in planned.values()) + summary["host_seconds"])
+        sum(p["exposed_seconds"] for p in planned.values()) + summary["host_seconds"]
+        + summary["flush_seconds"])
     md = (tmp_path / "summary.md").read_text()
     assert "| switch, exposed |" in md and "planned exposed s" in md

@@ -243,22 +243,27 @@ def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path,
     assert "empty cache" in log[waited:]  # before the KV pool is mapped
 
 
-@pytest.mark.parametrize("overlap, expected", [
-    ("false", [("actor.params", True), ("ref.params", True), ("actor.optimizer", False)]),
-    ("true", [("ref.params", True), ("actor.params", False), ("actor.optimizer", False)])])
+@pytest.mark.parametrize("extra, expected", [
+    ("memory.overlap=false",
+     [("actor.params", True, None), ("ref.params", True, None), ("actor.optimizer", False, None)]),
+    ("memory.overlap=true",
+     [("ref.params", True, None), ("actor.params", False, None), ("actor.optimizer", False, None)]),
+    ("memory.optimizer_back_sms=8",
+     [("ref.params", True, None), ("actor.params", False, None), ("actor.optimizer", True, 8)])])
 def test_the_copies_after_the_engine_sleep_go_by_kernel(model_dir, tmp_path, monkeypatch,
-                                                        overlap, expected):
+                                                        extra, expected):
     """The copy engines are busy right after the engine's sleep: what is waited for then
     comes back by kernel (the ledger prices those at the kernel's rate): the params and the
     ref in turn; streamed, the ref's only, and the params' on the copy engines under the
-    ref's forward (no SMs taken from it); the optimizer, later, on the copy engines."""
-    trainer = Run(tiny_cfg(model_dir, tmp_path, "run.steps=1", f"memory.overlap={overlap}"))
+    ref's forward (no SMs taken from it); the optimizer, later, on the copy engines, or by a
+    kernel on memory.optimizer_back_sms SMs."""
+    trainer = Run(tiny_cfg(model_dir, tmp_path, "run.steps=1", extra))
     arena = trainer.worker.actor.arena
     onloads, real_onload = [], arena.onload
 
-    def onload(name, *, by_kernel=False):
-        onloads.append((name, by_kernel))
-        return real_onload(name, by_kernel=by_kernel)
+    def onload(name, *, by_kernel=False, programs=None):
+        onloads.append((name, by_kernel, programs))
+        return real_onload(name, by_kernel=by_kernel, programs=programs)
 
     monkeypatch.setattr(arena, "onload", onload)
     trainer.step(0)

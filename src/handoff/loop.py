@@ -95,13 +95,14 @@ class Scored:
 def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord,
              engine: dict, *, world: int, gen_s: float, train_s: float, checkpoint_s: float,
              step_s: float, work: dict[str, float], host_s: float = 0.0,
-             copy_wait_s: float = 0.0, alloc_retries: int = 0) -> dict:
+             flush_s: float = 0.0, copy_wait_s: float = 0.0, alloc_retries: int = 0) -> dict:
     """The step's metrics row (rewards and lengths averaged over every rank; the engine's
     numbers, `engine` = its stats after the step's generate with this step's preemptions,
     are this rank's, and so are `work`, its generation and trainer compute seconds by phase
     (HybridWorker.work), `copy_wait_s`, the compute's waits for copies, `host_s`, the step's
     host work outside the worker (its prompts and their scoring: part of the exposed time),
-    and train_tokens, the prompt + response tokens it trained on)."""
+    `flush_s`, the switch's cache flushes (HybridWorker.flush_seconds: exposed too), and
+    train_tokens, the prompt + response tokens it trained on)."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
     length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
     tokens, _, _ = mean_over_ranks([float(sum(scored.lengths))])
@@ -114,7 +115,7 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         "timing_s/checkpoint": checkpoint_s, "timing_s/host": host_s,
         "tokens_per_s": tokens * world / gen_s,
         "switch/exposed_s": step_s - checkpoint_s - sum(work.values()),
-        "switch/copy_wait_s": copy_wait_s,
+        "switch/copy_wait_s": copy_wait_s, "switch/flush_s": flush_s,
         **{f"work_s/{phase}": seconds for phase, seconds in work.items()},
         "switch/raw_s": sum(a.seconds for a in switch.actions.values()),
         "train_tokens": sum(scored.prompt_lengths) + sum(scored.lengths),
@@ -267,7 +268,7 @@ class Run:
         return step_row(step, scored, update, switch, engine, world=self.world, gen_s=gen_s,
                         train_s=train_s, checkpoint_s=checkpoint_s, host_s=host_s,
                         step_s=time.perf_counter() - t_step, work=worker.work,
-                        copy_wait_s=worker.copy_wait_seconds,
+                        flush_s=worker.flush_seconds, copy_wait_s=worker.copy_wait_seconds,
                         alloc_retries=alloc_retries(worker.device) - retries)
 
     # ---------------------------------------------------------------- the run

@@ -56,7 +56,8 @@ def planned_actions(cfg: Config, rates: Rates, kv_pool_bytes: int) -> dict[str, 
                              dtypes=dtypes, ref=cfg.actor.kl_coef > 0,
                              bucket_bytes=cfg.sync.bucket_mb << 20, in_process=True,
                              weights_map_bps=rates.get("weights_map_bps"),
-                             h2d_bps=rates.get("h2d_bps"))
+                             h2d_bps=rates.get("h2d_bps"),
+                             elastic_pool=cfg.rollout.kv_pool == "elastic")
     return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
             for a in actions}
 
@@ -158,6 +159,7 @@ class RunReport:
             return statistics.median(r.get(key, 0.0) for r in rows) if rows else 0.0
 
         step_s, host_s = median("timing_s/step"), median("timing_s/host")
+        flush_s = median("switch/flush_s")
         switch_s = sum(m["seconds"] for m in measured.values())
         exposure = planned_exposure(self.cfg, Rates(self.rates), self.planned,
                                     train_tokens=median("train_tokens"),
@@ -169,10 +171,12 @@ class RunReport:
             "steps": len(self.rows), "rates": self.rates, "planned": self.planned,
             "measured": measured, "step_seconds": step_s, "switch_seconds": switch_s,
             "switch_share": switch_s / step_s if step_s else None,
-            # The measured exposed time holds the step's own host work too (its prompts and
-            # their scoring, timed): the plan adds it as measured, like generation's seconds.
-            "host_seconds": host_s,
-            "planned_exposed_seconds": sum(exposure.values()) + host_s,
+            # The measured exposed time holds host work the ledger does not price: the step's
+            # own (its prompts and their scoring) and the switch's cache flushes (a device
+            # sync and the allocator's frees each). The plan adds both as measured, like
+            # generation's seconds.
+            "host_seconds": host_s, "flush_seconds": flush_s,
+            "planned_exposed_seconds": sum(exposure.values()) + host_s + flush_s,
             "exposed_seconds": median("switch/exposed_s"), "raw_seconds": median("switch/raw_s"),
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
@@ -253,6 +257,9 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
                      f"{_ratio(p, m)} | |")
     host = (f", of which {s['host_seconds']:.3f} s the step's own host work, measured: its "
             "prompts and their scoring" if s.get("host_seconds") else "")
+    if s.get("flush_seconds"):
+        host += (f"{',' if host else ', of which'} {s['flush_seconds']:.3f} s the switch's "
+                 "cache flushes, measured")
     exposed = (f", {s['exposed_seconds']:.3f} s of it exposed (the step waits for it; "
                f"planned {s['planned_exposed_seconds']:.3f} s{host})"
                if "exposed_seconds" in s else "")

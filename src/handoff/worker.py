@@ -117,6 +117,7 @@ class HybridWorker:
         self.step = -1  # probes before the first step carry step -1
         self.work: dict[str, float] = {}   # this step's work seconds by phase (module docstring)
         self.copy_wait_seconds = 0.0       # this step's compute waits for copies
+        self.flush_seconds = 0.0           # this step's cache flushes outside compute
         self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
         self._queued_to_host: list[str] = []   # actor parts whose copy starts once those land
         self._landed = SwitchRecord()          # copies that landed outside a move
@@ -142,6 +143,7 @@ class HybridWorker:
         self.step = step
         self.work = {}
         self.copy_wait_seconds = 0.0
+        self.flush_seconds = 0.0
 
     @property
     def work_seconds(self) -> float:
@@ -149,6 +151,13 @@ class HybridWorker:
 
     def _add_work(self, phase: str, seconds: float) -> None:
         self.work[phase] = self.work.get(phase, 0.0) + seconds
+
+    def _flush(self) -> None:
+        """aggressive_empty_cache() in the switch, outside compute: its seconds (a device sync
+        and the allocator's frees: host work the ledger does not price) are `flush_seconds`."""
+        t0 = time.perf_counter()
+        aggressive_empty_cache()
+        self.flush_seconds += time.perf_counter() - t0
 
     def _say_once(self, key: str, text: str) -> None:
         """One line on stderr (rank 0), the first time `key` comes up in this worker."""
@@ -261,7 +270,7 @@ class HybridWorker:
         run's end). Their actions go to `take_landed()`."""
         while self.copies_pending:
             self._land(self._landed, wait=True)
-            aggressive_empty_cache()
+            self._flush()
             self._start_queued_to_host()
 
     @property
@@ -304,7 +313,7 @@ class HybridWorker:
         mem = self.cfg.memory
         record = SwitchRecord()
         self._timed(record, "engine_sleep", lambda: self.engine.sleep(2))
-        aggressive_empty_cache()
+        self._flush()
         self.probe("after engine sleep")
         if mem.overlap:
             self._ref_back = self._start_ref_back()
@@ -382,7 +391,11 @@ class HybridWorker:
         free = device_free_bytes(self.device)
         need = self.actor.memory_parts()[part] + (mem.wake_margin_mb << 20)
         if free is None or free >= need:
-            self._coming_back[part] = self.actor.to("device", by_kernel=by_kernel, **{part: True})
+            programs = None
+            if part == "optimizer" and mem.optimizer_back_sms:
+                by_kernel, programs = True, mem.optimizer_back_sms
+            self._coming_back[part] = self.actor.to("device", by_kernel=by_kernel,
+                                                    programs=programs, **{part: True})
             return
         self._say_once(f"{part} back", f"memory.overlap: the actor's {part} need "
                        f"{fmt_bytes(need)} beside what the card holds, {fmt_bytes(free)} is "
@@ -404,8 +417,12 @@ class HybridWorker:
             optimizer_back = lambda: self._stream_back(record, "optimizer")  # noqa: E731
         elif self.cfg.memory.optimizer_offload:
             record.add_moves(self.actor.to("device", optimizer=True).wait(), "h2d")
+        # Streamed, the activations' memory goes back to the driver right after the last
+        # backward (the host waits for it then anyway): the driver clears what it gets back
+        # before it can be mapped again, and the KV wake comes a few tenths later.
+        flush = aggressive_empty_cache if self._streams_to_host() else None
         metrics = self._compute("update", lambda: self.actor.update(
-            batch, inputs_ready=optimizer_back))
+            batch, inputs_ready=optimizer_back, backward_done=flush))
         self._land_coming_back(record)
         self.probe("after update")
         return metrics, record
@@ -427,7 +444,7 @@ class HybridWorker:
             if not self.cfg.memory.optimizer_offload:
                 raise
             self._land(record, wait=True)
-            aggressive_empty_cache()
+            self._flush()
             self.engine.wake_up(["weights"])
 
     def _sync_weights(self, record: SwitchRecord) -> None:
@@ -448,11 +465,11 @@ class HybridWorker:
             # while the params' copy (on the same D2H stream, so no later) runs: the
             # driver clears freed pages before it maps them again.
             self._land(record, wait=True)
-            aggressive_empty_cache()
+            self._flush()
         if mem.param_offload:
             self._start_to_host("params")
             self._land(record, wait=True)
-        aggressive_empty_cache()
+        self._flush()
 
     def _wake_kv_cache(self) -> None:
         """Map the KV pool. Streamed, an elastic pool maps what is free beside the copies
@@ -479,7 +496,7 @@ class HybridWorker:
             # Before any copy is queued, emptying waits only for the update's kernels; streamed,
             # the training phase's cached blocks so go back to the driver for the KV wake to map
             # (docs/PERF.md, "The streamed switch").
-            aggressive_empty_cache()
+            self._flush()
         if mem.optimizer_offload:
             self._start_to_host("optimizer")
             if not streamed:

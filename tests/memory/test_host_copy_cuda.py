@@ -16,14 +16,15 @@ def _registered(nbytes: int) -> torch.Tensor:
     return buf
 
 
+@pytest.mark.parametrize("programs", [None, 3])
 @pytest.mark.parametrize("pinning", ["pin_memory", "registered"])
 @pytest.mark.parametrize("nbytes", [1, 4099, 16 << 20, (16 << 20) + 3])
-def test_copy_from_host_lands_every_byte(pinning, nbytes):
+def test_copy_from_host_lands_every_byte(pinning, nbytes, programs):
     src = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pinning == "pin_memory"
            else _registered(nbytes))
     src.random_(0, 256)
     dst = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda")
-    copy_from_host(dst[16:16 + nbytes], src)
+    copy_from_host(dst[16:16 + nbytes], src, programs=programs)
     torch.cuda.synchronize()
     assert torch.equal(dst[16:16 + nbytes].cpu(), src)
     assert not dst[:16].any() and not dst[16 + nbytes:].any()   # nothing written outside
@@ -75,3 +76,21 @@ def test_results_to_host_does_not_wait_behind_a_large_copy_to_the_host():
     assert not big_done.query(), "the 4 GB copy ended first: the test shows nothing"
     assert torch.equal(tokens, tokens_B.cpu()) and not logprobs.any()
     big_done.synchronize()
+
+
+def test_uploads_through_the_pinned_ring_land_intact_while_it_wraps():
+    import numpy as np
+
+    from handoff.memory import host_copy
+
+    rng = np.random.default_rng(0)
+    sent, got = [], []
+    for i in range(400):   # ~3x the ring's 32 MB: it wraps, reusing spans
+        n = int(rng.integers(1, 64_000))
+        array = rng.integers(-2**40, 2**40, n) if i % 3 else rng.random(n).astype(np.float32)
+        sent.append(array)
+        got.append(host_copy.upload(array, torch.device("cuda")))
+    big = np.arange((40 << 20) // 8)   # larger than the ring: pinned on its own
+    assert torch.equal(host_copy.upload(big, torch.device("cuda")).cpu(), torch.from_numpy(big))
+    for array, dev in zip(sent, got):
+        assert torch.equal(dev.cpu(), torch.from_numpy(array))

@@ -7,7 +7,7 @@ import pytest
 from handoff.config import HardwareConfig, MemoryConfig, ParallelConfig
 from handoff.plan.hardware import GB, hardware_profile
 from handoff.plan.kvpool import engine_weight_bytes
-from handoff.plan.ledger import Dtypes, switch_actions, weight_sync_seconds
+from handoff.plan.ledger import Dtypes, switch_actions, trainer_bytes, weight_sync_seconds
 from handoff.plan.shapes import PRESETS, count_tensors, load_shape
 
 H200 = hardware_profile("h200")
@@ -142,3 +142,25 @@ def test_copies_right_after_the_sleep_are_priced_at_the_kernel_rate():
     plain = _acts(shape, replace(H200, kernel_h2d_bps=0.0))
     assert plain["params_h2d"].seconds == pytest.approx(
         plain["params_h2d"].bytes_per_card / H200.pinned_pcie_bps)
+
+
+def test_an_elastic_wake_beside_the_copies_maps_the_pool_less_the_state_in_flight():
+    shape = load_shape("qwen3-4b")
+    owners = trainer_bytes(shape, 1, Dtypes())
+    pool = 140 * GB
+    fixed = _acts(shape, H200, pool=pool, memory=MemoryConfig(overlap=True))
+    streamed = _acts(shape, H200, pool=pool, memory=MemoryConfig(overlap=True),
+                     elastic_pool=True)
+    in_flight = owners["optimizer"] + owners["params"]
+    assert fixed["kv_cache_wake"].bytes_per_card == pool
+    assert streamed["kv_cache_wake"].bytes_per_card == pool - in_flight
+    assert streamed["kv_cache_wake"].seconds < fixed["kv_cache_wake"].seconds
+    assert "beside the copies" in streamed["kv_cache_wake"].note
+    # In turn, the copies land first and the wake maps the whole pool.
+    in_turn = _acts(shape, H200, pool=pool, memory=MemoryConfig(overlap=False),
+                    elastic_pool=True)
+    assert in_turn["kv_cache_wake"].bytes_per_card == pool
+    # Only what is offloaded is in flight.
+    kept = _acts(shape, H200, pool=pool, elastic_pool=True,
+                 memory=MemoryConfig(overlap=True, optimizer_offload=False))
+    assert kept["kv_cache_wake"].bytes_per_card == pool - owners["params"]

@@ -254,18 +254,20 @@ class PinnedArena:
         s.on_device = False
         return Transfer(name, 0, seconds=time.perf_counter() - t0)
 
-    def onload(self, name: str, *, by_kernel: bool = False) -> Transfer:
+    def onload(self, name: str, *, by_kernel: bool = False,
+               programs: int | None = None) -> Transfer:
         """Re-create freed device storage (same sizes), then copy the host data back.
 
         by_kernel: the copy is done by a kernel reading the pinned host memory
         (handoff.memory.host_copy), not by the copy engines: right after a large region's
-        sleep the copy engines are busy and run at half the link's rate."""
+        sleep the copy engines are busy and run at half the link's rate. programs: the
+        kernel runs on that many programs (host_copy.copy_from_host)."""
         s = self._settled(name)
         if not s.on_device:
             for storage, n in zip(s.storages, s.nbytes):
                 storage.resize_(n)
             s.on_device = True
-        return self._copy(name, s, to_host=False, by_kernel=by_kernel)
+        return self._copy(name, s, to_host=False, by_kernel=by_kernel, programs=programs)
 
     def _get(self, name: str) -> _Set:
         if name not in self._sets:
@@ -289,7 +291,8 @@ class PinnedArena:
             self._streams[key] = torch.cuda.Stream(device=key[0])
         return self._streams[key]
 
-    def _copy(self, name: str, s: _Set, *, to_host: bool, by_kernel: bool = False) -> Transfer:
+    def _copy(self, name: str, s: _Set, *, to_host: bool, by_kernel: bool = False,
+              programs: int | None = None) -> Transfer:
         total = sum(s.nbytes)
         pairs = [(_storage_bytes(st, n, s.device), v)
                  for st, n, v in zip(s.storages, s.nbytes, s.views) if n > 0]
@@ -311,7 +314,7 @@ class PinnedArena:
                     if to_host:
                         host_u8[lo:hi].copy_(dev_u8[lo:hi], non_blocking=self.pin)
                     elif by_kernel and self.pin:
-                        copy_from_host(dev_u8[lo:hi], host_u8[lo:hi])
+                        copy_from_host(dev_u8[lo:hi], host_u8[lo:hi], programs=programs)
                     else:
                         dev_u8[lo:hi].copy_(host_u8[lo:hi], non_blocking=self.pin)
             end.record(stream)

@@ -140,10 +140,16 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
                    ref: bool = True, grad_offload: bool = False,
                    bucket_bytes: int = 512 * 2 ** 20, in_process: bool | None = None,
                    weights_map_bps: float | None = None,
-                   h2d_bps: float | None = None) -> list[SwitchAction]:
+                   h2d_bps: float | None = None, elastic_pool: bool = False
+                   ) -> list[SwitchAction]:
     """The nine actions of one step's two switches, in SWITCH_ACTIONS order (in_process,
     weights_map_bps: how the sync is priced, see weight_sync_seconds; h2d_bps: the
     host-to-device rate when it differs from hw.pinned_pcie_bps).
+
+    elastic_pool (rollout.kv_pool=elastic) with memory.overlap: the wake maps what is free
+    beside the copies to the host still running, the pool less the optimizer's and the
+    params' offloaded bytes (it grows into their memory only if generation runs short), and
+    the sleep unmaps that.
 
     to_train copies the params in right after the engine's sleep, and the ref soon after,
     while the copy engines are busy with the pages the sleep released: those two copies
@@ -173,6 +179,9 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     grads_note = "grads move with the optimizer" if grad_offload else "grads are freed, not moved"
     weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
     pool = max(int(kv_pool_bytes), 0)
+    beside_copies = elastic_pool and memory.overlap
+    if beside_copies:
+        pool = max(pool - (opt if opt_on else 0) - (owners["params"] if param_on else 0), 0)
     full_gb = shape.num_params * dtypes.param_bytes / GB
     gathered = shard_size(parallel) > 1
     local = is_in_process(parallel, in_process)
@@ -194,8 +203,9 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
                                          weights_map_bps=weights_map_bps),
                      f"the whole model ({full_gb:.1f} GB) flows through every card"),
         SwitchAction("kv_cache_wake", "map", pool, "cuMemMap, no copy", kv_seconds,
-                     "prefix cache emptied" + ("; fp8 KV zeroed, scales reset to 1"
-                                               if dtypes.kv_bytes == 1 else "")),
+                     ("beside the copies to the host; " if beside_copies else "")
+                     + "prefix cache emptied" + ("; fp8 KV zeroed, scales reset to 1"
+                                                 if dtypes.kv_bytes == 1 else "")),
         SwitchAction("engine_sleep", "unmap", 0, "cuMemUnmap", (weights + pool) / hw.unmap_bps,
                      "weights and KV discarded; addresses kept, CUDA graphs not recaptured"),
         move("params_h2d", "H2D", param_on, owners["params"], "before old_log_prob",

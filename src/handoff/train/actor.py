@@ -72,12 +72,13 @@ class Actor(ShardedModel):
 
     # ---- the GRPO update ------------------------------------------------------------------
 
-    def update(self, batch: RolloutBatch, *,
-               inputs_ready: Callable[[], None] | None = None) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, *, inputs_ready: Callable[[], None] | None = None,
+               backward_done: Callable[[], None] | None = None) -> dict[str, float]:
         """GRPO on this rank's rows: advantages from rewards, then `updates_per_step` optimizer
         steps over consecutive slices; returns metrics averaged over those steps.
         `inputs_ready()` runs once every slice's micro-batch inputs are on the device, before
-        the first forward (ShardedModel.log_probs says why)."""
+        the first forward (ShardedModel.log_probs says why); `backward_done()` after the last
+        backward, before its optimizer step (the activations' memory is free then)."""
         cfg = self.cfg
         if cfg.kl_coef > 0 and batch.ref_logprobs is None:
             raise HandoffError(f"actor.kl_coef={cfg.kl_coef} but the batch has no ref_logprobs: "
@@ -98,11 +99,16 @@ class Actor(ShardedModel):
             inputs_ready()
         # The optimizer's copy back may still run: only its step waits for it (step()).
         self._check_on_device("optimizer")
-        history = [self._one_step(mini, micro_batches) for mini, micro_batches in prepared]
+        history = [self._one_step(mini, micro_batches,
+                                  backward_done if i == len(prepared) - 1 else None)
+                   for i, (mini, micro_batches) in enumerate(prepared)]
         return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
 
-    def _one_step(self, mini: RolloutBatch, micro_batches: list) -> dict[str, float]:
+    def _one_step(self, mini: RolloutBatch, micro_batches: list,
+                  backward_done: Callable[[], None] | None) -> dict[str, float]:
         values = dict(zip(grpo.LossSums.NAMES, self.accumulate(mini, micro_batches).tolist()))
+        if backward_done is not None:
+            backward_done()
         grad_norm = self.step()
         n = max(values.pop("num_tokens"), 1.0)
         metrics = {k: v / n for k, v in values.items()}

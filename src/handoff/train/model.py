@@ -188,14 +188,15 @@ class ShardedModel:
             raise HandoffError(f"{self.role} has no part {unknown[0]!r}: its parts are "
                                f"{sorted(self._parts)}")
 
-    def to(self, where: str | torch.device, *, by_kernel: bool = False, copy: bool = True,
-           **parts: bool) -> Move:
+    def to(self, where: str | torch.device, *, by_kernel: bool = False,
+           programs: int | None = None, copy: bool = True, **parts: bool) -> Move:
         """Start moving the named parts (`params=True`, ...) to 'host' or back to 'device'.
 
         Asynchronous on CUDA: compute that needs a part waits for its copy first, and
         `.wait()` on the result blocks the host and reports bytes and seconds per part.
         Parts already where asked report 0 bytes. by_kernel: copies back to the device are
-        done by a kernel, not the copy engines (PinnedArena.onload). copy=False (to the host,
+        done by a kernel, not the copy engines (PinnedArena.onload; `programs`: on that
+        many programs, a few SMs). copy=False (to the host,
         a frozen model only): the device copy is freed and the host copy of the last offload
         kept, 0 bytes moved (PinnedArena.drop).
         """
@@ -214,7 +215,8 @@ class ShardedModel:
             else:
                 # The host copy must be complete before it is read back.
                 self._offloads.pop(part).wait()
-                transfers[part] = self.arena.onload(self._set_name(part), by_kernel=by_kernel)
+                transfers[part] = self.arena.onload(self._set_name(part), by_kernel=by_kernel,
+                                                    programs=programs)
                 self._host.discard(part)
                 self._pending[part] = transfers[part]
         return Move(transfers)
