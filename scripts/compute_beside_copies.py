@@ -34,7 +34,8 @@ GB = 1 << 30
 
 
 def work(a: torch.Tensor, steps: int, *, inputs: str) -> float:
-    """Wall seconds of `steps` units of compute-stream work; inputs: none, pageable, pinned."""
+    """Wall seconds of `steps` units of compute-stream work; inputs: none, pageable, pinned
+    (GEMMs with an upload and a readback each), or launches (100 tiny kernels a unit)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     host = torch.arange(4096)

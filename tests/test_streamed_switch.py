@@ -194,10 +194,13 @@ def test_the_ref_comes_back_from_its_first_host_copy_every_step(model_dir, tmp_p
     assert not torch.equal(actor_1, actor_2), "the actor did not move: the test proves nothing"
 
 
-@pytest.mark.parametrize("overlap", ["false", "true"])
+@pytest.mark.parametrize("overlap, pool", [("false", "fixed"), ("true", "fixed"),
+                                           ("true", "elastic")])
 def test_the_optimizer_copy_is_waited_for_right_before_its_step(model_dir, tmp_path,
-                                                                monkeypatch, overlap):
-    trainer = _run(model_dir, tmp_path, f"memory.overlap={overlap}")
+                                                                monkeypatch, overlap, pool):
+    # elastic: the flush after the last backward (it waits for every stream) waits for the
+    # copy first, as the compute's wait
+    trainer = _run(model_dir, tmp_path, f"memory.overlap={overlap}", f"rollout.kv_pool={pool}")
     worker = trainer.worker
     log = _event_log(worker, monkeypatch)
     _late(worker.actor.arena, "onload", "actor.optimizer", log, wait_seconds=0.3)

@@ -248,7 +248,7 @@ def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path,
      [("actor.params", True, None), ("ref.params", True, None), ("actor.optimizer", False, None)]),
     ("memory.overlap=true",
      [("ref.params", True, None), ("actor.params", False, None), ("actor.optimizer", False, None)]),
-    ("memory.optimizer_back_sms=8",
+    ("memory.optimizer_back_programs=8",
      [("ref.params", True, None), ("actor.params", False, None), ("actor.optimizer", True, 8)])])
 def test_the_copies_after_the_engine_sleep_go_by_kernel(model_dir, tmp_path, monkeypatch,
                                                         extra, expected):
@@ -256,7 +256,7 @@ def test_the_copies_after_the_engine_sleep_go_by_kernel(model_dir, tmp_path, mon
     comes back by kernel (the ledger prices those at the kernel's rate): the params and the
     ref in turn; streamed, the ref's only, and the params' on the copy engines under the
     ref's forward (no SMs taken from it); the optimizer, later, on the copy engines, or by a
-    kernel on memory.optimizer_back_sms SMs."""
+    kernel of memory.optimizer_back_programs programs."""
     trainer = Run(tiny_cfg(model_dir, tmp_path, "run.steps=1", extra))
     arena = trainer.worker.actor.arena
     onloads, real_onload = [], arena.onload

@@ -91,10 +91,11 @@ class MemoryConfig:
         "compute, the ref is dropped after its forward without a copy (its host copy is "
         "unchanged), and with rollout.kv_pool=elastic generation starts while the copies to "
         "the host run (false: every copy waited for in turn, docs/ARCHITECTURE.md)"))
-    optimizer_back_sms: int = F(0, ge=0, help=(
+    optimizer_back_programs: int = F(0, ge=0, help=(
         "memory.overlap: 0, the optimizer's copy back runs on the copy engines; N, by a kernel "
-        "on N SMs beside the forwards and backwards (off the copy engines, whose queue the "
-        "trainer's own device copies would wait behind)"))
+        "of N programs (thread blocks: a few SMs) beside the forwards and backwards, off the "
+        "copy engines, whose queue the trainer's own device copies wait behind (the ledger "
+        "prices it at the copy engines' rate)"))
 
 
 @dataclass

@@ -57,7 +57,8 @@ def planned_actions(cfg: Config, rates: Rates, kv_pool_bytes: int) -> dict[str, 
                              bucket_bytes=cfg.sync.bucket_mb << 20, in_process=True,
                              weights_map_bps=rates.get("weights_map_bps"),
                              h2d_bps=rates.get("h2d_bps"),
-                             elastic_pool=cfg.rollout.kv_pool == "elastic")
+                             elastic_pool=cfg.rollout.kv_pool == "elastic",
+                             updates_per_step=cfg.actor.updates_per_step)
     return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
             for a in actions}
 

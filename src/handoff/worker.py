@@ -392,8 +392,8 @@ class HybridWorker:
         need = self.actor.memory_parts()[part] + (mem.wake_margin_mb << 20)
         if free is None or free >= need:
             programs = None
-            if part == "optimizer" and mem.optimizer_back_sms:
-                by_kernel, programs = True, mem.optimizer_back_sms
+            if part == "optimizer" and mem.optimizer_back_programs:
+                by_kernel, programs = True, mem.optimizer_back_programs
             self._coming_back[part] = self.actor.to("device", by_kernel=by_kernel,
                                                     programs=programs, **{part: True})
             return
@@ -417,15 +417,20 @@ class HybridWorker:
             optimizer_back = lambda: self._stream_back(record, "optimizer")  # noqa: E731
         elif self.cfg.memory.optimizer_offload:
             record.add_moves(self.actor.to("device", optimizer=True).wait(), "h2d")
-        # Streamed, the activations' memory goes back to the driver right after the last
-        # backward (the host waits for it then anyway): the driver clears what it gets back
-        # before it can be mapped again, and the KV wake comes a few tenths later.
-        flush = aggressive_empty_cache if self._streams_to_host() else None
         metrics = self._compute("update", lambda: self.actor.update(
-            batch, inputs_ready=optimizer_back, backward_done=flush))
+            batch, inputs_ready=optimizer_back,
+            backward_done=self._flush_activations if self._streams_to_host() else None))
         self._land_coming_back(record)
         self.probe("after update")
         return metrics, record
+
+    def _flush_activations(self) -> None:
+        """Streamed, after the last backward: the activations' memory back to the driver (the
+        host waits for the device then anyway), which clears what it gets back before it can
+        be mapped again; the KV wake comes a few tenths later. The flush waits for every
+        stream, so the optimizer's copy is waited for first, as the compute's wait."""
+        self.actor.require_on_device("optimizer")
+        aggressive_empty_cache()
 
     def _land_coming_back(self, record: SwitchRecord) -> None:
         """Record the copies back (landed by now: the compute that needed them waited)."""

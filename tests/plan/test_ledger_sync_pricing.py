@@ -138,6 +138,10 @@ def test_copies_right_after_the_sleep_are_priced_at_the_kernel_rate():
     assert streamed["ref_h2d"].seconds == acts["ref_h2d"].seconds
     no_ref = _acts(shape, hw, h2d_bps=55 * GB, memory=MemoryConfig(overlap=True), ref=False)
     assert no_ref["params_h2d"].seconds == acts["params_h2d"].seconds
+    # Old log-probs first (more than one update a step): the actor's forward needs them
+    # before the ref's runs, so they come back by kernel.
+    two = _acts(shape, hw, h2d_bps=55 * GB, memory=MemoryConfig(overlap=True), updates_per_step=2)
+    assert two["params_h2d"].seconds == acts["params_h2d"].seconds
     # A card whose kernel rate is not known: every move at the link's rate.
     plain = _acts(shape, replace(H200, kernel_h2d_bps=0.0))
     assert plain["params_h2d"].seconds == pytest.approx(

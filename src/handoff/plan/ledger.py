@@ -140,8 +140,8 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
                    ref: bool = True, grad_offload: bool = False,
                    bucket_bytes: int = 512 * 2 ** 20, in_process: bool | None = None,
                    weights_map_bps: float | None = None,
-                   h2d_bps: float | None = None, elastic_pool: bool = False
-                   ) -> list[SwitchAction]:
+                   h2d_bps: float | None = None, elastic_pool: bool = False,
+                   updates_per_step: int = 1) -> list[SwitchAction]:
     """The nine actions of one step's two switches, in SWITCH_ACTIONS order (in_process,
     weights_map_bps: how the sync is priced, see weight_sync_seconds; h2d_bps: the
     host-to-device rate when it differs from hw.pinned_pcie_bps).
@@ -154,8 +154,8 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     to_train copies the params in right after the engine's sleep, and the ref soon after,
     while the copy engines are busy with the pages the sleep released: those two copies
     are done by a kernel (handoff.memory.host_copy), at hw.kernel_h2d_bps. Streamed
-    (memory.overlap) with a ref, the params' copy runs on the copy engines under the ref's
-    forward, at the H2D rate."""
+    (memory.overlap) with a ref forward first (a ref, one update per step), the params' copy
+    runs on the copy engines under it, at the H2D rate."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
     opt_on = memory.optimizer_offload
@@ -165,7 +165,7 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     pcie = hw.pinned_pcie_bps
     h2d = h2d_bps or pcie
     by_kernel = hw.kernel_h2d_bps or h2d
-    params_rate = h2d if memory.overlap and ref else by_kernel
+    params_rate = h2d if memory.overlap and ref and updates_per_step == 1 else by_kernel
     seconds = {"params_h2d": owners["params"] / params_rate,
                "ref_h2d": owners["reference"] / by_kernel, "optimizer_h2d": opt / h2d}
 

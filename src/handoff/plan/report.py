@@ -124,7 +124,7 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
     bucket = cfg.sync.bucket_mb * 2 ** 20
     actions = switch_actions(shape, parallel, memory, hw, kv_pool_bytes=pool, dtypes=dtypes,
                              ref=ref, grad_offload=grad_offload, bucket_bytes=bucket,
-                             elastic_pool=elastic)
+                             elastic_pool=elastic, updates_per_step=cfg.actor.updates_per_step)
     cards_per_node = min(parallel.gpus, hw.gpus_per_node)
     pinned_per_card = offloaded_bytes_per_card(actions)
     pinned_per_node = cards_per_node * pinned_per_card

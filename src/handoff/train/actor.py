@@ -122,7 +122,7 @@ class Actor(ShardedModel):
         added up (see grpo.LossSums.NAMES)."""
         cfg = self.cfg
         assert batch.advantages is not None, "set batch.advantages (grpo.group_advantages) first"
-        self._require_on_device("params", "grads")
+        self.require_on_device("params", "grads")
         self.module.train()
         tokens = all_reduce_(batch.response_mask.sum().to(self.device, torch.float32))
         scale = self.world_size / max(float(tokens.item()), 1.0)
@@ -150,9 +150,9 @@ class Actor(ShardedModel):
         The first thing that needs the optimizer's state is its step: a copy of it still
         running is waited for here, after the norm has synced the compute stream, so the
         wait is exactly the time the copy outlived the forwards and backwards."""
-        self._require_on_device("params", "grads")
+        self.require_on_device("params", "grads")
         grad_norm = self._grad_norm()
-        self._require_on_device("optimizer")
+        self.require_on_device("optimizer")
         if math.isfinite(grad_norm):
             clip = self.cfg.grad_clip / (grad_norm + 1e-6) if self.cfg.grad_clip > 0 else 1.0
             self.optimizer.step(grad_scale=min(1.0, clip))

@@ -90,7 +90,7 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
     previous one until `publish_checkpoint`: a caller that must finish more work (log the
     step's metrics) before the step counts as done publishes afterwards.
     """
-    actor._require_on_device("params", "optimizer")
+    actor.require_on_device("params", "optimizer")
     root = Path(root)
     rank = dist.get_rank()
     name = _broadcast(f"step_{step:08d}_{uuid.uuid4().hex[:8]}" if rank == 0 else None)
@@ -267,7 +267,7 @@ def load_checkpoint(root: str | Path, actor: Actor) -> dict | None:
     path = latest_checkpoint(root)
     if path is None:
         return None
-    actor._require_on_device("params", "optimizer")
+    actor.require_on_device("params", "optimizer")
     meta = read_json(path / META, "checkpoint's meta.json")
     if meta.get("format") != FORMAT:
         raise HandoffError(f"{path} was written by an older handoff (format "

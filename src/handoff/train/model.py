@@ -258,7 +258,7 @@ class ShardedModel:
                 raise HandoffError(f"{self.role} {part} are offloaded to host memory: call "
                                    f"{self.role}.to('device', {part}=True) before this step")
 
-    def _require_on_device(self, *parts: str) -> None:
+    def require_on_device(self, *parts: str) -> None:
         """The parts on the device, their copies back landed. The host waits for a copy still
         running, so a wait counts as the compute's only once the compute stream has drained:
         Actor.step waits for the optimizer's copy after the grad norm has synced it."""
@@ -298,7 +298,7 @@ class ShardedModel:
         micro_batches = self._micro_batches(batch)
         if inputs_ready is not None:
             inputs_ready()
-        self._require_on_device("params")
+        self.require_on_device("params")
         self.module.eval()
         b, t = batch.input_ids.shape
         logp_BT = torch.zeros(b, t, dtype=torch.float32, device=self.device)
@@ -325,7 +325,7 @@ class ShardedModel:
 
         Not under no_grad: every tensor is detached first (nothing records a graph), and a
         no_grad generator re-enters the mode at every yield (~4 us per tensor of host work)."""
-        self._require_on_device("params")
+        self.require_on_device("params")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         for name, p in self.module.named_parameters():
             full = self._gather(p)
