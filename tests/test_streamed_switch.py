@@ -29,14 +29,13 @@ SEQUENTIAL = [
     "probe after update_weights", "offload actor.params", "probe after params offload",
     "wake kv_cache", "probe after resume kv_cache"]
 # memory.overlap with a fixed pool: the ref's copy back queued, not waited for; the params'
-# queued once the ref's inputs are on the device, under its forward; the ref dropped after
-# it; the optimizer's queued once the update's inputs are; the copies to the host still land
-# before the KV wake.
+# and then the optimizer's queued once the ref's inputs are on the device, under its
+# forward; the ref dropped after it; the copies to the host still land before the KV wake.
 OVERLAPPED = [
     "probe after generate", "probe after engine sleep", "onload ref.params",
-    "probe after params onload", "onload actor.params", "forward ref", "drop ref.params",
-    "probe after ref forward", "onload actor.optimizer", "forward actor", "optimizer step",
-    "probe after update",
+    "probe after params onload", "onload actor.params", "onload actor.optimizer",
+    "forward ref", "drop ref.params", "probe after ref forward", "forward actor",
+    "optimizer step", "probe after update",
     "offload actor.optimizer", "probe before resume weights", "wake weights",
     "probe after update_weights", "offload actor.params", "probe after params offload",
     "wake kv_cache", "probe after resume kv_cache"]
@@ -94,13 +93,19 @@ class LateTransfer:
         return getattr(self.transfer, name)
 
 
-def _late(arena, kind: str, name: str, log, **late):
-    """Make the arena's `kind` copies ("onload" / "offload") of set `name` late ones."""
+def _late(arena, kind: str, name: str, log, made: list | None = None, **late):
+    """Make the arena's `kind` copies ("onload" / "offload") of set `name` late ones (each
+    appended to `made`)."""
     real = getattr(arena, kind)
 
     def copy(set_name, *args, **kwargs):
         transfer = real(set_name, *args, **kwargs)
-        return LateTransfer(transfer, log, **late) if set_name == name else transfer
+        if set_name != name:
+            return transfer
+        transfer = LateTransfer(transfer, log, **late)
+        if made is not None:
+            made.append(transfer)
+        return transfer
 
     setattr(arena, kind, copy)
 
@@ -194,55 +199,102 @@ def test_the_ref_comes_back_from_its_first_host_copy_every_step(model_dir, tmp_p
     assert not torch.equal(actor_1, actor_2), "the actor did not move: the test proves nothing"
 
 
-@pytest.mark.parametrize("overlap, pool", [("false", "fixed"), ("true", "fixed"),
-                                           ("true", "elastic")])
-def test_the_optimizer_copy_is_waited_for_right_before_its_step(model_dir, tmp_path,
-                                                                monkeypatch, overlap, pool):
-    # elastic: the flush after the last backward (it waits for every stream) waits for the
-    # copy first, as the compute's wait
-    trainer = _run(model_dir, tmp_path, f"memory.overlap={overlap}", f"rollout.kv_pool={pool}")
+@pytest.mark.parametrize("overlap, pool, kl", [("false", "fixed", 0.001),
+                                               ("true", "fixed", 0.001),
+                                               ("true", "elastic", 0.001),
+                                               ("true", "fixed", 0.0), ("true", "elastic", 0.0)])
+def test_where_the_optimizer_copy_is_waited_for(model_dir, tmp_path, monkeypatch, overlap,
+                                                pool, kl):
+    # Queued under the ref's forward, what is left of it is waited for before the update's
+    # inputs upload (they would queue behind it). With no ref it runs beside the update's
+    # forwards and backwards and is waited for before the optimizer step (elastic: by the
+    # flush after the last backward, which waits for every stream).
+    trainer = _run(model_dir, tmp_path, f"memory.overlap={overlap}", f"rollout.kv_pool={pool}",
+                   f"actor.kl_coef={kl}")
     worker = trainer.worker
     log = _event_log(worker, monkeypatch)
     _late(worker.actor.arena, "onload", "actor.optimizer", log, wait_seconds=0.3)
     row = trainer.step(0)
     events = _compact([e for e in log if e.startswith(("forward actor", "waited",
                                                        "optimizer step"))])
-    if overlap == "true":   # the forwards and backwards ran while the copy did
+    if overlap == "true" and kl == 0:   # the forwards and backwards ran while the copy did
         assert events == ["forward actor", "waited actor.optimizer", "optimizer step"]
-        assert worker.actor.copy_wait_seconds >= 0.3   # a wait inside the update...
     else:
         assert events == ["waited actor.optimizer", "forward actor", "optimizer step"]
+    if overlap == "true":
+        assert worker.actor.copy_wait_seconds >= 0.3   # a wait inside the update...
+    else:
         assert worker.actor.copy_wait_seconds < 0.3
     # ...is exposed, not compute, wherever it is (the rest of a tiny step's switch: ~10 ms).
     assert row["switch/exposed_s"] >= 0.3
 
 
-@pytest.mark.parametrize("blocks", [64, 20])
-def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(model_dir, tmp_path,
-                                                                        monkeypatch, blocks):
-    # 64 blocks hold the step; 20 do not: sequences wait for blocks (the pool is short).
-    trainer = _run(model_dir, tmp_path, "rollout.kv_pool=elastic", f"rollout.num_blocks={blocks}")
+class _CardHoldingTheActor:
+    """A simulated card (memory.elastic.SimulatedDevice's fields) whose other owner is the
+    actor: its params' and optimizer's storages on the device, and as on CUDA the storages
+    of a copy to the host until it lands (on CPU they are freed when it starts), so the KV
+    pool maps less while they are there."""
+
+    granule = 4096
+
+    def __init__(self, actor, capacity: int):
+        self.actor, self.capacity = actor, capacity
+        self.copies: list[LateTransfer] = []   # the copies to the host, landed or not
+
+    @property
+    def others(self) -> int:
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for part in ("params", "optimizer") for t in self.actor.part_tensors(part)}
+        return sum(storages.values()) + sum(c.bytes for c in self.copies if not c.landed)
+
+
+@pytest.mark.parametrize("wake_blocks, clear_bps", [(160, None), (160, 1.0), (24, 1.0)])
+def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(
+        model_dir, tmp_path, monkeypatch, wake_blocks, clear_bps):
+    # The card has room for the actor's state and `wake_blocks` of the pool's 256: the wake
+    # maps those beside the copies still running, the pool grows once they have landed,
+    # when the driver has cleared their memory (the cpu profile: at once; clear_bps=1.0: not
+    # in this step) or at once if generation is short of blocks (24 hold one sequence of
+    # max_model_len, not the step's 16).
+    trainer = _run(model_dir, tmp_path, "rollout.kv_pool=elastic", "rollout.num_blocks=256",
+                   "memory.wake_margin_mb=0")
     worker = trainer.worker
+    arena = worker.engine.kv_arena
+    actor_bytes = sum(worker.actor.memory_parts()[p] for p in ("params", "optimizer"))
+    card = _CardHoldingTheActor(worker.actor,
+                                actor_bytes + wake_blocks * arena.capacity_bytes // 256)
+    arena._backend.sim = card
+    if clear_bps is not None:
+        monkeypatch.setattr(worker, "_clear_bps", clear_bps)
     log = _event_log(worker, monkeypatch)
-    _late(worker.actor.arena, "offload", "actor.optimizer", log, queries=3)
+    _late(worker.actor.arena, "offload", "actor.optimizer", log, card.copies, queries=3)
+    _late(worker.actor.arena, "offload", "actor.params", log, card.copies, queries=1)
     first = trainer.step(0)
-    # The KV pool woke with both copies pending: none is in this step's record yet.
+    # The KV pool woke with both copies pending: none is in this step's record yet, and it
+    # mapped what the card had beside them.
     to_rollout = log[log.index("offload actor.optimizer"):]
     assert to_rollout[-3:] == ["probe after params offload", "wake kv_cache",
                                "probe after resume kv_cache"]
     assert "offload actor.params" not in to_rollout and "waited actor.optimizer" not in log
     assert first["switch/optimizer_d2h/bytes"] == first["switch/params_d2h/bytes"] == 0
+    at_wake = worker.engine.kv_mapped_bytes
+    assert at_wake == worker.meter.last["regions"]["kv_cache"]
+    assert 0 < at_wake <= wake_blocks * arena.capacity_bytes // 256 < arena.capacity_bytes
+    assert worker.engine.blocks.usable == worker.engine._mapped_blocks()
     log.clear()
     second = trainer.step(1)
     # Generation: the optimizer's copy lands at the third look (never waited for), the
-    # params' starts then and lands at the next engine step; their memory goes to the pool
-    # only once the pool is short (the hand-over syncs the device: not for nothing).
+    # params' starts then and lands at the next engine step; then the pool takes their memory.
     generation = log[:log.index("probe after generate") + 1]
-    if blocks == 64:
-        assert generation == ["offload actor.params", "probe after generate"]
-    else:
-        # the optimizer's memory goes to the short pool before the params' copy starts
-        assert generation.index("grow kv") < generation.index("offload actor.params")
+    grown = [p for p in worker.meter.timeline if p["name"] == "kv pool grown"]
+    if clear_bps is None or wake_blocks == 24:
+        assert generation[:2] == ["offload actor.params", "grow kv"]
+        assert generation[-2:] == ["probe kv pool grown", "probe after generate"]
+        # Mapped at the wake, grown during generation: the timeline shows both.
+        assert len(grown) == 1 and grown[0]["regions"]["kv_cache"] > at_wake
+        assert grown[0]["regions"]["kv_cache"] == arena.capacity_bytes
+    else:   # not short, the memory not cleared yet: generation runs on what the wake mapped
+        assert generation == ["offload actor.params", "probe after generate"] and not grown
     assert "waited actor.optimizer" not in log
     parts = worker.actor.memory_parts()
     assert second["switch/optimizer_d2h/bytes"] == parts["optimizer"]
@@ -284,10 +336,11 @@ def test_a_card_too_full_for_the_early_copies_back_falls_back_and_says_so(
     for step in range(2):
         trainer.step(step)
     onloads = [e for e in _compact(log) if e.startswith(("onload", "forward", "drop"))]
-    # The params waited for at once and the optimizer in its sequential place; the ref kept
-    # streamed (its forward waits for it either way).
-    assert onloads[:6] == ["onload ref.params", "onload actor.params", "forward ref",
-                           "drop ref.params", "onload actor.optimizer", "forward actor"]
+    # No room beside the ref's forward: the params and the optimizer wait for the update's,
+    # then come back before it (the sequential order); the ref kept streamed (its forward
+    # waits for it either way).
+    assert onloads[:6] == ["onload ref.params", "forward ref", "drop ref.params",
+                           "onload actor.params", "onload actor.optimizer", "forward actor"]
     said = [line for line in capsys.readouterr().err.splitlines()
             if "come back before the compute that needs them" in line]
     assert len(said) == 2 and "params need" in said[0] and "optimizer need" in said[1]

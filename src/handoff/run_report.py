@@ -31,7 +31,7 @@ from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.ledger import (SWITCH_ACTIONS, Dtypes, exposed_seconds,
                                  switch_actions)
 from handoff.plan.shapes import load_shape
-from handoff.plan.trainer import train_seconds
+from handoff.plan.trainer import forward_seconds, train_seconds
 from handoff.run_dir import read_metrics
 from handoff.units import fmt_bytes
 
@@ -66,15 +66,18 @@ def planned_actions(cfg: Config, rates: Rates, kv_pool_bytes: int) -> dict[str, 
 def planned_exposure(cfg: Config, rates: Rates, planned: dict[str, dict], *,
                      train_tokens: float, generation_seconds: float) -> dict[str, float]:
     """Each planned action's exposed seconds (plan.ledger.exposed_seconds) in this run: the
-    optimizer's copy back hides behind the compute plan.trainer models for `train_tokens`
+    copies back hide behind the trainer's forwards plan.trainer models for `train_tokens`
     (a step's prompt + response tokens on this card), the copies to the host (elastic pool)
     behind `generation_seconds`, a step's measured generation."""
-    compute = train_seconds(load_shape(cfg.model.path), train_tokens, _run_profile(cfg, rates),
-                            ref=cfg.actor.kl_coef > 0,
-                            old_logprobs=cfg.actor.updates_per_step > 1)
+    shape, hw, ref = load_shape(cfg.model.path), _run_profile(cfg, rates), cfg.actor.kl_coef > 0
+    ups = cfg.actor.updates_per_step
+    compute = train_seconds(shape, train_tokens, hw, ref=ref, old_logprobs=ups > 1)
     return exposed_seconds({a: p["seconds"] for a, p in planned.items()}, cfg.memory,
-                           compute_seconds=compute, generation_seconds=generation_seconds,
-                           elastic_pool=cfg.rollout.kv_pool == "elastic")
+                           compute_seconds=compute,
+                           forward_seconds=forward_seconds(shape, train_tokens, hw),
+                           generation_seconds=generation_seconds,
+                           elastic_pool=cfg.rollout.kv_pool == "elastic", ref=ref,
+                           updates_per_step=ups)
 
 
 class RunReport:

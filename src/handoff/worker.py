@@ -44,6 +44,7 @@ from handoff.memory.allocator import aggressive_empty_cache, device_free_bytes, 
 from handoff.memory.meter import MemoryMeter
 from handoff.memory.regions import RegionPool
 from handoff.memory.staging import Transfer
+from handoff.plan.hardware import hardware_profile
 from handoff.plan.ledger import SWITCH_ACTIONS
 from handoff.rollout.engine import Engine
 from handoff.sync.weights import SyncStats, sync_weights
@@ -121,9 +122,12 @@ class HybridWorker:
         self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
         self._queued_to_host: list[str] = []   # actor parts whose copy starts once those land
         self._landed = SwitchRecord()          # copies that landed outside a move
-        self._grow_due = False                 # landed memory not yet handed to the KV pool
+        self._landed_bytes = 0                 # landed this generation, not yet given back
+        self._grow_at: float | None = None     # when the KV pool may take what was given back
+        clear_bps = hardware_profile(cfg.hardware.name, cfg.hardware).clear_bps
+        self._clear_bps = clear_bps or float("inf")
         self._ref_back: Move | None = None           # streamed: queued by to_train
-        self._params_due = False   # streamed: the params' copy back waits for the ref's inputs
+        self._due_back: list[str] = []   # streamed: actor parts queued at the next forward
         self._coming_back: dict[str, Move] = {}     # actor parts' copies back, not yet waited
         self._between_steps_seconds = 0.0
         self._said: set[str] = set()
@@ -231,15 +235,15 @@ class HybridWorker:
         else:
             self._start_to_host(part)
 
-    def _land(self, record: SwitchRecord, *, wait: bool) -> bool:
+    def _land(self, record: SwitchRecord, *, wait: bool) -> int:
         """Land the copies to the host that have finished (wait: all in flight): their device
-        memory is freed, their actions recorded. Returns whether any landed."""
-        landed = False
+        memory is freed, their actions recorded. Returns the bytes landed."""
+        landed = 0
         while self._to_host and (wait or self._to_host[0][1].done()):
             action, transfer = self._to_host.pop(0)
             transfer.wait()
             record.add(action, transfer.seconds, transfer.bytes)
-            landed = True
+            landed += transfer.bytes
         return landed
 
     def _start_queued_to_host(self) -> None:
@@ -247,21 +251,26 @@ class HybridWorker:
             self._start_to_host(self._queued_to_host.pop(0))
 
     def _land_between_steps(self) -> None:
-        """Between two engine steps: land the copies that finished; when the pool holds
-        generation back (engine.kv_short) and no copy of ours is in flight, hand the freed
-        memory to the KV pool; start the next part's copy. Never waits for a copy.
+        """Between two engine steps: land the copies that finished and start the next part's
+        copy; once the last has landed, their memory goes back to the driver, and the KV pool
+        grows into it when the driver has cleared it (hardware clear_bps), or at once if the
+        pool holds generation back (engine.kv_short). Never waits for a copy.
 
-        The hand-over (emptying the cache: a device sync, then the map) costs steps' worth of
-        time, so it waits until the pool is short rather than running at every landing."""
+        Emptying the cache is a device sync: with a copy of ours in flight it would wait for
+        that copy, hence once, after the last (then it waits for the engine's step only).
+        Memory created before the driver has cleared it waits for the clearing."""
         t0 = time.perf_counter()
-        self._grow_due = self._land(self._landed, wait=False) or self._grow_due
-        if self._grow_due and not self._to_host and self.engine.kv_short:
-            aggressive_empty_cache()   # no copy in flight: it waits for the engine's step only
+        self._landed_bytes += self._land(self._landed, wait=False)
+        self._start_queued_to_host()
+        if self._landed_bytes and not self.copies_pending:
+            aggressive_empty_cache()
+            self._grow_at = t0 + self._landed_bytes / self._clear_bps
+            self._landed_bytes = 0
+        if self._grow_at is not None and (t0 >= self._grow_at or self.engine.kv_short):
+            self._grow_at = None
             before = self.engine.kv_mapped_bytes
             if self.engine.grow_kv() > before:
                 self.probe("kv pool grown")   # the timeline shows the pool growing
-            self._grow_due = False
-        self._start_queued_to_host()
         self._between_steps_seconds += time.perf_counter() - t0
 
     def settle(self) -> None:
@@ -290,6 +299,7 @@ class HybridWorker:
         between its steps (their memory grows the KV pool); the rest once it ends."""
         streamed = self.copies_pending
         self._between_steps_seconds = 0.0
+        self._landed_bytes, self._grow_at = 0, None
         t0 = time.perf_counter()
         outs = self.engine.generate(prompts, params, progress=progress,
                                     between_steps=self._land_between_steps if streamed else None)
@@ -305,11 +315,13 @@ class HybridWorker:
         optimizer follow in log_probs and update; params and ref come back by kernel: right
         after a large sleep the copy engines run at half rate (docs/PERF.md). Streamed: the
         ref's copy is queued by kernel, not waited for here (the ref's forward waits for it).
-        The params' copy is queued on the copy engines once the ref's micro-batch inputs are
-        on the device, under its forward (a copy of the inputs queued behind it would wait
-        for all of it); with no ref forward first, by kernel, now. The optimizer's copy is
-        queued once the update's inputs are on the device, under the actor's forwards and
-        backwards (docs/PERF.md, "The streamed switch", says what each place cost)."""
+        The params' and the optimizer's copies are queued on the copy engines, in that order,
+        once the first forward's micro-batch inputs are on the device (a copy of the inputs
+        queued behind them would wait for all of them): the ref's forward, which hides both,
+        or with no ref the update's. The optimizer's is then behind no backward, whose
+        device-to-device copies (FSDP2's reduce-scatter at world size 1) would wait for all
+        of it. When the actor's own forward comes first, the params come back by kernel, now
+        (docs/PERF.md, "The streamed switch", says what each place cost)."""
         mem = self.cfg.memory
         record = SwitchRecord()
         self._timed(record, "engine_sleep", lambda: self.engine.sleep(2))
@@ -317,10 +329,9 @@ class HybridWorker:
         self.probe("after engine sleep")
         if mem.overlap:
             self._ref_back = self._start_ref_back()
-            self._params_due = (self.ref is not None and mem.param_offload
-                                and self.cfg.actor.updates_per_step == 1)
-            if not self._params_due:
-                self._stream_back(record, "params", by_kernel=True)
+            self._due_back = ["params", "optimizer"]
+            if self.ref is None or self.cfg.actor.updates_per_step > 1:
+                self._stream_back(record, self._due_back.pop(0), by_kernel=True)
         elif mem.param_offload:
             record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
         self.probe("after params onload")
@@ -335,17 +346,18 @@ class HybridWorker:
         With one update per step "old" is None: the policy has not moved, so the update's own
         (detached) forward gives them and a pass is saved.
 
-        With memory.overlap the ref's copy back was queued by to_train, the actor's params'
-        copy is queued once the ref's inputs are on the device (to_train says why), and the
-        ref's device copy is dropped after its forward: it never changes, so the host copy of
-        its first offload is still the truth (ref_d2h moves 0 bytes)."""
+        With memory.overlap the ref's copy back was queued by to_train, the actor's copies
+        back are queued once the first forward's inputs are on the device (to_train says
+        why), and the ref's device copy is dropped after its forward: it never changes, so the
+        host copy of its first offload is still the truth (ref_d2h moves 0 bytes)."""
         mem = self.cfg.memory
         record = SwitchRecord()
         ref_back, self._ref_back = self._ref_back, None
+        inputs_ready = lambda: self._stream_due_back(record)  # noqa: E731
         old = None
         if self.cfg.actor.updates_per_step > 1:
-            old = self._compute("old_logprobs",
-                                lambda: self.actor.log_probs(batch, with_entropy=False)[0])
+            old = self._compute("old_logprobs", lambda: self.actor.log_probs(
+                batch, with_entropy=False, inputs_ready=inputs_ready)[0])
         ref = None
         if self.ref is not None:
             if not mem.overlap:
@@ -354,40 +366,39 @@ class HybridWorker:
                 moved = ref_back.wait()["params"]
                 record.add("ref_h2d", moved["seconds"], moved["bytes"])
             ref = self._compute("ref_forward", lambda: self.ref.log_probs(
-                batch, with_entropy=False,
-                inputs_ready=lambda: self._params_back_if_due(record, by_kernel=False))[0])
+                batch, with_entropy=False, inputs_ready=inputs_ready)[0])
             if mem.ref_offload:
                 moved = self.ref.to("host", params=True, copy=not mem.overlap).wait()["params"]
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
         self.probe("after ref forward")   # with no ref too: every step has the same probes
         return {"old": old, "ref": ref}, record
 
-    def _params_back_if_due(self, record: SwitchRecord, *, by_kernel: bool = True) -> None:
-        """Queue the params' copy back if to_train left it for the ref's forward: there on the
-        copy engines (beside the forward, no SMs taken); anywhere else (the ref's forward did
-        not run) by kernel, as the actor's own forward needs them next."""
-        if self._params_due:
-            self._params_due = False
-            self._stream_back(record, "params", by_kernel=by_kernel)
+    def _stream_due_back(self, record: SwitchRecord, *, last: bool = False) -> None:
+        """Queue the copies back to_train left for the first forward, in order, on the copy
+        engines, while the card has room for them beside it; what has none waits for the
+        next forward, or at the `last` (the update's) comes back now."""
+        while self._due_back and self._stream_back(record, self._due_back[0], wait=last):
+            self._due_back.pop(0)
 
     def _start_ref_back(self) -> Move | None:
         if self.ref is None or not self.cfg.memory.ref_offload:
             return None
         return self.ref.to("device", params=True, by_kernel=True)
 
-    def _stream_back(self, record: SwitchRecord, part: str, *, by_kernel: bool = False) -> None:
+    def _stream_back(self, record: SwitchRecord, part: str, *, by_kernel: bool = False,
+                     wait: bool = True) -> bool:
         """Queue the copy back of the actor's `part` if it is offloaded, not waited for: the
-        compute that needs it waits (the actor's forward for the params, its optimizer step
-        for the optimizer).
+        compute that needs it waits (the actor's forward for the params, the update for the
+        optimizer). Returns False if it is left for later (below).
 
         It needs room beside what runs then; the card holds at most what it holds in the
         update (the ref where the grads will be, an activation peak below the update's), so
-        only the part's bytes are checked. Without that room the part comes back now, before
-        any forward (the sequential order), said once; called inside compute, that wait is
-        the compute's wait for a copy."""
+        only the part's bytes are checked. Without that room it is left for later (`wait`
+        False), or comes back now (the sequential order), said once; called inside compute,
+        that wait is the compute's wait for a copy."""
         mem = self.cfg.memory
         if not {"params": mem.param_offload, "optimizer": mem.optimizer_offload}[part]:
-            return
+            return True
         free = device_free_bytes(self.device)
         need = self.actor.memory_parts()[part] + (mem.wake_margin_mb << 20)
         if free is None or free >= need:
@@ -396,7 +407,9 @@ class HybridWorker:
                 by_kernel, programs = True, mem.optimizer_back_programs
             self._coming_back[part] = self.actor.to("device", by_kernel=by_kernel,
                                                     programs=programs, **{part: True})
-            return
+            return True
+        if not wait:
+            return False
         self._say_once(f"{part} back", f"memory.overlap: the actor's {part} need "
                        f"{fmt_bytes(need)} beside what the card holds, {fmt_bytes(free)} is "
                        "free: they come back before the compute that needs them instead (the "
@@ -406,20 +419,30 @@ class HybridWorker:
         moved = self.actor.to("device", by_kernel=part == "params", **{part: True}).wait()
         self.actor.copy_wait_seconds += time.perf_counter() - t0
         record.add_moves(moved, "h2d")
+        return True
 
     def update(self, batch: RolloutBatch) -> tuple[dict[str, float], SwitchRecord]:
         """The GRPO update; the optimizer's state comes back right before it unless its copy
-        already runs (memory.overlap), which lands inside it, before the optimizer step."""
+        already runs (memory.overlap). Queued under an earlier forward, what is left of it is
+        waited for first (the update's inputs would upload behind it), as the compute's wait
+        for a copy; with no forward before (or no room beside it), it is queued once the
+        update's inputs are on the device and lands inside it, before the optimizer step."""
         record = SwitchRecord()
-        self._params_back_if_due(record)
-        optimizer_back = None
-        if self.cfg.memory.overlap:   # behind the actor's forwards and backwards (to_train)
-            optimizer_back = lambda: self._stream_back(record, "optimizer")  # noqa: E731
+        inputs_ready = None
+        if self.cfg.memory.overlap:
+            inputs_ready = lambda: self._stream_due_back(record, last=True)  # noqa: E731
         elif self.cfg.memory.optimizer_offload:
             record.add_moves(self.actor.to("device", optimizer=True).wait(), "h2d")
-        metrics = self._compute("update", lambda: self.actor.update(
-            batch, inputs_ready=optimizer_back,
-            backward_done=self._flush_activations if self._streams_to_host() else None))
+
+        def run() -> dict[str, float]:
+            if self._due_back[:1] == ["params"]:   # had no room before: the update needs them
+                self._stream_back(record, self._due_back.pop(0))
+            if "optimizer" in self._coming_back:
+                self.actor.require_on_device("optimizer")
+            return self.actor.update(batch, inputs_ready=inputs_ready, backward_done=(
+                self._flush_activations if self._streams_to_host() else None))
+
+        metrics = self._compute("update", run)
         self._land_coming_back(record)
         self.probe("after update")
         return metrics, record
@@ -494,7 +517,9 @@ class HybridWorker:
         """Training -> generation in the switch order of docs/ARCHITECTURE.md."""
         mem = self.cfg.memory
         record = SwitchRecord()
-        self._params_back_if_due(record)   # a step without training: the sync reads them
+        if "params" in self._due_back:   # a step without training: the sync reads them
+            self._stream_back(record, "params", by_kernel=True)
+        self._due_back.clear()            # the optimizer, never needed, stays on the host
         self._land_coming_back(record)
         streamed = self._streams_to_host()
         if streamed or not mem.optimizer_offload:

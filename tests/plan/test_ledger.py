@@ -157,7 +157,8 @@ def test_seconds_follow_the_link_rate():
 
 def test_the_streamed_switch_hides_its_copies_behind_work():
     """memory.overlap: the ref is never copied down again, the params' and the optimizer's
-    copies back hide behind the trainer's compute, the copies to the host behind generation (elastic pool)."""
+    copies back hide behind the forwards before the update, the copies to the host behind
+    generation (elastic pool)."""
     shape, parallel, mem, pool = plan_switch("qwen3-32b", 8, overlap=True)
     acts = switch_actions(shape, parallel, mem, H100, kv_pool_bytes=pool)
     by_name = {a.name: a for a in acts}
@@ -166,16 +167,19 @@ def test_the_streamed_switch_hides_its_copies_behind_work():
     assert offloaded_bytes_per_card(acts) == offloaded_bytes_per_card(actions_for("qwen3-32b", 8))
     raw = {a.name: a.seconds for a in acts}
 
-    def exposed(memory=mem, *, compute=100.0, generation=100.0, elastic=True):
-        return exposed_seconds(raw, memory, compute_seconds=compute,
-                               generation_seconds=generation, elastic_pool=elastic)
+    def exposed(memory=mem, *, forward=100.0, generation=100.0, elastic=True, ref=True,
+                updates=1, compute=1000.0):
+        return exposed_seconds(raw, memory, compute_seconds=compute, forward_seconds=forward,
+                               generation_seconds=generation, elastic_pool=elastic, ref=ref,
+                               updates_per_step=updates)
 
     assert exposed(MemoryConfig(overlap=False)) == raw
-    # The params' and the optimizer's copies back queue behind the ref's, under the compute.
-    fixed = exposed(compute=raw["params_h2d"] + 1.0, elastic=False)
+    # The params' and the optimizer's copies back queue behind the ref's, under its forward
+    # (not under the update: the rest of the compute does not hide them).
+    fixed = exposed(forward=raw["params_h2d"] + 1.0, elastic=False)
     assert fixed["params_h2d"] == 0
     assert fixed["optimizer_h2d"] == pytest.approx(raw["optimizer_h2d"] - 1.0)
-    short = exposed(compute=raw["params_h2d"] / 2, elastic=False)
+    short = exposed(forward=raw["params_h2d"] / 2, elastic=False)
     assert short["params_h2d"] == pytest.approx(raw["params_h2d"] / 2)
     assert short["optimizer_h2d"] == pytest.approx(raw["optimizer_h2d"])
     for name in ("optimizer_d2h", "params_d2h"):   # a fixed pool maps after them
@@ -191,6 +195,15 @@ def test_the_streamed_switch_hides_its_copies_behind_work():
     assert late["optimizer_d2h"] == pytest.approx(half)
     assert late["params_d2h"] == pytest.approx(raw["params_d2h"])
     assert exposed(generation=None)["optimizer_d2h"] == raw["optimizer_d2h"]   # unknown: all
+    # The actor's forward first: its params come back by kernel before it (all exposed), the
+    # optimizer behind the forwards before the update (the old policy's and the ref's) ...
+    old_first = exposed(forward=raw["optimizer_h2d"] / 4, updates=2)
+    assert old_first["params_h2d"] == raw["params_h2d"]
+    assert old_first["optimizer_h2d"] == pytest.approx(raw["optimizer_h2d"] / 2)
+    # ... or with no forward before the update, behind the update.
+    no_ref = exposed(forward=100.0, ref=False, compute=raw["optimizer_h2d"] / 4)
+    assert no_ref["params_h2d"] == raw["params_h2d"]
+    assert no_ref["optimizer_h2d"] == pytest.approx(raw["optimizer_h2d"] * 3 / 4)
 
 
 def test_the_plan_models_the_step_with_the_exposed_switch():

@@ -23,7 +23,8 @@ ref's forward. An action whose offload is off stays in the list with 0 bytes and
 Exposed seconds (`exposed_seconds`): the part of each action's own seconds that the step
 waits for. Without memory.overlap that is all of it. With it (the streamed switch) ref_d2h
 moves nothing (the ref never changes: its device copy is dropped, the host copy of its first
-offload kept), the optimizer's H2D runs behind the trainer's compute and with an elastic KV
+offload kept), the params' and the optimizer's H2D run behind the forwards before the update
+(the ref's, the old policy's) or, with none, the update's compute, and with an elastic KV
 pool the two D2H copies (one after the other on one stream) behind generation: each exposed
 only by what it outlasts the work it hides behind.
 """
@@ -211,7 +212,7 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
         move("params_h2d", "H2D", param_on, owners["params"], "before old_log_prob",
              "off: bf16 params stay on the card"),
         move("optimizer_h2d", "H2D", opt_on, opt,
-             "back behind the ref's and the actor's compute" if memory.overlap
+             "back behind the forwards before the update" if memory.overlap
              else "only loaded right before update_actor",
              "off: optimizer state stays on the card"),
         move("ref_h2d", "H2D", ref_on, owners["reference"], "only loaded for the ref forward",
@@ -220,17 +221,28 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
 
 
 def exposed_seconds(seconds: dict[str, float], memory: MemoryConfig, *, compute_seconds: float,
-                    generation_seconds: float | None, elastic_pool: bool) -> dict[str, float]:
+                    forward_seconds: float, generation_seconds: float | None,
+                    elastic_pool: bool, ref: bool = True,
+                    updates_per_step: int = 1) -> dict[str, float]:
     """Each action's seconds the step waits for (the module docstring), from its own
-    `seconds` by name: the params' and the optimizer's H2D hide behind `compute_seconds`
-    (the trainer's forwards and backwards, plan.trainer), the D2H copies behind
-    `generation_seconds` when the pool is elastic (a fixed pool is mapped whole at its wake,
-    after them)."""
+    `seconds` by name. The copies back are queued at the step's first forward: with the
+    ref's first (a ref, one update per step) the params' and then the optimizer's, in turn
+    behind the forwards before the update (`forward_seconds` each: the ref's, and the old
+    policy's with more updates); with the actor's first the params come back by kernel
+    before it (all exposed) and the optimizer behind those forwards, or with none behind the
+    update (`compute_seconds`, the trainer's whole compute, plan.trainer). The D2H copies
+    hide behind `generation_seconds` when the pool is elastic (a fixed pool is mapped whole
+    at its wake, after them)."""
     exposed = dict(seconds)
     if not memory.overlap:
         return exposed
-    exposed["params_h2d"], exposed["optimizer_h2d"] = _late_in_turn(
-        seconds["params_h2d"], seconds["optimizer_h2d"], compute_seconds)
+    before_update = forward_seconds * (int(ref) + int(updates_per_step > 1))
+    behind = before_update if before_update > 0 else compute_seconds
+    if ref and updates_per_step == 1:
+        exposed["params_h2d"], exposed["optimizer_h2d"] = _late_in_turn(
+            seconds["params_h2d"], seconds["optimizer_h2d"], behind)
+    else:
+        exposed["optimizer_h2d"] = max(0.0, seconds["optimizer_h2d"] - behind)
     if elastic_pool and generation_seconds is not None:
         exposed["optimizer_d2h"], exposed["params_d2h"] = _late_in_turn(
             seconds["optimizer_d2h"], seconds["params_d2h"], generation_seconds)

@@ -31,7 +31,7 @@ from handoff.plan.ledger import (Dtypes, SwitchAction, exposed_seconds,
                                  memory_by_owner, offloaded_bytes_per_card, shard_size,
                                  switch_actions, switch_summary, weight_sync_seconds)
 from handoff.plan.shapes import ModelShape, load_shape
-from handoff.plan.trainer import model_flops, train_seconds
+from handoff.plan.trainer import forward_seconds, model_flops, train_seconds
 from handoff.plan.verdict import (HOST_FRACTION, TRAIN_PEAK_FRACTION, decide, elastic_utilization,
                                   max_safe_utilization, training_peak_bytes)
 
@@ -56,17 +56,21 @@ def auto_tp(shape: ModelShape, hw: HardwareProfile, gpus: int, dtypes: Dtypes) -
 def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
               actions: list[SwitchAction], generation_seconds: float | None, *,
               memory: MemoryConfig, elastic_pool: bool, given: float | None, ref: bool,
-              old_logprobs: bool) -> tuple[dict, dict]:
+              updates_per_step: int) -> tuple[dict, dict]:
     """The step's seconds and each switch action's exposed seconds. The step: the given one,
     else generation + the switch's exposed seconds + the trainer's compute (plan.trainer:
     model FLOPs of the card's prompt + response tokens / train_flops_per_s), which the
     optimizer's copy back hides behind with memory.overlap."""
     responses = workload.tokens_per_card / workload.response_len
     tokens = workload.tokens_per_card + responses * workload.prompt_len
+    old_logprobs = updates_per_step > 1
     train_s = train_seconds(shape, tokens, hw, ref=ref, old_logprobs=old_logprobs)
     exposed = exposed_seconds({a.name: a.seconds for a in actions}, memory,
-                              compute_seconds=train_s, generation_seconds=generation_seconds,
-                              elastic_pool=elastic_pool)
+                              compute_seconds=train_s,
+                              forward_seconds=forward_seconds(shape, tokens, hw),
+                              generation_seconds=generation_seconds,
+                              elastic_pool=elastic_pool, ref=ref,
+                              updates_per_step=updates_per_step)
     switch_s = sum(exposed.values())
     modelled = (generation_seconds + switch_s + train_s
                 if generation_seconds is not None else None)
@@ -138,7 +142,7 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
     step, exposed = step_time(shape, hw, workload, actions, req_row.generation_seconds,
                               memory=memory, elastic_pool=elastic,
                               given=wl_cfg.step_seconds, ref=ref,
-                              old_logprobs=cfg.actor.updates_per_step > 1)
+                              updates_per_step=cfg.actor.updates_per_step)
     switch = switch_summary(actions, step["seconds"], exposed=exposed)
     verdict = decide(shape, parallel, memory, hw, workload=workload, dtypes=dtypes, ref=ref,
                      utilization=util, pinned_per_node=pinned_per_node, sync_seconds=sync_seconds,

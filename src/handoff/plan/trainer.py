@@ -63,6 +63,11 @@ def train_seconds(shape: ModelShape, tokens: float, hw: HardwareProfile, *, ref:
     return model_flops(shape, tokens, ref=ref, old_logprobs=old_logprobs) / hw.train_flops_per_s
 
 
+def forward_seconds(shape: ModelShape, tokens: float, hw: HardwareProfile) -> float:
+    """One forward pass over `tokens` (2 N T model FLOPs): the ref's, or the old policy's."""
+    return 2 * matmul_params(shape) * tokens / hw.train_flops_per_s
+
+
 def _intermediate(shape: ModelShape) -> int:
     """MLP width per token: the dense FFN, or the routed experts a token visits (MoE)."""
     tables = 1 if shape.tie_word_embeddings else 2
