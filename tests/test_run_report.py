@@ -7,7 +7,7 @@ from handoff.calibrate import Rates
 from handoff.config import load_config
 from handoff.memory.meter import MemoryMeter
 from handoff.plan.shapes import load_shape
-from handoff.run_report import RunReport, planned_actions
+from handoff.run_report import RunReport, planned_actions, step_probes
 
 
 def _report(tmp_path):
@@ -91,3 +91,17 @@ def test_planned_actions_move_with_the_measured_rates(tmp_path):
     # The run's sync is in-process: no per-bucket IPC charge, whatever the profile says.
     ipc_heavy = _cfg("qwen3-4b", tmp_path, "hardware.sync_bucket_ms=1000")
     assert planned_actions(ipc_heavy, Rates(RATES), pool) == base
+
+
+def test_the_plotted_step_starts_from_the_card_as_the_last_switch_left_it():
+    timeline = [{"name": "start", "step": -1}, {"name": "after generate", "step": 0},
+                {"name": "after resume kv_cache", "step": 0},
+                {"name": "kv pool grown", "step": 1}, {"name": "after generate", "step": 1},
+                {"name": "after resume kv_cache", "step": 1}]
+    names = [p["name"] for p in step_probes(timeline, 1)]
+    # The elastic pool's wake, then its growth during the step's generation.
+    assert names == ["after resume kv_cache (step 1)", "kv pool grown", "after generate",
+                     "after resume kv_cache"]
+    assert timeline[2]["name"] == "after resume kv_cache"   # the timeline is not renamed
+    assert [p["name"] for p in step_probes(timeline, 0)][0] == "start (step 0)"
+    assert step_probes(timeline, 5) == timeline

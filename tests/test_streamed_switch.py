@@ -293,8 +293,12 @@ def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(
         # Mapped at the wake, grown during generation: the timeline shows both.
         assert len(grown) == 1 and grown[0]["regions"]["kv_cache"] > at_wake
         assert grown[0]["regions"]["kv_cache"] == arena.capacity_bytes
+        # The growth is the wake's second map: the step's kv_cache_wake holds both.
+        assert second["switch/kv_cache_wake/bytes"] == (arena.capacity_bytes - at_wake
+                                                        + worker.engine.kv_mapped_bytes)
     else:   # not short, the memory not cleared yet: generation runs on what the wake mapped
         assert generation == ["offload actor.params", "probe after generate"] and not grown
+        assert second["switch/kv_cache_wake/bytes"] == worker.engine.kv_mapped_bytes
     assert "waited actor.optimizer" not in log
     parts = worker.actor.memory_parts()
     assert second["switch/optimizer_d2h/bytes"] == parts["optimizer"]

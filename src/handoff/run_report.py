@@ -80,6 +80,18 @@ def planned_exposure(cfg: Config, rates: Rates, planned: dict[str, dict], *,
                            updates_per_step=ups)
 
 
+def step_probes(timeline: list[dict], step: int) -> list[dict]:
+    """The probes of `step` (0-based), after the card as the step found it: the last probe
+    before it (the previous switch's KV wake, which an elastic pool grows from), named with
+    its step counted from 1. The whole timeline if the step has none."""
+    probes = [p for p in timeline if p.get("step") == step]
+    if not probes:
+        return timeline
+    before = [p for p in timeline if p.get("step", 0) < step]
+    return ([dict(before[-1], name=f"{before[-1]['name']} (step {step})")] if before else []
+            ) + probes
+
+
 class RunReport:
     """Rank 0's view of a run: files under out_dir and the console."""
 
@@ -153,8 +165,7 @@ class RunReport:
         meter = self.meter
         meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
         last_step = self.rows[-1]["step"] - 1 if self.rows else 0
-        one_step = [p for p in meter.timeline if p.get("step") == last_step] or meter.timeline
-        plot_timeline(one_step, self.out_dir / "memory_timeline.png",
+        plot_timeline(step_probes(meter.timeline, last_step), self.out_dir / "memory_timeline.png",
                       title=f"memory by owner, step {last_step + 1}")
         measured = self._measured()
         rows = self.rows[1:] or self.rows

@@ -263,13 +263,16 @@ class HybridWorker:
         self._landed_bytes += self._land(self._landed, wait=False)
         self._start_queued_to_host()
         if self._landed_bytes and not self.copies_pending:
-            aggressive_empty_cache()
+            self._flush()
             self._grow_at = t0 + self._landed_bytes / self._clear_bps
             self._landed_bytes = 0
         if self._grow_at is not None and (t0 >= self._grow_at or self.engine.kv_short):
             self._grow_at = None
             before = self.engine.kv_mapped_bytes
-            if self.engine.grow_kv() > before:
+            t_grow = time.perf_counter()
+            grown = self.engine.grow_kv() - before
+            if grown > 0:   # the wake's second part (the ledger prices both as one)
+                self._landed.add("kv_cache_wake", time.perf_counter() - t_grow, grown)
                 self.probe("kv pool grown")   # the timeline shows the pool growing
         self._between_steps_seconds += time.perf_counter() - t0
 
