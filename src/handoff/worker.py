@@ -44,7 +44,6 @@ from handoff.memory.allocator import aggressive_empty_cache, device_free_bytes, 
 from handoff.memory.meter import MemoryMeter
 from handoff.memory.regions import RegionPool
 from handoff.memory.staging import Transfer
-from handoff.plan.hardware import hardware_profile
 from handoff.plan.ledger import SWITCH_ACTIONS
 from handoff.rollout.engine import Engine
 from handoff.sync.weights import SyncStats, sync_weights
@@ -122,10 +121,7 @@ class HybridWorker:
         self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
         self._queued_to_host: list[str] = []   # actor parts whose copy starts once those land
         self._landed = SwitchRecord()          # copies that landed outside a move
-        self._landed_bytes = 0                 # landed this generation, not yet given back
-        self._grow_at: float | None = None     # when the KV pool may take what was given back
-        clear_bps = hardware_profile(cfg.hardware.name, cfg.hardware).clear_bps
-        self._clear_bps = clear_bps or float("inf")
+        self._grow_due = False                 # landed memory not yet handed to the KV pool
         self._ref_back: Move | None = None           # streamed: queued by to_train
         self._due_back: list[str] = []   # streamed: actor parts queued at the next forward
         self._coming_back: dict[str, Move] = {}     # actor parts' copies back, not yet waited
@@ -252,28 +248,25 @@ class HybridWorker:
 
     def _land_between_steps(self) -> None:
         """Between two engine steps: land the copies that finished and start the next part's
-        copy; once the last has landed, their memory goes back to the driver, and the KV pool
-        grows into it when the driver has cleared it (hardware clear_bps), or at once if the
-        pool holds generation back (engine.kv_short). Never waits for a copy.
+        copy; when the pool holds generation back (engine.kv_short) and no copy of ours is in
+        flight, the landed memory goes back to the driver and the KV pool grows into it
+        (before the next part's copy starts). Never waits for a copy.
 
-        Emptying the cache is a device sync: with a copy of ours in flight it would wait for
-        that copy, hence once, after the last (then it waits for the engine's step only).
-        Memory created before the driver has cleared it waits for the clearing."""
+        The hand-over (emptying the cache: a device sync, then the map) costs a tenth of a
+        second on the 4B step (docs/PERF.md), so it runs only when generation needs it: with
+        a copy in flight the sync would wait for that copy too."""
         t0 = time.perf_counter()
-        self._landed_bytes += self._land(self._landed, wait=False)
-        self._start_queued_to_host()
-        if self._landed_bytes and not self.copies_pending:
+        self._grow_due = self._land(self._landed, wait=False) > 0 or self._grow_due
+        if self._grow_due and not self._to_host and self.engine.kv_short:
+            self._grow_due = False
             self._flush()
-            self._grow_at = t0 + self._landed_bytes / self._clear_bps
-            self._landed_bytes = 0
-        if self._grow_at is not None and (t0 >= self._grow_at or self.engine.kv_short):
-            self._grow_at = None
             before = self.engine.kv_mapped_bytes
             t_grow = time.perf_counter()
             grown = self.engine.grow_kv() - before
-            if grown > 0:   # the wake's second part (the ledger prices both as one)
+            if grown > 0:   # the wake's second map: recorded as kv_cache_wake
                 self._landed.add("kv_cache_wake", time.perf_counter() - t_grow, grown)
                 self.probe("kv pool grown")   # the timeline shows the pool growing
+        self._start_queued_to_host()
         self._between_steps_seconds += time.perf_counter() - t0
 
     def settle(self) -> None:
@@ -302,7 +295,7 @@ class HybridWorker:
         between its steps (their memory grows the KV pool); the rest once it ends."""
         streamed = self.copies_pending
         self._between_steps_seconds = 0.0
-        self._landed_bytes, self._grow_at = 0, None
+        self._grow_due = False
         t0 = time.perf_counter()
         outs = self.engine.generate(prompts, params, progress=progress,
                                     between_steps=self._land_between_steps if streamed else None)

@@ -148,22 +148,23 @@ def test_copies_right_after_the_sleep_are_priced_at_the_kernel_rate():
         plain["params_h2d"].bytes_per_card / H200.pinned_pcie_bps)
 
 
-def test_an_elastic_wake_beside_the_copies_and_its_growth_map_the_whole_pool():
-    # Streamed, the wake maps what is free beside the copies to the host and the pool grows
-    # into their memory as they land: kv_cache_wake prices both maps, the whole pool.
+def test_an_elastic_wake_beside_the_copies_maps_the_pool_less_the_state_in_flight():
     shape = load_shape("qwen3-4b")
+    owners = trainer_bytes(shape, 1, Dtypes())
     pool = 140 * GB
     fixed = _acts(shape, H200, pool=pool, memory=MemoryConfig(overlap=True))
     streamed = _acts(shape, H200, pool=pool, memory=MemoryConfig(overlap=True),
                      elastic_pool=True)
-    assert streamed["kv_cache_wake"].bytes_per_card == fixed["kv_cache_wake"].bytes_per_card == pool
-    assert streamed["kv_cache_wake"].seconds == pytest.approx(pool / H200.map_bps)
-    assert "the rest as they land" in streamed["kv_cache_wake"].note
-    # In turn the copies land first; with nothing offloaded nothing is in flight.
+    in_flight = owners["optimizer"] + owners["params"]
+    assert fixed["kv_cache_wake"].bytes_per_card == pool
+    assert streamed["kv_cache_wake"].bytes_per_card == pool - in_flight
+    assert streamed["kv_cache_wake"].seconds < fixed["kv_cache_wake"].seconds
+    assert "beside the copies" in streamed["kv_cache_wake"].note
+    # In turn, the copies land first and the wake maps the whole pool.
     in_turn = _acts(shape, H200, pool=pool, memory=MemoryConfig(overlap=False),
                     elastic_pool=True)
-    nothing = _acts(shape, H200, pool=pool, elastic_pool=True, memory=MemoryConfig(
-        overlap=True, optimizer_offload=False, param_offload=False))
-    for acts in (in_turn, nothing):
-        assert acts["kv_cache_wake"].bytes_per_card == pool
-        assert "as they land" not in acts["kv_cache_wake"].note
+    assert in_turn["kv_cache_wake"].bytes_per_card == pool
+    # Only what is offloaded is in flight.
+    kept = _acts(shape, H200, pool=pool, elastic_pool=True,
+                 memory=MemoryConfig(overlap=True, optimizer_offload=False))
+    assert kept["kv_cache_wake"].bytes_per_card == pool - owners["params"]

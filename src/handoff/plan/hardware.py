@@ -19,9 +19,6 @@ Where the numbers come from:
   (Qwen3-1.7B: 310 tensors, 3.2 GB in 30 ms); a kernel copies host-to-device at 51 GB/s
   (also right after a 100 GiB sleep, when the copy engines manage 27 GB/s); decode
   bandwidth scaled from the H100's 60% of peak.
-* clear_bps: the rate at which the H200's driver clears memory a process freed before it
-  can be created again (2026-12-04, docs/PERF.md: cuMemCreate right after a 60 GB free
-  waited ~0.2 s); h100-sxm assumed equal; unknown elsewhere (0).
 * a100-80g: PCIe Gen4 and NVLink3 figures, decode bandwidth at 60% of the 2.0 TB/s peak.
 * cpu: the CPU demo, where "HBM" is host memory and every link is a memcpy.
 * train_flops_per_s (the trainer's model FLOP/s per card): h200 from the 4B colocated step of
@@ -82,10 +79,6 @@ class HardwareProfile:
     # The paged decode kernel's KV read rate (`handoff bench kernel`, docs/PERF.md: the H200
     # measured; other cards at the H200's share of HBM peak, 90%). 0: decode_bw_bps.
     kv_read_bps: float = 0.0
-    # The driver clears memory a process gives back before it can be created again (the
-    # H200 measured, docs/PERF.md: memory created right after a large free waits for it).
-    # 0: not known; whoever maps freed memory maps it at once.
-    clear_bps: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -99,7 +92,7 @@ PROFILES: dict[str, HardwareProfile] = {
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
         host_ram_bytes=2048 * GB, gpus_per_node=8, train_flops_per_s=315e12,
-        kv_read_bps=0.9 * 3350 * GB, clear_bps=300 * GB),
+        kv_read_bps=0.9 * 3350 * GB),
     "h200": HardwareProfile(
         name="h200", hbm_bytes=139 * GIB, pinned_pcie_bps=55 * GB, nvlink_bps=450 * GB,
         decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, sync_copy_bps=2500 * GB,
@@ -107,7 +100,7 @@ PROFILES: dict[str, HardwareProfile] = {
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=25e-6,
         host_ram_bytes=2048 * GB, gpus_per_node=8, kernel_h2d_bps=51 * GB,
-        train_flops_per_s=315e12, kv_read_bps=4300 * GB, clear_bps=300 * GB),
+        train_flops_per_s=315e12, kv_read_bps=4300 * GB),
     "a100-80g": HardwareProfile(
         name="a100-80g", hbm_bytes=80 * GB, pinned_pcie_bps=20 * GB, nvlink_bps=300 * GB,
         decode_bw_bps=1200 * GB, d2d_bps=1700 * GB, sync_copy_bps=1000 * GB,

@@ -148,8 +148,10 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     host-to-device rate when it differs from hw.pinned_pcie_bps).
 
     elastic_pool (rollout.kv_pool=elastic) with memory.overlap: the wake maps what is free
-    beside the copies to the host still running, and the pool grows into their memory once
-    they have landed, between two engine steps: kv_cache_wake is both maps, the whole pool.
+    beside the copies to the host still running, the pool less the optimizer's and the
+    params' offloaded bytes, and the sleep unmaps that. The pool grows into their memory
+    only if generation runs short of blocks (a second map, which the worker records under
+    kv_cache_wake too; the ledger cannot know the workload's need, so prices the wake).
 
     to_train copies the params in right after the engine's sleep, and the ref soon after,
     while the copy engines are busy with the pages the sleep released: those two copies
@@ -179,7 +181,9 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     grads_note = "grads move with the optimizer" if grad_offload else "grads are freed, not moved"
     weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
     pool = max(int(kv_pool_bytes), 0)
-    beside_copies = elastic_pool and memory.overlap and (opt_on or param_on)
+    beside_copies = elastic_pool and memory.overlap
+    if beside_copies:
+        pool = max(pool - (opt if opt_on else 0) - (owners["params"] if param_on else 0), 0)
     full_gb = shape.num_params * dtypes.param_bytes / GB
     gathered = shard_size(parallel) > 1
     local = is_in_process(parallel, in_process)
@@ -201,8 +205,7 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
                                          weights_map_bps=weights_map_bps),
                      f"the whole model ({full_gb:.1f} GB) flows through every card"),
         SwitchAction("kv_cache_wake", "map", pool, "cuMemMap, no copy", kv_seconds,
-                     ("beside the copies to the host, the rest as they land; "
-                      if beside_copies else "")
+                     ("beside the copies to the host; " if beside_copies else "")
                      + "prefix cache emptied" + ("; fp8 KV zeroed, scales reset to 1"
                                                  if dtypes.kv_bytes == 1 else "")),
         SwitchAction("engine_sleep", "unmap", 0, "cuMemUnmap", (weights + pool) / hw.unmap_bps,
