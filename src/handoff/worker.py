@@ -315,8 +315,7 @@ class HybridWorker:
         once the first forward's micro-batch inputs are on the device (a copy of the inputs
         queued behind them would wait for all of them): the ref's forward, which hides both,
         or with no ref the update's. The optimizer's is then behind no backward, whose
-        device-to-device copies (FSDP2's reduce-scatter at world size 1) would wait for all
-        of it. When the actor's own forward comes first, the params come back by kernel, now
+        device-to-device copies (FSDP2's, at world size 1) would wait for all of it. When the actor's own forward comes first, the params come back by kernel, now
         (docs/PERF.md, "The streamed switch", says what each place cost)."""
         mem = self.cfg.memory
         record = SwitchRecord()
