@@ -231,15 +231,15 @@ class HybridWorker:
         else:
             self._start_to_host(part)
 
-    def _land(self, record: SwitchRecord, *, wait: bool) -> int:
+    def _land(self, record: SwitchRecord, *, wait: bool) -> bool:
         """Land the copies to the host that have finished (wait: all in flight): their device
-        memory is freed, their actions recorded. Returns the bytes landed."""
-        landed = 0
+        memory is freed, their actions recorded. Returns whether any landed."""
+        landed = False
         while self._to_host and (wait or self._to_host[0][1].done()):
             action, transfer = self._to_host.pop(0)
             transfer.wait()
             record.add(action, transfer.seconds, transfer.bytes)
-            landed += transfer.bytes
+            landed = True
         return landed
 
     def _start_queued_to_host(self) -> None:
@@ -256,7 +256,7 @@ class HybridWorker:
         second on the 4B step (docs/PERF.md), so it runs only when generation needs it: with
         a copy in flight the sync would wait for that copy too."""
         t0 = time.perf_counter()
-        self._grow_due = self._land(self._landed, wait=False) > 0 or self._grow_due
+        self._grow_due = self._land(self._landed, wait=False) or self._grow_due
         if self._grow_due and not self._to_host and self.engine.kv_short:
             self._grow_due = False
             self._flush()
@@ -315,8 +315,9 @@ class HybridWorker:
         once the first forward's micro-batch inputs are on the device (a copy of the inputs
         queued behind them would wait for all of them): the ref's forward, which hides both,
         or with no ref the update's. The optimizer's is then behind no backward, whose
-        device-to-device copies (FSDP2's, at world size 1) would wait for all of it. When the actor's own forward comes first, the params come back by kernel, now
-        (docs/PERF.md, "The streamed switch", says what each place cost)."""
+        device-to-device copies (FSDP2's, at world size 1) would wait for all of it. When the
+        actor's own forward comes first, the params come back by kernel, now (docs/PERF.md,
+        "The streamed switch", says what each place cost)."""
         mem = self.cfg.memory
         record = SwitchRecord()
         self._timed(record, "engine_sleep", lambda: self.engine.sleep(2))

@@ -59,8 +59,9 @@ def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
               updates_per_step: int) -> tuple[dict, dict]:
     """The step's seconds and each switch action's exposed seconds. The step: the given one,
     else generation + the switch's exposed seconds + the trainer's compute (plan.trainer:
-    model FLOPs of the card's prompt + response tokens / train_flops_per_s), which the
-    optimizer's copy back hides behind with memory.overlap."""
+    model FLOPs of the card's prompt + response tokens / train_flops_per_s); with
+    memory.overlap the copies back hide behind its forwards before the update
+    (plan.ledger.exposed_seconds)."""
     responses = workload.tokens_per_card / workload.response_len
     tokens = workload.tokens_per_card + responses * workload.prompt_len
     old_logprobs = updates_per_step > 1
