@@ -267,13 +267,17 @@ def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(
     log = _event_log(worker, monkeypatch)
     _late(worker.actor.arena, "offload", "actor.optimizer", log, card.copies, queries=3)
     _late(worker.actor.arena, "offload", "actor.params", log, card.copies, queries=1)
+    runner = worker.engine.runner
+    monkeypatch.setattr(runner, "launch", lambda seqs, is_prefill, _launch=runner.launch, **kw: (
+        log.append("launch prefill" if is_prefill else "launch decode"),
+        _launch(seqs, is_prefill, **kw))[1])
     first = trainer.step(0)
-    # The KV pool woke with both copies pending: none is in this step's record yet, and it
-    # mapped what the card had beside them.
-    to_rollout = log[log.index("offload actor.optimizer"):]
+    # The KV pool woke with both copies queued, not started: none is in this step's record,
+    # and it mapped what the card had beside the actor's state.
+    to_rollout = log[log.index("probe before resume weights"):]
     assert to_rollout[-3:] == ["probe after params offload", "wake kv_cache",
                                "probe after resume kv_cache"]
-    assert "offload actor.params" not in to_rollout and "waited actor.optimizer" not in log
+    assert not any(e.startswith("offload actor.") for e in to_rollout)
     assert first["switch/optimizer_d2h/bytes"] == first["switch/params_d2h/bytes"] == 0
     at_wake = worker.engine.kv_mapped_bytes
     assert at_wake == worker.meter.last["regions"]["kv_cache"]
@@ -281,19 +285,25 @@ def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(
     assert worker.engine.blocks.usable == worker.engine._mapped_blocks()
     log.clear()
     second = trainer.step(1)
-    # Generation: the optimizer's copy lands at the third look (never waited for), the
-    # params' starts then and lands at the next engine step.
+    # Generation: the optimizer's copy starts once a decode step is launched (the prefills'
+    # new GEMM shapes are launched before it), lands at the third look (never waited for),
+    # the params' starts then and lands at the next engine step.
     generation = log[:log.index("probe after generate") + 1]
+    assert generation.index("launch decode") < generation.index("offload actor.optimizer")
+    assert generation[0] == "launch prefill"
+    generation = [e for e in generation if not e.startswith("launch ")]
     grown = [p for p in worker.meter.timeline if p["name"] == "kv pool grown"]
     if wake_blocks == 24:
-        assert generation[:3] == ["grow kv", "probe kv pool grown", "offload actor.params"]
+        assert generation[:4] == ["offload actor.optimizer", "grow kv", "probe kv pool grown",
+                                  "offload actor.params"]
         # Mapped at the wake, grown during generation: the timeline shows both.
         assert len(grown) == 1 and grown[0]["regions"]["kv_cache"] > at_wake
         # The growth is the wake's second map: the step's kv_cache_wake holds both.
         assert second["switch/kv_cache_wake/bytes"] == (grown[0]["regions"]["kv_cache"]
                                                         - at_wake + worker.engine.kv_mapped_bytes)
     else:
-        assert generation == ["offload actor.params", "probe after generate"] and not grown
+        assert generation == ["offload actor.optimizer", "offload actor.params",
+                              "probe after generate"] and not grown
         assert second["switch/kv_cache_wake/bytes"] == worker.engine.kv_mapped_bytes
     assert "waited actor.optimizer" not in log
     parts = worker.actor.memory_parts()

@@ -223,14 +223,6 @@ class HybridWorker:
         if transfer is not None:
             self._to_host.append((f"{part}_d2h", transfer))
 
-    def _queue_to_host(self, part: str) -> None:
-        """The part's copy starts once the copies in flight have landed: the cache emptied
-        at a landing then waits for no copy of ours (one D2H stream: no later either)."""
-        if self._to_host:
-            self._queued_to_host.append(part)
-        else:
-            self._start_to_host(part)
-
     def _land(self, record: SwitchRecord, *, wait: bool) -> bool:
         """Land the copies to the host that have finished (wait: all in flight): their device
         memory is freed, their actions recorded. Returns whether any landed."""
@@ -243,6 +235,8 @@ class HybridWorker:
         return landed
 
     def _start_queued_to_host(self) -> None:
+        """The next queued part's copy, once the one in flight has landed: the cache emptied
+        at a landing then waits for no copy of ours (one D2H stream: no later either)."""
         if self._queued_to_host and not self._to_host:
             self._start_to_host(self._queued_to_host.pop(0))
 
@@ -254,7 +248,11 @@ class HybridWorker:
 
         The hand-over (emptying the cache: a device sync, then the map) costs a tenth of a
         second on the 4B step (docs/PERF.md), so it runs only when generation needs it: with
-        a copy in flight the sync would wait for that copy too."""
+        a copy in flight the sync would wait for that copy too.
+
+        The first copy starts once a decode step is launched: the launch of a GEMM shape new
+        to the process (a prefill's token count) waits for the device to go idle, copies in
+        flight included (docs/PERF.md); decode steps replay captured graphs."""
         t0 = time.perf_counter()
         self._grow_due = self._land(self._landed, wait=False) or self._grow_due
         if self._grow_due and not self._to_host and self.engine.kv_short:
@@ -266,7 +264,8 @@ class HybridWorker:
             if grown > 0:   # the wake's second map: recorded as kv_cache_wake
                 self._landed.add("kv_cache_wake", time.perf_counter() - t_grow, grown)
                 self.probe("kv pool grown")   # the timeline shows the pool growing
-        self._start_queued_to_host()
+        if self.engine.decoding:
+            self._start_queued_to_host()
         self._between_steps_seconds += time.perf_counter() - t0
 
     def settle(self) -> None:
@@ -523,22 +522,23 @@ class HybridWorker:
             # the training phase's cached blocks so go back to the driver for the KV wake to map
             # (docs/PERF.md, "The streamed switch").
             self._flush()
-        if mem.optimizer_offload:
+        if mem.optimizer_offload and not streamed:
             self._start_to_host("optimizer")
-            if not streamed:
-                # Emptying the cache now would wait for the optimizer copy (and free none of
-                # its memory: that comes when the copy is waited on): the weights wake tries
-                # without it, and _wake_weights waits, empties and retries if it must.
-                gc.collect()
+            # Emptying the cache now would wait for the optimizer copy (and free none of its
+            # memory: that comes when the copy is waited on): the weights wake tries without
+            # it, and _wake_weights waits, empties and retries if it must.
+            gc.collect()
         self.probe("before resume weights")
         with expandable_segments(False):
             self._timed(record, "engine_weights_sync", lambda: self._sync_weights(record),
                         nbytes=lambda: record.sync.bytes)
             self.probe("after update_weights")
             if streamed:
-                # Generation starts under the copies: they land between its steps.
-                if mem.param_offload:
-                    self._queue_to_host("params")
+                # Generation starts before the copies: they start under it (the optimizer's
+                # first, in turn) and land between its steps.
+                self._queued_to_host += [part for part, offloaded in (
+                    ("optimizer", mem.optimizer_offload), ("params", mem.param_offload))
+                    if offloaded]
             else:
                 self._hand_back_in_turn(record)
             self.probe("after params offload")

@@ -146,6 +146,7 @@ class Engine:
         self._decode_seconds = 0.0
         self._decode_wait_seconds = 0.0
         self._prefill_seconds = 0.0
+        self.decoding = False   # generate: a decode step has been launched (its prefills are)
 
     # ---------------------------------------------------------------- sizing
 
@@ -259,7 +260,8 @@ class Engine:
         """Complete every prompt `params.n` times; outputs in prompt order, samples in order.
 
         `between_steps()` runs on the host after every engine step (the streamed switch lands
-        the trainer's copies there and calls `grow_kv`)."""
+        the trainer's copies there and calls `grow_kv`); `decoding` says whether a decode
+        step has been launched yet."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if self.tp.size > 1:  # ranks that diverge would wait in a collective forever
@@ -284,6 +286,7 @@ class Engine:
             self.scheduler.add(seq)
         self.scheduler.peak_running = 0
         self.scheduler.blocks_short = False
+        self.decoding = False
         bar = _progress_bar(len(seqs)) if progress else None
         try:
             staged = None
@@ -322,6 +325,7 @@ class Engine:
         seqs, is_prefill, launched = staged
         ahead = None if is_prefill else self.scheduler.reserve_ahead()
         following = None
+        self.decoding = self.decoding or not is_prefill
         if ahead is not None:
             following = (ahead, False, self.runner.launch(ahead, False, ahead=1))
             self._counters["decode_steps_staged"] += 1
