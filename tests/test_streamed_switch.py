@@ -29,12 +29,12 @@ SEQUENTIAL = [
     "probe after update_weights", "offload actor.params", "probe after params offload",
     "wake kv_cache", "probe after resume kv_cache"]
 # memory.overlap with a fixed pool: the ref's copy back queued, not waited for; the params'
-# and then the optimizer's queued once the ref's inputs are on the device, under its
-# forward; the ref dropped after it; the copies to the host still land before the KV wake.
+# and then the optimizer's queued once the ref's inputs are on the device and its GEMM
+# shapes launched, under its forward; the ref dropped after it; the copies to the host still land before the KV wake.
 OVERLAPPED = [
     "probe after generate", "probe after engine sleep", "onload ref.params",
-    "probe after params onload", "onload actor.params", "onload actor.optimizer",
-    "forward ref", "drop ref.params", "probe after ref forward", "forward actor",
+    "probe after params onload", "warm gemms ref", "onload actor.params",
+    "onload actor.optimizer", "forward ref", "drop ref.params", "probe after ref forward", "forward actor",
     "optimizer step", "probe after update",
     "offload actor.optimizer", "probe before resume weights", "wake weights",
     "probe after update_weights", "offload actor.params", "probe after params offload",
@@ -111,8 +111,9 @@ def _late(arena, kind: str, name: str, log, made: list | None = None, **late):
 
 
 def _event_log(worker, monkeypatch) -> list[str]:
-    """Log the worker's probes, the arena's copies and drops, the forwards, the optimizer's
-    step, the engine's wakes and KV growth (consecutive repeats kept once by `_compact`)."""
+    """Log the worker's probes, the arena's copies and drops, the forwards, the GEMM warm-ups,
+    the optimizer's step, the engine's wakes and KV growth (consecutive repeats kept once by
+    `_compact`)."""
     import handoff.train.actor as actor_module
     import handoff.train.model as model_module
 
@@ -132,6 +133,11 @@ def _event_log(worker, monkeypatch) -> list[str]:
     monkeypatch.setattr(worker.engine, "wake_up",
                         logging(worker.engine.wake_up, lambda tags: f"wake {'+'.join(tags)}"))
     monkeypatch.setattr(worker.engine, "grow_kv", logging(worker.engine.grow_kv, lambda: "grow kv"))
+    for name in ("actor", "ref"):
+        model = getattr(worker, name)
+        if model is not None:
+            monkeypatch.setattr(model, "warm_gemms", logging(
+                model.warm_gemms, lambda *_, name=name: f"warm gemms {name}"))
     monkeypatch.setattr(worker.actor.optimizer, "step",
                         logging(worker.actor.optimizer.step, lambda *a: "optimizer step"))
     def whose(module, *_):
@@ -161,6 +167,28 @@ def test_the_switch_order_with_overlap_off_and_on(model_dir, tmp_path, monkeypat
     for action, part in (("optimizer_h2d", "optimizer"), ("optimizer_d2h", "optimizer"),
                          ("params_h2d", "params"), ("params_d2h", "params")):
         assert row[f"switch/{action}/bytes"] == parts[part]
+
+
+@pytest.mark.parametrize("warm", ["true", "false"])
+def test_the_gemm_shapes_are_launched_before_the_copies_back(model_dir, tmp_path, monkeypatch,
+                                                             warm):
+    import handoff.train.gemm_warmup as gemm_warmup
+
+    monkeypatch.setattr(gemm_warmup, "_launched", set())   # a fresh process
+    trainer = _run(model_dir, tmp_path, f"memory.warm_gemms={warm}")
+    log = _event_log(trainer.worker, monkeypatch)
+    rows = [trainer.step(step) for step in range(2)]
+    if warm == "false":
+        assert not any(e.startswith("warm gemms") for e in log)
+        assert [r["switch/gemms_warmed"] for r in rows] == [0, 0]
+        return
+    # Once a step, by the ref's forward (the first with copies due), before they are queued.
+    assert [e for e in log if e.startswith("warm gemms")] == ["warm gemms ref"] * 2
+    first = log.index("warm gemms ref")
+    assert first < log.index("onload actor.params") < log.index("forward ref")
+    assert rows[0]["switch/gemms_warmed"] > 0
+    assert rows[0]["switch/gemms_warmed"] + rows[1]["switch/gemms_warmed"] == len(
+        gemm_warmup._launched)
 
 
 def test_overlap_changes_no_number_of_the_training(model_dir, tmp_path):

@@ -91,6 +91,10 @@ class MemoryConfig:
         "compute, the ref is dropped after its forward without a copy (its host copy is "
         "unchanged), and with rollout.kv_pool=elastic generation starts while the copies to "
         "the host run (false: every copy waited for in turn, docs/ARCHITECTURE.md)"))
+    warm_gemms: bool = F(True, help=(
+        "memory.overlap: before the copies back are queued beside a forward, launch its GEMM "
+        "shapes not launched before (a cuBLAS kernel's first launch waits for the copies in "
+        "flight; train/gemm_warmup.py)"))
     optimizer_back_programs: int = F(0, ge=0, help=(
         "memory.overlap: 0, the optimizer's copy back runs on the copy engines; N, by a kernel "
         "of N programs (thread blocks: a few SMs) beside the forwards and backwards, off the "

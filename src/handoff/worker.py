@@ -118,6 +118,7 @@ class HybridWorker:
         self.work: dict[str, float] = {}   # this step's work seconds by phase (module docstring)
         self.copy_wait_seconds = 0.0       # this step's compute waits for copies
         self.flush_seconds = 0.0           # this step's cache flushes outside compute
+        self.gemms_warmed = 0              # this step's GEMM shapes launched before copies
         self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
         self._queued_to_host: list[str] = []   # actor parts whose copy starts once those land
         self._landed = SwitchRecord()          # copies that landed outside a move
@@ -144,6 +145,7 @@ class HybridWorker:
         self.work = {}
         self.copy_wait_seconds = 0.0
         self.flush_seconds = 0.0
+        self.gemms_warmed = 0
 
     @property
     def work_seconds(self) -> float:
@@ -348,11 +350,11 @@ class HybridWorker:
         mem = self.cfg.memory
         record = SwitchRecord()
         ref_back, self._ref_back = self._ref_back, None
-        inputs_ready = lambda: self._stream_due_back(record)  # noqa: E731
         old = None
         if self.cfg.actor.updates_per_step > 1:
             old = self._compute("old_logprobs", lambda: self.actor.log_probs(
-                batch, with_entropy=False, inputs_ready=inputs_ready)[0])
+                batch, with_entropy=False, inputs_ready=self._copies_beside(record, self.actor)
+            )[0])
         ref = None
         if self.ref is not None:
             if not mem.overlap:
@@ -361,12 +363,24 @@ class HybridWorker:
                 moved = ref_back.wait()["params"]
                 record.add("ref_h2d", moved["seconds"], moved["bytes"])
             ref = self._compute("ref_forward", lambda: self.ref.log_probs(
-                batch, with_entropy=False, inputs_ready=inputs_ready)[0])
+                batch, with_entropy=False, inputs_ready=self._copies_beside(record, self.ref)
+            )[0])
             if mem.ref_offload:
                 moved = self.ref.to("host", params=True, copy=not mem.overlap).wait()["params"]
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
         self.probe("after ref forward")   # with no ref too: every step has the same probes
         return {"old": old, "ref": ref}, record
+
+    def _copies_beside(self, record: SwitchRecord, model, *, last: bool = False,
+                       backward: bool = False) -> Callable[[list], None]:
+        """A forward's `inputs_ready`: the copies back still due are queued beside it, after
+        its GEMM shapes new to the process are launched (memory.warm_gemms:
+        train/gemm_warmup.py says why)."""
+        def ready(micro_batches: list) -> None:
+            if self._due_back and self.cfg.memory.warm_gemms:
+                self.gemms_warmed += model.warm_gemms(micro_batches, backward=backward)
+            self._stream_due_back(record, last=last)
+        return ready
 
     def _stream_due_back(self, record: SwitchRecord, *, last: bool = False) -> None:
         """Queue the copies back to_train left for the first forward, in order, on the copy
@@ -425,7 +439,7 @@ class HybridWorker:
         record = SwitchRecord()
         inputs_ready = None
         if self.cfg.memory.overlap:
-            inputs_ready = lambda: self._stream_due_back(record, last=True)  # noqa: E731
+            inputs_ready = self._copies_beside(record, self.actor, last=True, backward=True)
         elif self.cfg.memory.optimizer_offload:
             record.add_moves(self.actor.to("device", optimizer=True).wait(), "h2d")
 

@@ -72,12 +72,12 @@ class Actor(ShardedModel):
 
     # ---- the GRPO update ------------------------------------------------------------------
 
-    def update(self, batch: RolloutBatch, *, inputs_ready: Callable[[], None] | None = None,
+    def update(self, batch: RolloutBatch, *, inputs_ready: Callable[[list], None] | None = None,
                backward_done: Callable[[], None] | None = None) -> dict[str, float]:
         """GRPO on this rank's rows: advantages from rewards, then `updates_per_step` optimizer
         steps over consecutive slices; returns metrics averaged over those steps.
-        `inputs_ready()` runs once every slice's micro-batch inputs are on the device, before
-        the first forward (ShardedModel.log_probs says why); `backward_done()` after the last
+        `inputs_ready(micro_batches)` runs once every slice's micro-batch inputs are on the
+        device, before the first forward (ShardedModel.log_probs says why); `backward_done()` after the last
         backward, before its optimizer step (the activations' memory is free then)."""
         cfg = self.cfg
         if cfg.kl_coef > 0 and batch.ref_logprobs is None:
@@ -96,7 +96,7 @@ class Actor(ShardedModel):
         minis = [batch.rows(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
         prepared = [(mini, self._micro_batches(mini)) for mini in minis]
         if inputs_ready is not None:
-            inputs_ready()
+            inputs_ready([pair for _, micro_batches in prepared for pair in micro_batches])
         # The optimizer's copy back may still run: only its step waits for it (step()).
         self._check_on_device("optimizer")
         history = [self._one_step(mini, micro_batches,

@@ -51,6 +51,7 @@ from handoff.train.batch import RolloutBatch
 from handoff.train.compiled import set_compiled_layers
 from handoff.dist import all_reduce_, init_mesh, resolve_device
 from handoff.train.forward import token_forward
+from handoff.train.gemm_warmup import warm_gemms
 from handoff.train.logprobs import install_token_head
 from handoff.train.optim import local_shard
 from handoff.train.packing import build_micro_batch, micro_batch_rows
@@ -290,14 +291,15 @@ class ShardedModel:
 
     @torch.no_grad()
     def log_probs(self, batch: RolloutBatch, *, with_entropy: bool = True,
-                  inputs_ready: Callable[[], None] | None = None
+                  inputs_ready: Callable[[list], None] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs [B, T] (and entropy [B, T]) in fp32 on the batch's device.
-        `inputs_ready()` runs once every micro-batch's inputs are on the device, before the
-        first forward: where a copy queued beside the forwards cannot delay them."""
+        `inputs_ready(micro_batches)` runs once every micro-batch's inputs are on the device,
+        before the first forward: where a copy queued beside the forwards cannot delay them
+        (and `warm_gemms(micro_batches)` can load their GEMMs' kernels first)."""
         micro_batches = self._micro_batches(batch)
         if inputs_ready is not None:
-            inputs_ready()
+            inputs_ready(micro_batches)
         self.require_on_device("params")
         self.module.eval()
         b, t = batch.input_ids.shape
@@ -313,6 +315,13 @@ class ShardedModel:
             del logp, ent
         out = batch.input_ids.device
         return logp_BT.to(out), (ent_BT.to(out) if with_entropy else None)
+
+    def warm_gemms(self, micro_batches: list, *, backward: bool = False) -> int:
+        """Launch the GEMM shapes of these micro-batches' forward (and the Linears' backward)
+        not launched before in this process (train.gemm_warmup says why); returns how many."""
+        return warm_gemms(self.module, [tuple(mb.input_ids.shape) for mb, _ in micro_batches],
+                          chunk_tokens=self.logprob_chunk_tokens, device=self.device,
+                          backward=backward)
 
     # ---- weights out ----------------------------------------------------------------------
 
