@@ -169,18 +169,24 @@ def test_the_switch_order_with_overlap_off_and_on(model_dir, tmp_path, monkeypat
         assert row[f"switch/{action}/bytes"] == parts[part]
 
 
-@pytest.mark.parametrize("warm", ["true", "false"])
+@pytest.mark.parametrize("warm, offload", [("true", "true"), ("false", "true"),
+                                           ("true", "false")])
 def test_the_gemm_shapes_are_launched_before_the_copies_back(model_dir, tmp_path, monkeypatch,
-                                                             warm):
+                                                             warm, offload):
     import handoff.train.gemm_warmup as gemm_warmup
 
     monkeypatch.setattr(gemm_warmup, "_launched", set())   # a fresh process
-    trainer = _run(model_dir, tmp_path, f"memory.warm_gemms={warm}")
+    trainer = _run(model_dir, tmp_path, f"memory.warm_gemms={warm}",
+                   f"memory.param_offload={offload}", f"memory.optimizer_offload={offload}")
     log = _event_log(trainer.worker, monkeypatch)
     rows = [trainer.step(step) for step in range(2)]
     if warm == "false":
         assert not any(e.startswith("warm gemms") for e in log)
         assert [r["switch/gemms_warmed"] for r in rows] == [0, 0]
+        return
+    if offload == "false":   # no copy back to queue beside the forwards: nothing to warm for
+        assert not any(e.startswith("warm gemms") for e in log)
+        assert rows[0]["switch/gemms_warmed"] == 0
         return
     # Once a step, by the ref's forward (the first with copies due), before they are queued.
     assert [e for e in log if e.startswith("warm gemms")] == ["warm gemms ref"] * 2

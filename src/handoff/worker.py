@@ -326,8 +326,10 @@ class HybridWorker:
         self.probe("after engine sleep")
         if mem.overlap:
             self._ref_back = self._start_ref_back()
-            self._due_back = ["params", "optimizer"]
-            if self.ref is None or self.cfg.actor.updates_per_step > 1:
+            self._due_back = [part for part, offloaded in (
+                ("params", mem.param_offload), ("optimizer", mem.optimizer_offload)) if offloaded]
+            actor_first = self.ref is None or self.cfg.actor.updates_per_step > 1
+            if actor_first and self._due_back[:1] == ["params"]:
                 self._stream_back(record, self._due_back.pop(0), by_kernel=True)
         elif mem.param_offload:
             record.add_moves(self.actor.to("device", params=True, by_kernel=True).wait(), "h2d")
