@@ -30,12 +30,13 @@ SEQUENTIAL = [
     "wake kv_cache", "probe after resume kv_cache"]
 # memory.overlap with a fixed pool: the ref's copy back queued, not waited for; the params'
 # and then the optimizer's queued once the ref's inputs are on the device and its GEMM
-# shapes launched, under its forward; the ref dropped after it; the copies to the host still land before the KV wake.
+# shapes launched, under its forward; the ref dropped after it; the copies to the host
+# still land before the KV wake.
 OVERLAPPED = [
     "probe after generate", "probe after engine sleep", "onload ref.params",
     "probe after params onload", "warm gemms ref", "onload actor.params",
-    "onload actor.optimizer", "forward ref", "drop ref.params", "probe after ref forward", "forward actor",
-    "optimizer step", "probe after update",
+    "onload actor.optimizer", "forward ref", "drop ref.params", "probe after ref forward",
+    "forward actor", "optimizer step", "probe after update",
     "offload actor.optimizer", "probe before resume weights", "wake weights",
     "probe after update_weights", "offload actor.params", "probe after params offload",
     "wake kv_cache", "probe after resume kv_cache"]
@@ -195,6 +196,26 @@ def test_the_gemm_shapes_are_launched_before_the_copies_back(model_dir, tmp_path
     assert rows[0]["switch/gemms_warmed"] > 0
     assert rows[0]["switch/gemms_warmed"] + rows[1]["switch/gemms_warmed"] == len(
         gemm_warmup._launched)
+
+
+def test_queueing_the_copies_back_is_exposed_not_the_forwards_work(model_dir, tmp_path,
+                                                                    monkeypatch):
+    # On CUDA queueing them allocates their storages, which waits for the driver to clear
+    # memory the engine just freed, while no compute is queued yet: here a sleep stands in.
+    trainer = _run(model_dir, tmp_path, "run.steps=2")
+    worker = trainer.worker
+    real = worker._stream_back
+
+    def slow(record, part, **kwargs):
+        time.sleep(0.5 if part == "params" else 0.0)
+        return real(record, part, **kwargs)
+
+    monkeypatch.setattr(worker, "_stream_back", slow)
+    for step in range(2):
+        row = trainer.step(step)
+        assert row["work_s/ref_forward"] < 0.5 <= row["switch/queue_s"]
+        assert row["switch/queue_s"] < row["switch/exposed_s"]
+        assert row["switch/copy_wait_s"] < 0.5
 
 
 def test_overlap_changes_no_number_of_the_training(model_dir, tmp_path):
@@ -427,12 +448,14 @@ def test_exposed_and_raw_seconds_in_the_metrics_and_the_summary(model_dir, tmp_p
     # The optimizer's copy back hides behind the trainer's modelled compute.
     assert planned["optimizer_h2d"]["exposed_seconds"] < planned["optimizer_h2d"]["seconds"]
     # ... and host work the ledger does not price, measured, is exposed by its nature: the
-    # step's own (prompts, scoring) and the switch's cache flushes.
+    # step's own (prompts, scoring), the switch's cache flushes and its queueing of the
+    # copies back.
     assert 0 < summary["host_seconds"] == pytest.approx(rows[1]["timing_s/host"])
     assert 0 < summary["flush_seconds"] == pytest.approx(rows[1]["switch/flush_s"])
+    assert 0 < summary["queue_seconds"] == pytest.approx(rows[1]["switch/queue_s"])
     assert rows[1]["switch/flush_s"] < rows[1]["switch/exposed_s"]
     assert summary["planned_exposed_seconds"] == pytest.approx(
         sum(p["exposed_seconds"] for p in planned.values()) + summary["host_seconds"]
-        + summary["flush_seconds"])
+        + summary["flush_seconds"] + summary["queue_seconds"])
     md = (tmp_path / "summary.md").read_text()
     assert "| switch, exposed |" in md and "planned exposed s" in md

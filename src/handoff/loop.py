@@ -95,15 +95,16 @@ class Scored:
 def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord,
              engine: dict, *, world: int, gen_s: float, train_s: float, checkpoint_s: float,
              step_s: float, work: dict[str, float], host_s: float = 0.0,
-             flush_s: float = 0.0, copy_wait_s: float = 0.0, gemms_warmed: int = 0,
-             alloc_retries: int = 0) -> dict:
+             flush_s: float = 0.0, copy_wait_s: float = 0.0, queue_s: float = 0.0,
+             gemms_warmed: int = 0, alloc_retries: int = 0) -> dict:
     """The step's metrics row (rewards and lengths averaged over every rank; the engine's
     numbers, `engine` = its stats after the step's generate with this step's preemptions,
     are this rank's, and so are `work`, its generation and trainer compute seconds by phase
     (HybridWorker.work), `copy_wait_s`, the compute's waits for copies, `host_s`, the step's
     host work outside the worker (its prompts and their scoring: part of the exposed time),
     `flush_s`, the switch's cache flushes (HybridWorker.flush_seconds: exposed too),
-    `gemms_warmed`, the GEMM shapes launched before the copies back (HybridWorker), and
+    `queue_s`, the host's time queueing the copies back inside the trainer's compute, and
+    `gemms_warmed`, the GEMM shapes launched before them (HybridWorker: exposed too), and
     train_tokens, the prompt + response tokens it trained on)."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
     length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
@@ -118,7 +119,7 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         "tokens_per_s": tokens * world / gen_s,
         "switch/exposed_s": step_s - checkpoint_s - sum(work.values()),
         "switch/copy_wait_s": copy_wait_s, "switch/flush_s": flush_s,
-        "switch/gemms_warmed": gemms_warmed,
+        "switch/queue_s": queue_s, "switch/gemms_warmed": gemms_warmed,
         **{f"work_s/{phase}": seconds for phase, seconds in work.items()},
         "switch/raw_s": sum(a.seconds for a in switch.actions.values()),
         "train_tokens": sum(scored.prompt_lengths) + sum(scored.lengths),
@@ -272,7 +273,7 @@ class Run:
                         train_s=train_s, checkpoint_s=checkpoint_s, host_s=host_s,
                         step_s=time.perf_counter() - t_step, work=worker.work,
                         flush_s=worker.flush_seconds, copy_wait_s=worker.copy_wait_seconds,
-                        gemms_warmed=worker.gemms_warmed,
+                        queue_s=worker.queue_seconds, gemms_warmed=worker.gemms_warmed,
                         alloc_retries=alloc_retries(worker.device) - retries)
 
     # ---------------------------------------------------------------- the run

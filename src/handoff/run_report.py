@@ -174,7 +174,7 @@ class RunReport:
             return statistics.median(r.get(key, 0.0) for r in rows) if rows else 0.0
 
         step_s, host_s = median("timing_s/step"), median("timing_s/host")
-        flush_s = median("switch/flush_s")
+        flush_s, queue_s = median("switch/flush_s"), median("switch/queue_s")
         switch_s = sum(m["seconds"] for m in measured.values())
         exposure = planned_exposure(self.cfg, Rates(self.rates), self.planned,
                                     train_tokens=median("train_tokens"),
@@ -187,11 +187,12 @@ class RunReport:
             "measured": measured, "step_seconds": step_s, "switch_seconds": switch_s,
             "switch_share": switch_s / step_s if step_s else None,
             # The measured exposed time holds host work the ledger does not price: the step's
-            # own (its prompts and their scoring) and the switch's cache flushes (a device
-            # sync and the allocator's frees each). The plan adds both as measured, like
-            # generation's seconds.
-            "host_seconds": host_s, "flush_seconds": flush_s,
-            "planned_exposed_seconds": sum(exposure.values()) + host_s + flush_s,
+            # own (its prompts and their scoring), the switch's cache flushes (a device sync
+            # and the allocator's frees each) and its queueing of the copies back (their
+            # storages allocated in memory the driver clears first). The plan adds them as
+            # measured, like generation's seconds.
+            "host_seconds": host_s, "flush_seconds": flush_s, "queue_seconds": queue_s,
+            "planned_exposed_seconds": sum(exposure.values()) + host_s + flush_s + queue_s,
             "exposed_seconds": median("switch/exposed_s"), "raw_seconds": median("switch/raw_s"),
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
@@ -275,6 +276,9 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
     if s.get("flush_seconds"):
         host += (f"{',' if host else ', of which'} {s['flush_seconds']:.3f} s the switch's "
                  "cache flushes, measured")
+    if s.get("queue_seconds"):
+        host += (f"{',' if host else ', of which'} {s['queue_seconds']:.3f} s queueing the "
+                 "copies back, measured")
     exposed = (f", {s['exposed_seconds']:.3f} s of it exposed (the step waits for it; "
                f"planned {s['planned_exposed_seconds']:.3f} s{host})"
                if "exposed_seconds" in s else "")

@@ -119,6 +119,7 @@ class HybridWorker:
         self.copy_wait_seconds = 0.0       # this step's compute waits for copies
         self.flush_seconds = 0.0           # this step's cache flushes outside compute
         self.gemms_warmed = 0              # this step's GEMM shapes launched before copies
+        self.queue_seconds = 0.0           # this step's host time queueing the copies back
         self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
         self._queued_to_host: list[str] = []   # actor parts whose copy starts once those land
         self._landed = SwitchRecord()          # copies that landed outside a move
@@ -146,6 +147,7 @@ class HybridWorker:
         self.copy_wait_seconds = 0.0
         self.flush_seconds = 0.0
         self.gemms_warmed = 0
+        self.queue_seconds = 0.0
 
     @property
     def work_seconds(self) -> float:
@@ -185,16 +187,16 @@ class HybridWorker:
         return result
 
     def _compute(self, phase: str, fn: Callable[[], T]) -> T:
-        """Run trainer compute `fn`; its wall time, less its waits for copies, is `phase`'s
-        work."""
+        """Run trainer compute `fn`; its wall time, less its waits for copies and the host's
+        time queueing copies back in it (`_copies_beside`), is `phase`'s work."""
         wait_for_compute(self.device)
-        waited = self._copy_waits()
+        waited, queued = self._copy_waits(), self.queue_seconds
         t0 = time.perf_counter()
         result = fn()
         wait_for_compute(self.device)
         waited = self._copy_waits() - waited
         self.copy_wait_seconds += waited
-        self._add_work(phase, time.perf_counter() - t0 - waited)
+        self._add_work(phase, time.perf_counter() - t0 - waited - (self.queue_seconds - queued))
         return result
 
     def _copy_waits(self) -> float:
@@ -377,11 +379,16 @@ class HybridWorker:
                        backward: bool = False) -> Callable[[list], None]:
         """A forward's `inputs_ready`: the copies back still due are queued beside it, after
         its GEMM shapes new to the process are launched (memory.warm_gemms:
-        train/gemm_warmup.py says why)."""
+        train/gemm_warmup.py says why). The host's time doing so is `queue_seconds`, not the
+        forward's work: no compute is queued yet (allocating the copies' storages waits for
+        the driver to clear the memory the engine's pool just freed, docs/PERF.md)."""
         def ready(micro_batches: list) -> None:
+            t0, waited = time.perf_counter(), self._copy_waits()
             if self._due_back and self.cfg.memory.warm_gemms:
                 self.gemms_warmed += model.warm_gemms(micro_batches, backward=backward)
             self._stream_due_back(record, last=last)
+            # A fallback's wait (the sequential order) is already the compute's copy wait.
+            self.queue_seconds += time.perf_counter() - t0 - (self._copy_waits() - waited)
         return ready
 
     def _stream_due_back(self, record: SwitchRecord, *, last: bool = False) -> None:

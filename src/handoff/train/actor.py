@@ -77,8 +77,9 @@ class Actor(ShardedModel):
         """GRPO on this rank's rows: advantages from rewards, then `updates_per_step` optimizer
         steps over consecutive slices; returns metrics averaged over those steps.
         `inputs_ready(micro_batches)` runs once every slice's micro-batch inputs are on the
-        device, before the first forward (ShardedModel.log_probs says why); `backward_done()` after the last
-        backward, before its optimizer step (the activations' memory is free then)."""
+        device, before the first forward (ShardedModel.log_probs says why); `backward_done()`
+        after the last backward, before its optimizer step (the activations' memory is free
+        then)."""
         cfg = self.cfg
         if cfg.kl_coef > 0 and batch.ref_logprobs is None:
             raise HandoffError(f"actor.kl_coef={cfg.kl_coef} but the batch has no ref_logprobs: "
