@@ -121,7 +121,7 @@ class HybridWorker:
         self.gemms_warmed = 0              # this step's GEMM shapes launched before copies
         self.queue_seconds = 0.0           # this step's host time queueing the copies back
         self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
-        self._queued_to_host: list[str] = []   # actor parts whose copy starts once those land
+        self._queued_to_host: list[str] = []   # parts whose D2H starts in _land_between_steps
         self._landed = SwitchRecord()          # copies that landed outside a move
         self._grow_due = False                 # landed memory not yet handed to the KV pool
         self._ref_back: Move | None = None           # streamed: queued by to_train
@@ -169,6 +169,12 @@ class HybridWorker:
             self._said.add(key)
             if world_rank_size()[0] == 0:
                 _console.print(f"[yellow]{text}[/]", highlight=False, soft_wrap=True)
+
+    def _offloaded(self, *parts: str) -> list[str]:
+        """Those of the actor's `parts` ("params", "optimizer") the config offloads, in order."""
+        mem = self.cfg.memory
+        on = {"params": mem.param_offload, "optimizer": mem.optimizer_offload}
+        return [part for part in parts if on[part]]
 
     def _streams_to_host(self) -> bool:
         """Whether generation starts while the copies to the host run: memory.overlap with an
@@ -328,8 +334,7 @@ class HybridWorker:
         self.probe("after engine sleep")
         if mem.overlap:
             self._ref_back = self._start_ref_back()
-            self._due_back = [part for part, offloaded in (
-                ("params", mem.param_offload), ("optimizer", mem.optimizer_offload)) if offloaded]
+            self._due_back = self._offloaded("params", "optimizer")
             actor_first = self.ref is None or self.cfg.actor.updates_per_step > 1
             if actor_first and self._due_back[:1] == ["params"]:
                 self._stream_back(record, self._due_back.pop(0), by_kernel=True)
@@ -405,7 +410,7 @@ class HybridWorker:
 
     def _stream_back(self, record: SwitchRecord, part: str, *, by_kernel: bool = False,
                      wait: bool = True) -> bool:
-        """Queue the copy back of the actor's `part` if it is offloaded, not waited for: the
+        """Queue the copy back of the actor's offloaded `part`, not waited for: the
         compute that needs it waits (the actor's forward for the params, the update for the
         optimizer). Returns False if it is left for later (below).
 
@@ -415,8 +420,6 @@ class HybridWorker:
         False), or comes back now (the sequential order), said once; called inside compute,
         that wait is the compute's wait for a copy."""
         mem = self.cfg.memory
-        if not {"params": mem.param_offload, "optimizer": mem.optimizer_offload}[part]:
-            return True
         free = device_free_bytes(self.device)
         need = self.actor.memory_parts()[part] + (mem.wake_margin_mb << 20)
         if free is None or free >= need:
@@ -559,9 +562,7 @@ class HybridWorker:
             if streamed:
                 # Generation starts before the copies: they start under it (the optimizer's
                 # first, in turn) and land between its steps.
-                self._queued_to_host += [part for part, offloaded in (
-                    ("optimizer", mem.optimizer_offload), ("params", mem.param_offload))
-                    if offloaded]
+                self._queued_to_host += self._offloaded("optimizer", "params")
             else:
                 self._hand_back_in_turn(record)
             self.probe("after params offload")
