@@ -28,13 +28,13 @@ SEQUENTIAL = [
     "offload actor.optimizer", "probe before resume weights", "wake weights",
     "probe after update_weights", "offload actor.params", "probe after params offload",
     "wake kv_cache", "probe after resume kv_cache"]
-# memory.overlap with a fixed pool: the ref's copy back queued, not waited for; the params'
-# and then the optimizer's queued once the ref's inputs are on the device and its GEMM
-# shapes launched, under its forward; the ref dropped after it; the copies to the host
-# still land before the KV wake.
+# memory.overlap with a fixed pool: the ref's copy back queued, not waited for; the ref's
+# GEMM shapes launched once its inputs are on the device; the params' and then the
+# optimizer's copies queued once its first micro-batch is (of two), under the rest of its
+# forward; the ref dropped after it; the copies to the host still land before the KV wake.
 OVERLAPPED = [
     "probe after generate", "probe after engine sleep", "onload ref.params",
-    "probe after params onload", "warm gemms ref", "onload actor.params",
+    "probe after params onload", "warm gemms ref", "forward ref", "onload actor.params",
     "onload actor.optimizer", "forward ref", "drop ref.params", "probe after ref forward",
     "forward actor", "optimizer step", "probe after update",
     "offload actor.optimizer", "probe before resume weights", "wake weights",
@@ -192,7 +192,7 @@ def test_the_gemm_shapes_are_launched_before_the_copies_back(model_dir, tmp_path
     # Once a step, by the ref's forward (the first with copies due), before they are queued.
     assert [e for e in log if e.startswith("warm gemms")] == ["warm gemms ref"] * 2
     first = log.index("warm gemms ref")
-    assert first < log.index("onload actor.params") < log.index("forward ref")
+    assert first < log.index("forward ref") < log.index("onload actor.params")
     assert rows[0]["switch/gemms_warmed"] > 0
     assert rows[0]["switch/gemms_warmed"] + rows[1]["switch/gemms_warmed"] == len(
         gemm_warmup._launched)
@@ -401,11 +401,13 @@ def test_a_card_too_full_for_the_early_copies_back_falls_back_and_says_so(
     for step in range(2):
         trainer.step(step)
     onloads = [e for e in _compact(log) if e.startswith(("onload", "forward", "drop"))]
-    # No room beside the ref's forward: the params and the optimizer wait for the update's,
-    # then come back before it (the sequential order); the ref kept streamed (its forward
-    # waits for it either way).
-    assert onloads[:6] == ["onload ref.params", "forward ref", "drop ref.params",
-                           "onload actor.params", "onload actor.optimizer", "forward actor"]
+    # No room beside the ref's forward: the params and the optimizer wait for the update,
+    # then come back in turn: the params before it, the optimizer once its first micro-batch
+    # is queued (of two), waited for there (the sequential order); the ref kept streamed (its
+    # forward waits for it either way).
+    assert onloads[:7] == ["onload ref.params", "forward ref", "drop ref.params",
+                           "onload actor.params", "forward actor", "onload actor.optimizer",
+                           "forward actor"]
     said = [line for line in capsys.readouterr().err.splitlines()
             if "come back before the compute that needs them" in line]
     assert len(said) == 2 and "params need" in said[0] and "optimizer need" in said[1]

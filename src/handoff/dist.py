@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,32 @@ def wait_for_compute(device: torch.device) -> None:
     """Block until the current stream's work is done; copies on other streams run on."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+class ComputeGap:
+    """How long the current stream sits idle across a stretch of host work, from its start
+    to `close()`: on CUDA two timing events on the stream (the second completes right after
+    the first when work queued before the stretch outlasts it: a gap of 0); on CPU the
+    host's time (the device is the host). Read `seconds()` once the stream has drained."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._start, self._end = self._mark(), None
+
+    def _mark(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def close(self) -> None:
+        self._end = self._mark()
+
+    def seconds(self) -> float:
+        if self.device.type == "cuda":
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start
 
 
 def wait_for_device(device: torch.device) -> None:

@@ -38,7 +38,7 @@ from typing import Callable, TypeVar
 from rich.console import Console
 
 from handoff.config import Config
-from handoff.dist import wait_for_compute, world_rank_size
+from handoff.dist import ComputeGap, wait_for_compute, world_rank_size
 from handoff.errors import HandoffError
 from handoff.memory.allocator import aggressive_empty_cache, device_free_bytes, expandable_segments
 from handoff.memory.meter import MemoryMeter
@@ -54,6 +54,14 @@ from handoff.units import fmt_bytes
 
 T = TypeVar("T")
 _console = Console(stderr=True)
+
+
+@dataclass
+class _PassHooks:
+    """model.PassHooks from two functions."""
+
+    inputs_ready: Callable[[list], None]
+    first_launched: Callable[[], None]
 
 # The probe names of one step, in order (the source's "before resume weights" etc.).
 PROBES_TO_TRAIN = ("after generate", "after engine sleep", "after params onload",
@@ -119,7 +127,8 @@ class HybridWorker:
         self.copy_wait_seconds = 0.0       # this step's compute waits for copies
         self.flush_seconds = 0.0           # this step's cache flushes outside compute
         self.gemms_warmed = 0              # this step's GEMM shapes launched before copies
-        self.queue_seconds = 0.0           # this step's host time queueing the copies back
+        self.queue_seconds = 0.0           # this step's compute idle queueing the copies back
+        self._queue_gaps: list[tuple[ComputeGap, float]] = []   # (gap, copy waits inside it)
         self._to_host: list[tuple[str, Transfer]] = []   # (ledger action, copy), in stream order
         self._queued_to_host: list[str] = []   # parts whose D2H starts in _land_between_steps
         self._landed = SwitchRecord()          # copies that landed outside a move
@@ -193,13 +202,17 @@ class HybridWorker:
         return result
 
     def _compute(self, phase: str, fn: Callable[[], T]) -> T:
-        """Run trainer compute `fn`; its wall time, less its waits for copies and the host's
-        time queueing copies back in it (`_copies_beside`), is `phase`'s work."""
+        """Run trainer compute `fn`; its wall time, less its waits for copies and the compute's
+        idle time while the host queued copies back in it (`_copies_beside`), is `phase`'s
+        work."""
         wait_for_compute(self.device)
         waited, queued = self._copy_waits(), self.queue_seconds
         t0 = time.perf_counter()
         result = fn()
         wait_for_compute(self.device)
+        for gap, gap_waited in self._queue_gaps:   # a wait is the compute's copy wait already
+            self.queue_seconds += max(gap.seconds() - gap_waited, 0.0)
+        self._queue_gaps = []
         waited = self._copy_waits() - waited
         self.copy_wait_seconds += waited
         self._add_work(phase, time.perf_counter() - t0 - waited - (self.queue_seconds - queued))
@@ -362,7 +375,7 @@ class HybridWorker:
         old = None
         if self.cfg.actor.updates_per_step > 1:
             old = self._compute("old_logprobs", lambda: self.actor.log_probs(
-                batch, with_entropy=False, inputs_ready=self._copies_beside(record, self.actor)
+                batch, with_entropy=False, hooks=self._copies_beside(record, self.actor)
             )[0])
         ref = None
         if self.ref is not None:
@@ -372,7 +385,7 @@ class HybridWorker:
                 moved = ref_back.wait()["params"]
                 record.add("ref_h2d", moved["seconds"], moved["bytes"])
             ref = self._compute("ref_forward", lambda: self.ref.log_probs(
-                batch, with_entropy=False, inputs_ready=self._copies_beside(record, self.ref)
+                batch, with_entropy=False, hooks=self._copies_beside(record, self.ref)
             )[0])
             if mem.ref_offload:
                 moved = self.ref.to("host", params=True, copy=not mem.overlap).wait()["params"]
@@ -381,20 +394,28 @@ class HybridWorker:
         return {"old": old, "ref": ref}, record
 
     def _copies_beside(self, record: SwitchRecord, model, *, last: bool = False,
-                       backward: bool = False) -> Callable[[list], None]:
-        """A forward's `inputs_ready`: the copies back still due are queued beside it, after
-        its GEMM shapes new to the process are launched (memory.warm_gemms:
-        train/gemm_warmup.py says why). The host's time doing so is `queue_seconds`, not the
-        forward's work: no compute is queued yet (allocating the copies' storages waits for
-        the driver to clear the memory the engine's pool just freed, docs/PERF.md)."""
-        def ready(micro_batches: list) -> None:
-            t0, waited = time.perf_counter(), self._copy_waits()
+                       backward: bool = False) -> _PassHooks:
+        """A pass's hooks (model.PassHooks): the copies back still due are queued beside it.
+
+        Before any forward, its GEMM shapes new to the process are launched (memory.warm_gemms:
+        train/gemm_warmup.py says why). The copies are queued once the first micro-batch is:
+        queueing allocates their storages, which waits for the driver to clear the memory the
+        engine's pool just freed (docs/PERF.md), and the device computes meanwhile. The
+        warm-up's host time and the compute's idle time while queueing are `queue_seconds`,
+        not the pass's work."""
+        def inputs_ready(micro_batches: list) -> None:
             if self._due_back and self.cfg.memory.warm_gemms:
+                t0 = time.perf_counter()
                 self.gemms_warmed += model.warm_gemms(micro_batches, backward=backward)
-            self._stream_due_back(record, last=last)
-            # A fallback's wait (the sequential order) is already the compute's copy wait.
-            self.queue_seconds += time.perf_counter() - t0 - (self._copy_waits() - waited)
-        return ready
+                self.queue_seconds += time.perf_counter() - t0
+
+        def first_launched() -> None:
+            if self._due_back:
+                gap, waited = ComputeGap(self.device), self._copy_waits()
+                self._stream_due_back(record, last=last)
+                gap.close()
+                self._queue_gaps.append((gap, self._copy_waits() - waited))
+        return _PassHooks(inputs_ready, first_launched)
 
     def _stream_due_back(self, record: SwitchRecord, *, last: bool = False) -> None:
         """Queue the copies back to_train left for the first forward, in order, on the copy
@@ -449,9 +470,9 @@ class HybridWorker:
         for a copy; with no forward before (or no room beside it), it is queued once the
         update's inputs are on the device and lands inside it, before the optimizer step."""
         record = SwitchRecord()
-        inputs_ready = None
+        hooks = None
         if self.cfg.memory.overlap:
-            inputs_ready = self._copies_beside(record, self.actor, last=True, backward=True)
+            hooks = self._copies_beside(record, self.actor, last=True, backward=True)
         elif self.cfg.memory.optimizer_offload:
             record.add_moves(self.actor.to("device", optimizer=True).wait(), "h2d")
 
@@ -460,7 +481,7 @@ class HybridWorker:
                 self._stream_back(record, self._due_back.pop(0))
             if "optimizer" in self._coming_back:
                 self.actor.require_on_device("optimizer")
-            return self.actor.update(batch, inputs_ready=inputs_ready, backward_done=(
+            return self.actor.update(batch, hooks=hooks, backward_done=(
                 self._flush_activations if self._streams_to_host() else None))
 
         metrics = self._compute("update", run)

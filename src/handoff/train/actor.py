@@ -35,7 +35,7 @@ from handoff.train import grpo
 from handoff.train.batch import RolloutBatch
 from handoff.dist import all_reduce_
 from handoff.train.forward import token_forward
-from handoff.train.model import ShardedModel
+from handoff.train.model import PassHooks, ShardedModel
 from handoff.train.optim import MixedPrecisionAdamW, local_shard
 
 
@@ -72,14 +72,13 @@ class Actor(ShardedModel):
 
     # ---- the GRPO update ------------------------------------------------------------------
 
-    def update(self, batch: RolloutBatch, *, inputs_ready: Callable[[list], None] | None = None,
+    def update(self, batch: RolloutBatch, *, hooks: PassHooks | None = None,
                backward_done: Callable[[], None] | None = None) -> dict[str, float]:
         """GRPO on this rank's rows: advantages from rewards, then `updates_per_step` optimizer
         steps over consecutive slices; returns metrics averaged over those steps.
-        `inputs_ready(micro_batches)` runs once every slice's micro-batch inputs are on the
-        device, before the first forward (ShardedModel.log_probs says why); `backward_done()`
-        after the last backward, before its optimizer step (the activations' memory is free
-        then)."""
+        `hooks` (model.PassHooks): their inputs are every slice's micro-batches, their first
+        launch the first micro-batch's forward and backward; `backward_done()` after the last
+        backward, before its optimizer step (the activations' memory is free then)."""
         cfg = self.cfg
         if cfg.kl_coef > 0 and batch.ref_logprobs is None:
             raise HandoffError(f"actor.kl_coef={cfg.kl_coef} but the batch has no ref_logprobs: "
@@ -96,18 +95,22 @@ class Actor(ShardedModel):
         bounds = [round(i * b / steps) for i in range(steps + 1)]
         minis = [batch.rows(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
         prepared = [(mini, self._micro_batches(mini)) for mini in minis]
-        if inputs_ready is not None:
-            inputs_ready([pair for _, micro_batches in prepared for pair in micro_batches])
-        # The optimizer's copy back may still run: only its step waits for it (step()).
-        self._check_on_device("optimizer")
+        if hooks is not None:
+            hooks.inputs_ready([pair for _, micro_batches in prepared for pair in micro_batches])
+        if hooks is None:   # hooks may queue the optimizer's copy back at the first launch
+            # It may still run: only its step waits for it (step()).
+            self._check_on_device("optimizer")
         history = [self._one_step(mini, micro_batches,
-                                  backward_done if i == len(prepared) - 1 else None)
+                                  first_launched=hooks.first_launched if hooks and i == 0 else None,
+                                  backward_done=backward_done if i == len(prepared) - 1 else None)
                    for i, (mini, micro_batches) in enumerate(prepared)]
         return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
 
-    def _one_step(self, mini: RolloutBatch, micro_batches: list,
+    def _one_step(self, mini: RolloutBatch, micro_batches: list, *,
+                  first_launched: Callable[[], None] | None,
                   backward_done: Callable[[], None] | None) -> dict[str, float]:
-        values = dict(zip(grpo.LossSums.NAMES, self.accumulate(mini, micro_batches).tolist()))
+        sums = self.accumulate(mini, micro_batches, first_launched=first_launched)
+        values = dict(zip(grpo.LossSums.NAMES, sums.tolist()))
         if backward_done is not None:
             backward_done()
         grad_norm = self.step()
@@ -117,10 +120,12 @@ class Actor(ShardedModel):
                        skipped_step=float(not math.isfinite(grad_norm)))
         return metrics
 
-    def accumulate(self, batch: RolloutBatch, micro_batches: list | None = None) -> torch.Tensor:
+    def accumulate(self, batch: RolloutBatch, micro_batches: list | None = None, *,
+                   first_launched: Callable[[], None] | None = None) -> torch.Tensor:
         """Forward + backward of every micro-batch of `batch` (advantages set; its micro-batches
         built already, or now), grads summed into the shards; returns the LossSums of all ranks
-        added up (see grpo.LossSums.NAMES)."""
+        added up (see grpo.LossSums.NAMES). `first_launched()` runs once the first
+        micro-batch's backward is queued."""
         cfg = self.cfg
         assert batch.advantages is not None, "set batch.advantages (grpo.group_advantages) first"
         self.require_on_device("params", "grads")
@@ -128,7 +133,7 @@ class Actor(ShardedModel):
         tokens = all_reduce_(batch.response_mask.sum().to(self.device, torch.float32))
         scale = self.world_size / max(float(tokens.item()), 1.0)
         sums = torch.zeros(len(grpo.LossSums.NAMES), device=self.device)
-        for mb, real in micro_batches or self._micro_batches(batch):
+        for i, (mb, real) in enumerate(micro_batches or self._micro_batches(batch)):
             logp, ent = token_forward(self.module, mb, chunk_tokens=self.logprob_chunk_tokens,
                                       with_entropy=True, entropy_grad=cfg.entropy_coef > 0)
             old = mb.gather(batch.old_logprobs)
@@ -142,6 +147,8 @@ class Actor(ShardedModel):
             if real:
                 sums += s.stacked()
             del logp, ent, s
+            if i == 0 and first_launched is not None:
+                first_launched()
         return all_reduce_(sums)
 
     def step(self) -> float:

@@ -37,7 +37,7 @@ Shape legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -114,6 +114,19 @@ def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
         else:
             model.gradient_checkpointing_disable()
 
+
+
+class PassHooks(Protocol):
+    """Work a caller queues beside a pass over micro-batches (the worker's copies back)."""
+
+    def inputs_ready(self, micro_batches: list) -> None:
+        """Every micro-batch's inputs are on the device, no forward queued yet: a copy queued
+        later cannot delay them, and `warm_gemms(micro_batches)` can load their GEMMs'
+        kernels before any copy runs."""
+
+    def first_launched(self) -> None:
+        """The first micro-batch's forward (in an update, its backward too) is queued: the
+        device computes it while the host works here."""
 
 class ShardedModel:
     """Forward-only FSDP2 model (the reference policy; the actor's base)."""
@@ -291,21 +304,18 @@ class ShardedModel:
 
     @torch.no_grad()
     def log_probs(self, batch: RolloutBatch, *, with_entropy: bool = True,
-                  inputs_ready: Callable[[list], None] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  hooks: PassHooks | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs [B, T] (and entropy [B, T]) in fp32 on the batch's device.
-        `inputs_ready(micro_batches)` runs once every micro-batch's inputs are on the device,
-        before the first forward: where a copy queued beside the forwards cannot delay them
-        (and `warm_gemms(micro_batches)` can load their GEMMs' kernels first)."""
+        `hooks`: work queued beside the forwards (PassHooks)."""
         micro_batches = self._micro_batches(batch)
-        if inputs_ready is not None:
-            inputs_ready(micro_batches)
+        if hooks is not None:
+            hooks.inputs_ready(micro_batches)
         self.require_on_device("params")
         self.module.eval()
         b, t = batch.input_ids.shape
         logp_BT = torch.zeros(b, t, dtype=torch.float32, device=self.device)
         ent_BT = torch.zeros_like(logp_BT) if with_entropy else None
-        for mb, real in micro_batches:
+        for i, (mb, real) in enumerate(micro_batches):
             logp, ent = token_forward(self.module, mb, chunk_tokens=self.logprob_chunk_tokens,
                                       with_entropy=with_entropy)
             if real:
@@ -313,6 +323,8 @@ class ShardedModel:
                 if with_entropy:
                     mb.scatter(ent_BT, ent)
             del logp, ent
+            if i == 0 and hooks is not None:
+                hooks.first_launched()
         out = batch.input_ids.device
         return logp_BT.to(out), (ent_BT.to(out) if with_entropy else None)
 
