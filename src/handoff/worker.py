@@ -398,9 +398,10 @@ class HybridWorker:
         """A pass's hooks (model.PassHooks): the copies back still due are queued beside it.
 
         Before any forward, its GEMM shapes new to the process are launched (memory.warm_gemms:
-        train/gemm_warmup.py says why). The copies are queued once the first micro-batch is:
-        queueing allocates their storages, which waits for the driver to clear the memory the
-        engine's pool just freed (docs/PERF.md), and the device computes meanwhile. The
+        train/gemm_warmup.py says why). The copies are queued once its first micro-batches are
+        (PassHooks.first_launched: a shape new to the process among them): queueing allocates
+        their storages, which waits for the driver to clear the memory the engine's pool just
+        freed (docs/PERF.md), and the device computes meanwhile. The
         warm-up's host time and the compute's idle time while queueing are `queue_seconds`,
         not the pass's work."""
         def inputs_ready(micro_batches: list) -> None:

@@ -18,11 +18,30 @@ import torch
 from handoff.train import grpo
 from handoff.train.logprobs import HEAD_RANGE, next_token_targets, shift_to_tokens, token_head
 
+# The input shapes token_forward has run in this process.
+_shapes_run: set[tuple[int, ...]] = set()
+
+
+def new_shapes_first(micro_batches: list) -> tuple[list, int]:
+    """(micro-batch, real) pairs with the first of each input shape token_forward has not run
+    in this process moved to the front, and how many were moved. Their first launch can load
+    kernels and allocate new block sizes, which wait for copies in flight (docs/PERF.md, "The
+    streamed switch"): run first, they go before any copy is queued beside the pass."""
+    new, seen = [], set(_shapes_run)
+    for i, (mb, _) in enumerate(micro_batches):
+        shape = tuple(mb.input_ids.shape)
+        if shape not in seen:
+            seen.add(shape)
+            new.append(i)
+    rest = [pair for i, pair in enumerate(micro_batches) if i not in set(new)]
+    return [micro_batches[i] for i in new] + rest, len(new)
+
 
 def token_forward(module: torch.nn.Module, mb, *, chunk_tokens: int, with_entropy: bool,
                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     kwargs = mb.model_kwargs()
     ids = kwargs["input_ids"]
+    _shapes_run.add(tuple(ids.shape))
     if chunk_tokens > 0:
         with token_head(module, next_token_targets(ids), chunk_tokens=chunk_tokens,
                         with_entropy=with_entropy):

@@ -50,7 +50,7 @@ from handoff.train import attention
 from handoff.train.batch import RolloutBatch
 from handoff.train.compiled import set_compiled_layers
 from handoff.dist import all_reduce_, init_mesh, resolve_device
-from handoff.train.forward import token_forward
+from handoff.train.forward import new_shapes_first, token_forward
 from handoff.train.gemm_warmup import warm_gemms
 from handoff.train.logprobs import install_token_head
 from handoff.train.optim import local_shard
@@ -125,8 +125,10 @@ class PassHooks(Protocol):
         kernels before any copy runs."""
 
     def first_launched(self) -> None:
-        """The first micro-batch's forward (in an update, its backward too) is queued: the
-        device computes it while the host works here."""
+        """The pass's first micro-batches are queued, the device computes them while the host
+        works here: in a forward the first of each input shape new to the process, moved to
+        the front (forward.new_shapes_first), or else the first one; in an update the first
+        one's forward and backward (its order is the order the grads add up in)."""
 
 class ShardedModel:
     """Forward-only FSDP2 model (the reference policy; the actor's base)."""
@@ -307,8 +309,10 @@ class ShardedModel:
                   hooks: PassHooks | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs [B, T] (and entropy [B, T]) in fp32 on the batch's device.
         `hooks`: work queued beside the forwards (PassHooks)."""
-        micro_batches = self._micro_batches(batch)
-        if hooks is not None:
+        micro_batches, ahead = self._micro_batches(batch), 1
+        if hooks is not None:   # the order of the rows' scores does not change them
+            micro_batches, new = new_shapes_first(micro_batches)
+            ahead = max(new, 1)
             hooks.inputs_ready(micro_batches)
         self.require_on_device("params")
         self.module.eval()
@@ -323,7 +327,7 @@ class ShardedModel:
                 if with_entropy:
                     mb.scatter(ent_BT, ent)
             del logp, ent
-            if i == 0 and hooks is not None:
+            if i + 1 == ahead and hooks is not None:
                 hooks.first_launched()
         out = batch.input_ids.device
         return logp_BT.to(out), (ent_BT.to(out) if with_entropy else None)
