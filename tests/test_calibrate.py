@@ -188,3 +188,21 @@ def test_decode_rates_leave_the_engine_as_it_was(model_dir):
     tokens = [[s.token_ids for s in o.outputs] for e in (engine, fresh)
               for o in e.generate([[1] * 16 + [5]], seeded)]
     assert tokens[0] == tokens[1]   # no cached prefix of the measurement changes a sample
+
+
+def test_the_measured_wake_leaves_the_margin_beside_the_held_weights(model_dir, tmp_path,
+                                                                      monkeypatch):
+    import handoff.calibrate as calibrate_module
+
+    cfg = _cfg(model_dir, tmp_path)
+    margin = 8 << 30
+    pool = RegionPool(torch.device("cpu"), wake_margin_bytes=margin)
+    kv, weights, _ = calibrate_module._switch_sizes(cfg, pool)   # this host: room for all
+    # A card with room for the weights and half the pool beside the margin: the KV region
+    # measured is what the wake can map while the weights are held (a large
+    # memory.wake_margin_mb failed at start-up on the device before).
+    free = margin + (1 << 30) + weights + kv // 2
+    monkeypatch.setattr(calibrate_module, "host_memory", lambda: (0, free))
+    small_kv, small_weights, _ = calibrate_module._switch_sizes(cfg, pool)
+    assert small_weights == weights and small_kv <= kv // 2
+    assert small_kv + small_weights + margin <= free

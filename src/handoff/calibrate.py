@@ -139,7 +139,8 @@ def _switch_sizes(cfg: Config, pool: RegionPool) -> tuple[int, int, list]:
     early = owners["optimizer"] if cfg.memory.optimizer_offload else 0
     early = min(early, room - weights - late)
     freed = [(int(late), 0.0)] + ([(int(early), params / hw.pinned_pcie_bps)] if early > 0 else [])
-    return int(max(min(blocks * block, room), block)), weights, freed
+    # The weights are held while the KV region wakes: both fit in the room.
+    return int(max(min(blocks * block, room - weights), block)), weights, freed
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
