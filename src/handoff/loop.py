@@ -103,7 +103,7 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
     (HybridWorker.work), `copy_wait_s`, the compute's waits for copies, `host_s`, the step's
     host work outside the worker (its prompts and their scoring: part of the exposed time),
     `flush_s`, the switch's cache flushes (HybridWorker.flush_seconds: exposed too),
-    `queue_s`, the host's time queueing the copies back inside the trainer's compute, and
+    `queue_s`, the compute's idle time while the host queues the copies back inside it, and
     `gemms_warmed`, the GEMM shapes launched before them (HybridWorker: exposed too), and
     train_tokens, the prompt + response tokens it trained on)."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)

@@ -188,8 +188,9 @@ class RunReport:
             "switch_share": switch_s / step_s if step_s else None,
             # The measured exposed time holds host work the ledger does not price: the step's
             # own (its prompts and their scoring), the switch's cache flushes (a device sync
-            # and the allocator's frees each) and its queueing of the copies back (their
-            # storages allocated in memory the driver clears first). The plan adds them as
+            # and the allocator's frees each) and the compute's idle time while the host
+            # queues the copies back (their storages allocated in memory the driver clears
+            # first, beyond what the first micro-batch covers). The plan adds them as
             # measured, like generation's seconds.
             "host_seconds": host_s, "flush_seconds": flush_s, "queue_seconds": queue_s,
             "planned_exposed_seconds": sum(exposure.values()) + host_s + flush_s + queue_s,
@@ -277,8 +278,8 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
         host += (f"{',' if host else ', of which'} {s['flush_seconds']:.3f} s the switch's "
                  "cache flushes, measured")
     if s.get("queue_seconds"):
-        host += (f"{',' if host else ', of which'} {s['queue_seconds']:.3f} s queueing the "
-                 "copies back, measured")
+        host += (f"{',' if host else ', of which'} {s['queue_seconds']:.3f} s idle while the "
+                 "copies back were queued, measured")
     exposed = (f", {s['exposed_seconds']:.3f} s of it exposed (the step waits for it; "
                f"planned {s['planned_exposed_seconds']:.3f} s{host})"
                if "exposed_seconds" in s else "")

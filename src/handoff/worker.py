@@ -63,6 +63,7 @@ class _PassHooks:
     inputs_ready: Callable[[list], None]
     first_launched: Callable[[], None]
 
+
 # The probe names of one step, in order (the source's "before resume weights" etc.).
 PROBES_TO_TRAIN = ("after generate", "after engine sleep", "after params onload",
                    "after ref forward")

@@ -95,10 +95,9 @@ class Actor(ShardedModel):
         bounds = [round(i * b / steps) for i in range(steps + 1)]
         minis = [batch.rows(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
         prepared = [(mini, self._micro_batches(mini)) for mini in minis]
-        if hooks is not None:
+        if hooks is not None:   # they may queue the optimizer's copy back at the first launch
             hooks.inputs_ready([pair for _, micro_batches in prepared for pair in micro_batches])
-        if hooks is None:   # hooks may queue the optimizer's copy back at the first launch
-            # It may still run: only its step waits for it (step()).
+        else:   # its copy back may still run: only its step waits for it (step())
             self._check_on_device("optimizer")
         history = [self._one_step(mini, micro_batches,
                                   first_launched=hooks.first_launched if hooks and i == 0 else None,

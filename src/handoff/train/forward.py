@@ -27,14 +27,12 @@ def new_shapes_first(micro_batches: list) -> tuple[list, int]:
     in this process moved to the front, and how many were moved. Their first launch can load
     kernels and allocate new block sizes, which wait for copies in flight (docs/PERF.md, "The
     streamed switch"): run first, they go before any copy is queued beside the pass."""
-    new, seen = [], set(_shapes_run)
-    for i, (mb, _) in enumerate(micro_batches):
-        shape = tuple(mb.input_ids.shape)
-        if shape not in seen:
-            seen.add(shape)
-            new.append(i)
-    rest = [pair for i, pair in enumerate(micro_batches) if i not in set(new)]
-    return [micro_batches[i] for i in new] + rest, len(new)
+    new, rest, seen = [], [], set(_shapes_run)
+    for pair in micro_batches:
+        shape = tuple(pair[0].input_ids.shape)
+        (rest if shape in seen else new).append(pair)
+        seen.add(shape)
+    return new + rest, len(new)
 
 
 def token_forward(module: torch.nn.Module, mb, *, chunk_tokens: int, with_entropy: bool,

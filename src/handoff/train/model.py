@@ -115,7 +115,6 @@ def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
             model.gradient_checkpointing_disable()
 
 
-
 class PassHooks(Protocol):
     """Work a caller queues beside a pass over micro-batches (the worker's copies back)."""
 
@@ -129,6 +128,7 @@ class PassHooks(Protocol):
         works here: in a forward the first of each input shape new to the process, moved to
         the front (forward.new_shapes_first), or else the first one; in an update the first
         one's forward and backward (its order is the order the grads add up in)."""
+
 
 class ShardedModel:
     """Forward-only FSDP2 model (the reference policy; the actor's base)."""
