@@ -28,10 +28,9 @@ from handoff.calibrate import Rates
 from handoff.config import Config
 from handoff.memory.meter import MemoryMeter, plot_timeline
 from handoff.plan.hardware import HardwareProfile, hardware_profile
-from handoff.plan.ledger import (SWITCH_ACTIONS, Dtypes, exposed_seconds,
-                                 switch_actions)
+from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
 from handoff.plan.shapes import load_shape
-from handoff.plan.trainer import forward_seconds, train_seconds
+from handoff.plan.trainer import exposed_behind_compute
 from handoff.run_dir import read_metrics
 from handoff.units import fmt_bytes
 
@@ -69,15 +68,11 @@ def planned_exposure(cfg: Config, rates: Rates, planned: dict[str, dict], *,
     copies back hide behind the trainer's forwards plan.trainer models for `train_tokens`
     (a step's prompt + response tokens on this card), the copies to the host (elastic pool)
     behind `generation_seconds`, a step's measured generation."""
-    shape, hw, ref = load_shape(cfg.model.path), _run_profile(cfg, rates), cfg.actor.kl_coef > 0
-    ups = cfg.actor.updates_per_step
-    compute = train_seconds(shape, train_tokens, hw, ref=ref, old_logprobs=ups > 1)
-    return exposed_seconds({a: p["seconds"] for a, p in planned.items()}, cfg.memory,
-                           compute_seconds=compute,
-                           forward_seconds=forward_seconds(shape, train_tokens, hw),
-                           generation_seconds=generation_seconds,
-                           elastic_pool=cfg.rollout.kv_pool == "elastic", ref=ref,
-                           updates_per_step=ups)
+    return exposed_behind_compute(
+        {a: p["seconds"] for a, p in planned.items()}, cfg.memory, load_shape(cfg.model.path),
+        train_tokens, _run_profile(cfg, rates), ref=cfg.actor.kl_coef > 0,
+        updates_per_step=cfg.actor.updates_per_step, generation_seconds=generation_seconds,
+        elastic_pool=cfg.rollout.kv_pool == "elastic")[1]
 
 
 def step_probes(timeline: list[dict], step: int) -> list[dict]:

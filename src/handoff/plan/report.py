@@ -27,11 +27,10 @@ from handoff.plan.advice import advice_text, find_fitting_plan, offload_options
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.kvpool import (Workload, engine_weight_bytes, generation_gain, kv_pool_bytes,
                                  kv_table)
-from handoff.plan.ledger import (Dtypes, SwitchAction, exposed_seconds,
-                                 memory_by_owner, offloaded_bytes_per_card, shard_size,
-                                 switch_actions, switch_summary, weight_sync_seconds)
+from handoff.plan.ledger import (Dtypes, SwitchAction, memory_by_owner, offloaded_bytes_per_card,
+                                 shard_size, switch_actions, switch_summary, weight_sync_seconds)
 from handoff.plan.shapes import ModelShape, load_shape
-from handoff.plan.trainer import forward_seconds, model_flops, train_seconds
+from handoff.plan.trainer import exposed_behind_compute, model_flops
 from handoff.plan.verdict import (HOST_FRACTION, TRAIN_PEAK_FRACTION, decide, elastic_utilization,
                                   max_safe_utilization, training_peak_bytes)
 
@@ -64,14 +63,10 @@ def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
     (plan.ledger.exposed_seconds)."""
     responses = workload.tokens_per_card / workload.response_len
     tokens = workload.tokens_per_card + responses * workload.prompt_len
-    old_logprobs = updates_per_step > 1
-    train_s = train_seconds(shape, tokens, hw, ref=ref, old_logprobs=old_logprobs)
-    exposed = exposed_seconds({a.name: a.seconds for a in actions}, memory,
-                              compute_seconds=train_s,
-                              forward_seconds=forward_seconds(shape, tokens, hw),
-                              generation_seconds=generation_seconds,
-                              elastic_pool=elastic_pool, ref=ref,
-                              updates_per_step=updates_per_step)
+    train_s, exposed = exposed_behind_compute(
+        {a.name: a.seconds for a in actions}, memory, shape, tokens, hw, ref=ref,
+        updates_per_step=updates_per_step, generation_seconds=generation_seconds,
+        elastic_pool=elastic_pool)
     switch_s = sum(exposed.values())
     modelled = (generation_seconds + switch_s + train_s
                 if generation_seconds is not None else None)
@@ -79,7 +74,8 @@ def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
             "modelled_seconds": modelled, "generation_seconds": generation_seconds,
             "switch_seconds": switch_s, "train_seconds": train_s,
             "train_tokens_per_card": tokens,
-            "train_flops_per_card": model_flops(shape, tokens, ref=ref, old_logprobs=old_logprobs),
+            "train_flops_per_card": model_flops(shape, tokens, ref=ref,
+                                                old_logprobs=updates_per_step > 1),
             "train_flops_per_s": hw.train_flops_per_s}, exposed
 
 

@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass
 
 from handoff.errors import HandoffError
 from handoff.plan.hardware import GB, HardwareProfile
-from handoff.plan.ledger import Dtypes
+from handoff.config import MemoryConfig
+from handoff.plan.ledger import Dtypes, exposed_seconds
 from handoff.plan.shapes import ModelShape
 
 ACTIVATION_SHARE = 0.8                 # of the room left beside state + resident
@@ -66,6 +67,21 @@ def train_seconds(shape: ModelShape, tokens: float, hw: HardwareProfile, *, ref:
 def forward_seconds(shape: ModelShape, tokens: float, hw: HardwareProfile) -> float:
     """One forward pass over `tokens` (2 N T model FLOPs): the ref's, or the old policy's."""
     return 2 * matmul_params(shape) * tokens / hw.train_flops_per_s
+
+
+def exposed_behind_compute(seconds: dict[str, float], memory: MemoryConfig, shape: ModelShape,
+                           tokens: float, hw: HardwareProfile, *, ref: bool,
+                           updates_per_step: int, generation_seconds: float | None,
+                           elastic_pool: bool) -> tuple[float, dict[str, float]]:
+    """(The trainer's compute seconds over `tokens`, each switch action's exposed seconds
+    behind that compute and generation: plan.ledger.exposed_seconds with this module's
+    forward and compute times.) The plan and a run's report price a step with it."""
+    train_s = train_seconds(shape, tokens, hw, ref=ref, old_logprobs=updates_per_step > 1)
+    return train_s, exposed_seconds(seconds, memory, compute_seconds=train_s,
+                                    forward_seconds=forward_seconds(shape, tokens, hw),
+                                    generation_seconds=generation_seconds,
+                                    elastic_pool=elastic_pool, ref=ref,
+                                    updates_per_step=updates_per_step)
 
 
 def _intermediate(shape: ModelShape) -> int:
