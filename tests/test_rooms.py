@@ -17,7 +17,7 @@ FLOORS = {
     "memory": 3, "sync": 3,
     "rollout": 4, "train": 4, "modelzoo": 4,
     "calibrate": 5, "run_dir": 5,
-    "worker": 6, "run_report": 6, "preflight": 6,
+    "switch": 6, "run_report": 6, "preflight": 6,
     "startup": 7,
     "loop": 8,
     "bench": 9,
