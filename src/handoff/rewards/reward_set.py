@@ -6,9 +6,9 @@
     scored.metrics_row()   # reward/<name>, accuracy, format_rate, timing_s/reward, ...
     rewards.close()        # the worker pool, when reward.workers > 0
 
-The total is combined as TRL combines it: None (no reward from a function for that sample)
-is skipped, the others are weighted and summed; a sample every function left None totals
-0.0 and is marked in `unscorable`. With no function configured the task's own grader alone
+The total is combined as TRL combines it (nansum), in float64: None (no reward from a
+function for that sample) is skipped, the others are weighted and summed; a sample every
+function left None totals 0.0 and is marked in `unscorable`. With no function configured the task's own grader alone
 scores, so a run gives exactly the rewards `Task.reward` gives.
 
 `reward.workers: N` scores the functions named by spec (FILE.py or module) in N processes
@@ -148,7 +148,10 @@ class RewardSet:
         for k in range(num):
             given = [(w, results[i].values[k]) for i, w in enumerate(self.weights)
                      if results[i].values[k] is not None]
-            totals.append(sum(w * v for w, v in given) if given else 0.0)
+            # Started from the first term, not 0: one function of weight 1 gives its value
+            # bit for bit (the task's grader alone gives exactly Task.reward's floats).
+            totals.append(sum((w * v for w, v in given[1:]), given[0][0] * given[0][1])
+                          if given else 0.0)
             unscorable.append(not given)
         extra: dict[str, list[Any]] = {}
         logged: dict[str, list[float]] = {}
