@@ -56,6 +56,14 @@ def test_a_bad_reward_in_a_worker_pool_gives_the_same_line():
     assert CASES["verl_raises"] in _error(f"{BAD}:verl_raises", workers=1)
 
 
+@pytest.mark.slow   # spawns a worker
+def test_a_worker_that_dies_is_one_line_naming_the_function():
+    message = _error(f"{BAD}:exits_the_process", workers=1)
+    assert message.startswith("reward exits_the_process failed in a reward.workers process "
+                              "(BrokenProcessPool")
+    assert message.endswith("run it in process (reward.workers=0)")
+
+
 def test_a_builtin_that_cannot_grade_a_sample_names_it():
     problem = Problem(messages=({"role": "user", "content": "q"},), answer="Paris", index=0)
     rewards = RewardSet.from_config(RewardConfig(functions=["handoff:numeric"]), TASK)
@@ -68,7 +76,7 @@ SPEC_CASES = {
     "missing file": (f"{FIXTURES}/nowhere.py:f", r"reward file '.*nowhere.py' not found \(a "
                      r"relative path is read from the current directory"),
     "missing name": (f"{BAD}:absent", r"bad_rewards.py has no 'absent' \(its callables: "
-                     r"gives_a_float, gives_inf, .*\): fix the name after the colon"),
+                     r"exits_the_process, gives_a_float, .*\): fix the name after the colon"),
     "not callable": (f"{BAD}:NOT_A_FUNCTION", r"NOT_A_FUNCTION is a int, not a function"),
     "unknown built-in": ("handoff:accuracy", r"'handoff:accuracy' is not a built-in reward: use "
                          r"one of handoff:task, handoff:numeric, handoff:exact"),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from handoff.errors import HandoffError
-from handoff.rewards.loading import TRL, VERL
+from handoff.rewards.loading import TRL, VERL, first_line
 
 # The keywords TRL passes itself; a dataset column of one of these names is not passed again.
 RESERVED = ("prompt", "completion", "completion_ids", "prompts", "completions", "trainer_state",
@@ -148,9 +148,8 @@ def _guarded(call: Callable[[], Any], name: str, where: str, *,
     except HandoffError:
         raise
     except Exception as e:
-        lines = str(e).strip().splitlines()
-        raise HandoffError(f"reward {name} raised {type(e).__name__} on {where}"
-                           f"{': ' + lines[0] if lines else ''}: {fix}") from e
+        raise HandoffError(f"reward {name} raised {type(e).__name__} on {where}: "
+                           f"{first_line(e)}: {fix}") from e
 
 
 def _takes(fn: Callable[..., Any], param: str) -> bool:

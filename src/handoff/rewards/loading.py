@@ -115,7 +115,7 @@ def _load_file(where: str) -> Any:
     except Exception as e:
         del sys.modules[module_name]
         raise HandoffError(f"reward file {str(path)!r} raised {type(e).__name__} while "
-                           f"loading ({_first_line(e)}): fix the file") from e
+                           f"loading ({first_line(e)}): fix the file") from e
     return module
 
 
@@ -124,13 +124,14 @@ def _import_module(where: str, spec: str) -> Any:
         return importlib.import_module(where)
     except ImportError as e:
         raise HandoffError(f"reward spec {spec!r}: module {where!r} cannot be imported "
-                           f"({_first_line(e)}): install it, add its folder to PYTHONPATH, or "
+                           f"({first_line(e)}): install it, add its folder to PYTHONPATH, or "
                            "name a file (FILE.py:NAME)") from e
     except Exception as e:
         raise HandoffError(f"reward spec {spec!r}: importing {where!r} raised "
-                           f"{type(e).__name__} ({_first_line(e)}): fix the module") from e
+                           f"{type(e).__name__} ({first_line(e)}): fix the module") from e
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An exception's message in one line (its first), for a one-line HandoffError."""
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__

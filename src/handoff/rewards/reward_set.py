@@ -8,8 +8,8 @@
 
 The total is combined as TRL combines it (nansum), in float64: None (no reward from a
 function for that sample) is skipped, the others are weighted and summed; a sample every
-function left None totals 0.0 and is marked in `unscorable`. With no function configured the task's own grader alone
-scores, so a run gives exactly the rewards `Task.reward` gives.
+function left None totals 0.0 and is marked in `unscorable`. With no function configured
+the task's own grader alone scores, so a run gives exactly the rewards `Task.reward` gives.
 
 `reward.workers: N` scores the functions named by spec (FILE.py or module) in N processes
 (spawned, each loading the functions again by spec; contiguous chunks of the samples, one per
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -32,8 +32,8 @@ from handoff.errors import HandoffError
 from handoff.rewards.builtin import builtin
 from handoff.rewards.calling import (RESERVED, CallResult, RewardInputs, call_builtin,
                                      call_user_function)
-from handoff.rewards.loading import (BUILTIN, BUILTIN_PREFIX, RewardFunction, from_callable,
-                                     from_spec, resolve_spec)
+from handoff.rewards.loading import (BUILTIN, BUILTIN_PREFIX, RewardFunction, first_line,
+                                     from_callable, from_spec, resolve_spec)
 from handoff.tasks import Problem, Task
 
 
@@ -142,7 +142,7 @@ class RewardSet:
             elif i not in pending:
                 results[i] = call_user_function(f.fn, f.style, f.name, inputs, 0)
         for i, futures in pending.items():
-            results[i] = _joined([future.result() for future in futures])
+            results[i] = _joined([_result(future, self.functions[i].name) for future in futures])
         per_function = {f.name: tuple(results[i].values) for i, f in enumerate(self.functions)}
         totals, unscorable = [], []
         for k in range(num):
@@ -226,6 +226,18 @@ def _call_by_spec(spec: str, style: str, name: str, inputs: RewardInputs,
                   start: int) -> CallResult:
     """Runs in a pool worker: load the function by its spec (once per worker) and call it."""
     return call_user_function(resolve_spec(spec), style, name, inputs, start)
+
+
+def _result(future: Future, name: str) -> CallResult:
+    """A worker's result; a worker that died or a result that could not come back is one line."""
+    try:
+        return future.result()
+    except HandoffError:
+        raise
+    except Exception as e:  # BrokenProcessPool, a value that does not pickle, ...
+        raise HandoffError(f"reward {name} failed in a reward.workers process "
+                           f"({type(e).__name__}: {first_line(e)}): "
+                           "fix the function or run it in process (reward.workers=0)") from e
 
 
 def _joined(parts: list[CallResult]) -> CallResult:

@@ -23,8 +23,8 @@ from handoff.tasks.dataset import DatasetTask, load_records
 from handoff.tasks.gsm8k import GSM8KTask
 
 __all__ = ["ArithmeticTask", "DatasetTask", "GSM8KTask", "Problem", "Score", "Task",
-           "build_eval_problems", "build_task", "encode_prompt", "extract_answer", "load_records", "normalize_number",
-           "render_prompt", "score_numeric", "score_text"]
+           "build_eval_problems", "build_task", "encode_prompt", "extract_answer",
+           "load_records", "normalize_number", "render_prompt", "score_numeric", "score_text"]
 
 
 def build_task(data: DataConfig, *, seed: int = 0) -> Task:
