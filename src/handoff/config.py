@@ -166,9 +166,12 @@ class SyncConfig:
 @dataclass
 class DataConfig:
     task: str = F("arithmetic", help="arithmetic | gsm8k | file", choices=("arithmetic", "gsm8k", "file"))
-    path: str | None = F(None, help="JSONL or Parquet file for task=file (or gsm8k)")
+    path: str | None = F(None, help="for task=file (or gsm8k): a JSONL or Parquet file, a "
+                         "`datasets` save_to_disk directory, or a Hub dataset id already in the "
+                         "local Hugging Face cache (never downloaded)")
     prompt_field: str = F("prompt", help="field that holds the prompt")
-    answer_field: str = F("answer", help="field that holds the reference answer")
+    answer_field: str = F("answer", help="field that holds the reference answer (a dotted name "
+                          "reads a nested field: reward_model.ground_truth in verl's files)")
     difficulty: int = F(1, help="arithmetic: digits per operand", ge=1, le=9)
     ops: str = F("+-", help="arithmetic: operators to draw from, a mix of + - *")
     context_chars: int = F(0, help="arithmetic: a filler passage of about this many characters "

@@ -54,6 +54,11 @@ def test_a_trl_file_gets_plain_completions_and_its_values_are_the_totals():
     assert scored.correct == (None,) * 4   # no grader among the rewards
 
 
+def test_an_async_trl_function_is_awaited():
+    scored = _rewards("trl_rewards.py:async_reward_len").score(_samples(TEXTS))
+    assert list(scored.totals) == _fixture("trl_rewards").reward_len(completions=TEXTS)
+
+
 def test_chat_prompts_give_trl_functions_assistant_messages():
     scored = _rewards("trl_rewards.py:format_reward").score(_samples(TEXTS, chat=True))
     assert scored.per_function["format_reward"] == (0.0, 0.0, 1.0, 0.0)

@@ -6,7 +6,7 @@ what it returns.
   **columns)`, every column a list with one entry per sample. `trainer_state` is a
   `transformers.TrainerState` holding `global_step` and `max_steps`; `log_extra(column,
   values)` and `log_metric(name, value)` collect into the step's record. Returns one float
-  or None per sample.
+  or None per sample; an async function is awaited (one event loop per call).
 * verl style: once per sample, `fn(data_source=, solution_str=, ground_truth=,
   extra_info=)` (extra_info only when the function takes it), returning a number or a dict
   whose "score" is the reward.
@@ -18,6 +18,7 @@ is one HandoffError line naming the function, the sample and the value.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import numbers
@@ -107,7 +108,7 @@ def _call_trl(fn: Callable[..., Any], name: str, inputs: RewardInputs, start: in
                   trainer_state=_trainer_state(inputs.step, inputs.max_steps),
                   log_extra=log_extra, log_metric=log_metric)
     where = f"samples {start}..{start + len(inputs) - 1}"
-    raw = _guarded(lambda: fn(**kwargs), name, where)
+    raw = _guarded(lambda: _awaited(fn(**kwargs)), name, where)
     if isinstance(raw, (str, bytes, dict)) or not hasattr(raw, "__len__"):
         raise HandoffError(f"reward {name} returned {_show(raw)} ({type(raw).__name__}) for "
                            f"{where}, not a list: return one float (or None) per completion")
@@ -150,6 +151,11 @@ def _guarded(call: Callable[[], Any], name: str, where: str, *,
     except Exception as e:
         raise HandoffError(f"reward {name} raised {type(e).__name__} on {where}: "
                            f"{first_line(e)}: {fix}") from e
+
+
+def _awaited(value: Any) -> Any:
+    """An async reward's result (TRL awaits those too), run to completion here."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
 def _takes(fn: Callable[..., Any], param: str) -> bool:
