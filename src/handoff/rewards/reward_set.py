@@ -123,10 +123,7 @@ class RewardSet:
         the value when one raises or returns what is not a finite float (or None)."""
         started = time.perf_counter()
         inputs = reward_inputs(samples, step=step, max_steps=max_steps)
-        num = len(samples)
-        correct: list[bool | None] = [None] * num
-        formatted: list[bool | None] = [None] * num
-        graded = False
+        flags = None  # (correct, formatted) per sample, from the first built-in grader
         results: dict[int, CallResult] = {}
         pending = {i: self._submit(f, inputs) for i, f in enumerate(self.functions)
                    if f.spec is not None and self.workers > 0}
@@ -135,34 +132,20 @@ class RewardSet:
                 scores = [call_builtin(f.fn, f.name, s.problem, s.completion, k)
                           for k, s in enumerate(samples)]
                 results[i] = CallResult([r for r, _, _ in scores])
-                if not graded:
-                    correct = [c for _, c, _ in scores]
-                    formatted = [m for _, _, m in scores]
-                    graded = True
+                if flags is None:
+                    flags = tuple(c for _, c, _ in scores), tuple(m for _, _, m in scores)
             elif i not in pending:
                 results[i] = call_user_function(f.fn, f.style, f.name, inputs, 0)
         for i, futures in pending.items():
             results[i] = _joined([_result(future, self.functions[i].name) for future in futures])
-        per_function = {f.name: tuple(results[i].values) for i, f in enumerate(self.functions)}
-        totals, unscorable = [], []
-        for k in range(num):
-            given = [(w, results[i].values[k]) for i, w in enumerate(self.weights)
-                     if results[i].values[k] is not None]
-            # Started from the first term, not 0: one function of weight 1 gives its value
-            # bit for bit (the task's grader alone gives exactly Task.reward's floats).
-            totals.append(sum((w * v for w, v in given[1:]), given[0][0] * given[0][1])
-                          if given else 0.0)
-            unscorable.append(not given)
-        extra: dict[str, list[Any]] = {}
-        logged: dict[str, list[float]] = {}
-        for i in range(len(self.functions)):
-            for key, values in results[i].extra_columns.items():
-                extra.setdefault(key, []).extend(values)
-            for key, values in results[i].metrics.items():
-                logged.setdefault(key, []).extend(values)
-        return StepRewards(tuple(totals), per_function, tuple(correct), tuple(formatted),
-                           tuple(unscorable), time.perf_counter() - started, extra,
-                           {k: sum(v) / len(v) for k, v in logged.items()})
+        ordered = [results[i] for i in range(len(self.functions))]
+        totals, unscorable = weighted_totals([r.values for r in ordered], self.weights)
+        merged = _joined(ordered)
+        correct, formatted = flags or ((None,) * len(samples),) * 2
+        return StepRewards(
+            totals, {f.name: tuple(r.values) for f, r in zip(self.functions, ordered)},
+            correct, formatted, unscorable, time.perf_counter() - started,
+            merged.extra_columns, {k: sum(v) / len(v) for k, v in merged.metrics.items()})
 
     def _submit(self, function: RewardFunction, inputs: RewardInputs) -> list:
         if self._pool is None:
@@ -185,6 +168,21 @@ class RewardSet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def weighted_totals(values: Sequence[Sequence[float | None]], weights: Sequence[float]
+                    ) -> tuple[tuple[float, ...], tuple[bool, ...]]:
+    """Per sample, the weighted sum of the functions' values with None skipped (TRL's nansum),
+    and whether every function gave None (then the total is 0.0)."""
+    totals, unscorable = [], []
+    for per_sample in zip(*values):
+        given = [(w, v) for w, v in zip(weights, per_sample) if v is not None]
+        # Started from the first term, not 0: one function of weight 1 gives its value
+        # bit for bit (the task's grader alone gives exactly Task.reward's floats).
+        totals.append(sum((w * v for w, v in given[1:]), given[0][0] * given[0][1])
+                      if given else 0.0)
+        unscorable.append(not given)
+    return tuple(totals), tuple(unscorable)
 
 
 def reward_inputs(samples: Sequence[Sample], *, step: int = 0, max_steps: int = 0) -> RewardInputs:
@@ -240,7 +238,8 @@ def _result(future: Future, name: str) -> CallResult:
                            "fix the function or run it in process (reward.workers=0)") from e
 
 
-def _joined(parts: list[CallResult]) -> CallResult:
+def _joined(parts: Sequence[CallResult]) -> CallResult:
+    """Values end to end (a function's chunks, in sample order); logs merged."""
     out = CallResult([v for part in parts for v in part.values])
     for part in parts:
         for key, values in part.extra_columns.items():
