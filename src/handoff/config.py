@@ -236,7 +236,8 @@ class RewardConfig:
 @dataclass
 class EvalConfig:
     n: int = F(0, ge=0, help="problems of data.eval_path scored per evaluation, the first n in "
-               "file order (0: all of them)")
+               "file order (0: all of them); task=arithmetic without data.eval_path: n problems "
+               "of a stream no run trains on (0: no evaluation)")
     temperature: float = F(0.0, ge=0, help="sampling temperature of an evaluation (0: greedy)")
 
 

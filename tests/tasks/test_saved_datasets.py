@@ -112,3 +112,14 @@ def test_the_eval_set_is_its_first_n_problems_in_file_order(tmp_path):
     _, every = build_eval_problems(cfg.data, cfg.eval)
     assert [p.answer for p in every] == [str(r["a"]) for r in ROWS]
     assert build_eval_problems(load_config().data, load_config().eval) is None
+
+
+def test_arithmetic_without_an_eval_path_evaluates_on_a_stream_no_run_trains_on():
+    cfg = load_config(None, ["data.difficulty=2", "eval.n=20"])
+    task, problems = build_eval_problems(cfg.data, cfg.eval, seed=0)
+    assert len(problems) == 20 and task.digits == 2 and task.seed < 0
+    trained = build_task(cfg.data, seed=0).sample(20)
+    assert [p.metadata for p in problems] != [p.metadata for p in trained]
+    assert task.score(problems[0], problems[0].answer).correct
+    none = load_config(None, ["eval.n=0"])
+    assert build_eval_problems(none.data, none.eval) is None

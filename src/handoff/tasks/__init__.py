@@ -41,12 +41,19 @@ def build_task(data: DataConfig, *, seed: int = 0) -> Task:
 
 
 def build_eval_problems(data: DataConfig, evaluation: EvalConfig, *,
-                        seed: int = 0) -> tuple[DatasetTask, list[Problem]] | None:
-    """The evaluation set of `data.eval_path` (None: no eval set): the task that grades it
-    (data.task's own for gsm8k, a file task otherwise) and its first `eval.n` problems in
-    file order (all of them when n is 0), read with the same loaders as data.path."""
+                        seed: int = 0) -> tuple[Task, list[Problem]] | None:
+    """The evaluation set and the task that grades it, or None when there is none.
+
+    With `data.eval_path`: data.task's own task for gsm8k (a file task otherwise) on that
+    source, read with the same loaders as data.path, its first `eval.n` problems in file order
+    (all of them when n is 0). Without it, for task=arithmetic with eval.n > 0: the first n
+    problems of the stream of seed -1 - seed, which no run trains on (run.seed >= 0)."""
     if data.eval_path is None:
-        return None
+        if data.task != "arithmetic" or evaluation.n == 0:
+            return None
+        task = ArithmeticTask(digits=data.difficulty, ops=data.ops, seed=-1 - seed,
+                              context_chars=data.context_chars)
+        return task, [task.get(i) for i in range(evaluation.n)]
     cls = GSM8KTask if data.task == "gsm8k" else DatasetTask
     task = cls(data.eval_path, prompt_field=data.prompt_field, answer_field=data.answer_field,
                seed=seed, split=data.eval_split, subset=data.subset, shuffle=False)
