@@ -14,7 +14,7 @@ FLOORS = {
     "handoff": 0, "errors": 0, "units": 0, "lengths": 0, "varlen": 0,
     "config": 1, "demo_model": 1, "model_files": 1,
     "plan": 2, "dist": 2, "tasks": 2,
-    "memory": 3, "sync": 3,
+    "memory": 3, "sync": 3, "rewards": 3,
     "rollout": 4, "train": 4, "modelzoo": 4,
     "calibrate": 5, "run_dir": 5,
     "switch": 6, "run_report": 6, "preflight": 6,
