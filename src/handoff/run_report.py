@@ -1,6 +1,6 @@
 """What a training run writes and prints: metrics, progress, planned vs measured, timeline.
 
-    report = RunReport(cfg, out_dir, rates=rates, meter=meter, kv_pool_bytes=pool_bytes)
+    report = RunReport(plan, out_dir, rates=rates, meter=meter, kv_pool_bytes=pool_bytes)
     report.start(first_step)
     report.log_step(row)           # metrics.jsonl + TensorBoard + one console line
     summary = report.finish()      # summary.md, memory_timeline.{jsonl,png}, a rich table
@@ -27,52 +27,43 @@ from rich.table import Table
 from handoff.calibrate import Rates
 from handoff.config import Config
 from handoff.memory.meter import MemoryMeter, plot_timeline
-from handoff.plan.hardware import HardwareProfile, hardware_profile
-from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
-from handoff.plan.shapes import load_shape
+from handoff.plan.ledger import SWITCH_ACTIONS, switch_actions
 from handoff.plan.trainer import exposed_behind_compute
 from handoff.run_dir import read_metrics
+from handoff.runplan import RunPlan
 from handoff.units import fmt_bytes
 
 console = Console()
 
 
-def _run_profile(cfg: Config, rates: Rates) -> HardwareProfile:
-    """The hardware profile with the rates this run measured (a rate it could not measure
-    keeps the profile's)."""
-    base = cfg.hardware.name if cfg.hardware.name else "cpu"
-    return rates.profile(hardware_profile(base, cfg.hardware))
-
-
-def planned_actions(cfg: Config, rates: Rates, kv_pool_bytes: int) -> dict[str, dict]:
-    """The ledger's nine actions for this run, priced with the rates measured in it. The
-    worker's sync is in-process on every rank (no IPC), whatever the shard group."""
-    shape = load_shape(cfg.model.path)
-    hw = _run_profile(cfg, rates)
-    dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
+def planned_actions(plan: RunPlan, rates: Rates, kv_pool_bytes: int) -> dict[str, dict]:
+    """The ledger's nine actions for this run, priced with the rates measured in it (a rate
+    it could not measure keeps the profile's). The worker's sync is in-process on every rank
+    (no IPC), whatever the shard group."""
+    cfg = plan.cfg
     parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
-    actions = switch_actions(shape, parallel, cfg.memory, hw, kv_pool_bytes=kv_pool_bytes,
-                             dtypes=dtypes, ref=cfg.actor.kl_coef > 0,
+    actions = switch_actions(plan.shape, parallel, cfg.memory, rates.profile(plan.hardware),
+                             kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes, ref=plan.ref,
                              bucket_bytes=cfg.sync.bucket_mb << 20, in_process=True,
                              weights_map_bps=rates.get("weights_map_bps"),
-                             h2d_bps=rates.get("h2d_bps"),
-                             elastic_pool=cfg.rollout.kv_pool == "elastic",
+                             h2d_bps=rates.get("h2d_bps"), elastic_pool=plan.elastic_pool,
                              updates_per_step=cfg.actor.updates_per_step)
     return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
             for a in actions}
 
 
-def planned_exposure(cfg: Config, rates: Rates, planned: dict[str, dict], *,
+def planned_exposure(plan: RunPlan, rates: Rates, planned: dict[str, dict], *,
                      train_tokens: float, generation_seconds: float) -> dict[str, float]:
     """Each planned action's exposed seconds (plan.ledger.exposed_seconds) in this run: the
     copies back hide behind the trainer's forwards plan.trainer models for `train_tokens`
     (a step's prompt + response tokens on this card), the copies to the host (elastic pool)
     behind `generation_seconds`, a step's measured generation."""
+    cfg = plan.cfg
     return exposed_behind_compute(
-        {a: p["seconds"] for a, p in planned.items()}, cfg.memory, load_shape(cfg.model.path),
-        train_tokens, _run_profile(cfg, rates), ref=cfg.actor.kl_coef > 0,
+        {a: p["seconds"] for a, p in planned.items()}, cfg.memory, plan.shape, train_tokens,
+        rates.profile(plan.hardware), ref=plan.ref,
         updates_per_step=cfg.actor.updates_per_step, generation_seconds=generation_seconds,
-        elastic_pool=cfg.rollout.kv_pool == "elastic")[1]
+        elastic_pool=plan.elastic_pool)[1]
 
 
 def step_probes(timeline: list[dict], step: int) -> list[dict]:
@@ -90,16 +81,17 @@ def step_probes(timeline: list[dict], step: int) -> list[dict]:
 class RunReport:
     """Rank 0's view of a run: files under out_dir and the console."""
 
-    def __init__(self, cfg: Config, out_dir: Path, *, rates: Rates, meter: MemoryMeter,
+    def __init__(self, plan: RunPlan, out_dir: Path, *, rates: Rates, meter: MemoryMeter,
                  kv_pool_bytes: int):
-        self.cfg = cfg
+        self.cfg = cfg = plan.cfg
         self.out_dir = out_dir
         self.meter = meter
         self.rows: list[dict] = []
         self.rates = rates.values
         # The pool as its wake maps it: CUDA maps whole allocator segments (2 MiB-rounded),
         # a little more than the pool's tensors.
-        self.planned = planned_actions(cfg, rates, kv_pool_bytes)
+        self.plan = plan
+        self.planned = planned_actions(plan, rates, kv_pool_bytes)
         self.metrics_path = out_dir / "metrics.jsonl"
         self._tb = None
         self._progress: Progress | None = None
@@ -171,7 +163,7 @@ class RunReport:
         step_s, host_s = median("timing_s/step"), median("timing_s/host")
         flush_s, queue_s = median("switch/flush_s"), median("switch/queue_s")
         switch_s = sum(m["seconds"] for m in measured.values())
-        exposure = planned_exposure(self.cfg, Rates(self.rates), self.planned,
+        exposure = planned_exposure(self.plan, Rates(self.rates), self.planned,
                                     train_tokens=median("train_tokens"),
                                     generation_seconds=median("timing_s/gen"))
         for action, seconds in exposure.items():

@@ -20,19 +20,13 @@ def train_cmd(
                                    "run.out_dir (refused without it or --resume)"),
 ) -> None:
     """Colocated sync GRPO: generate, switch, train, switch back; planned vs measured at the end."""
+    from handoff.api import train
     from handoff.config import load_config
-    from handoff.preflight import preflight
-
-    from handoff.demo_model import resolve_model_path
-
-    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else [])
-                      + (["run.overwrite=true"] if overwrite else []))
-    cfg.model.path = resolve_model_path(cfg.model.path)
-    preflight(cfg)
-    from handoff.loop import train
     from handoff.dist import end_distributed_run, world_rank_size
     from handoff.run_dir import interrupted_message
 
+    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else [])
+                      + (["run.overwrite=true"] if overwrite else []))
     try:
         train(cfg)
     except KeyboardInterrupt:

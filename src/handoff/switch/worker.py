@@ -1,7 +1,7 @@
 """HybridWorker: one device's actor, reference and engine, and the phases of a step that
 hand the memory from one to the other. Each phase returns what it did.
 
-    worker, rates = start_worker(cfg)                 # handoff.startup
+    worker, rates = start_worker(cfg, plan)           # handoff.startup
     gen = worker.generate(prompts, params)            # Generation: outputs, seconds, engine
     record = worker.to_train()                        # SwitchRecord
     logprobs, record = worker.log_probs(batch)        # old (if needed) and ref log-probs

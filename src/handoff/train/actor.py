@@ -1,6 +1,6 @@
 """The actor: an FSDP2 policy with fp32-master AdamW and the GRPO update.
 
-    actor = build_actor(cfg, device="cuda", arena=arena)
+    actor = build_actor(cfg, RunPlan.build(cfg), device="cuda", arena=arena)
     batch.old_logprobs, _ = actor.log_probs(batch)
     metrics = actor.update(batch)      # loss, pg_loss, clip_frac, kl, entropy, grad_norm, lr
     actor.to("host", optimizer=True).wait()
@@ -21,7 +21,6 @@ over ranks divides the world back out.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable
 
@@ -31,6 +30,7 @@ from handoff.config import ActorConfig, Config
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena
 from handoff.plan.trainer import MicroBatchChoice
+from handoff.runplan import RunPlan
 from handoff.train import grpo
 from handoff.train.batch import RolloutBatch
 from handoff.dist import all_reduce_
@@ -50,7 +50,7 @@ class Actor(ShardedModel):
         if not isinstance(actor.micro_batch_tokens, int) or not isinstance(
                 actor.gradient_checkpointing, bool):
             raise HandoffError("actor.micro_batch_tokens / gradient_checkpointing are 'auto': "
-                               "build the actor with build_actor(cfg, ...), which resolves them")
+                               "build the actor with build_actor(cfg, plan, ...), which resolves them")
         super().__init__(path, role=role, device=device, dtype=dtype,
                          micro_batch_size=actor.micro_batch_size, offload_mode=offload_mode,
                          arena=arena, gradient_checkpointing=actor.gradient_checkpointing,
@@ -176,58 +176,35 @@ class Actor(ShardedModel):
         return math.sqrt(float(all_reduce_(sq).item()))
 
 
-def resolve_actor_config(cfg: Config, device: str | torch.device
+def resolve_actor_config(plan: RunPlan, device: str | torch.device
                          ) -> tuple[ActorConfig, MicroBatchChoice | None]:
-    """cfg.actor with 'auto' micro_batch_tokens / gradient_checkpointing decided from the
-    memory the card has in the training phase (handoff.plan.trainer.pick_micro_batch: the
-    hardware profile's HBM, or the device's if smaller, less the trainer state and the
-    resident bytes); the choice is returned with its reason (None when nothing was auto)."""
-    a = cfg.actor
-    if a.micro_batch_tokens != "auto" and a.gradient_checkpointing != "auto":
-        return a, None
-    from handoff.plan.hardware import hardware_profile
-    from handoff.plan.ledger import Dtypes, shard_size
-    from handoff.plan.shapes import load_shape
-    from handoff.plan.trainer import pick_micro_batch
-
-    hw = hardware_profile(cfg.hardware.name, cfg.hardware)
+    """The run's actor config with 'auto' resolved for `device` (RunPlan.actor_config: a
+    CUDA card smaller than the profile's HBM sizes the budget)."""
     dev = torch.device(device) if str(device) != "auto" else None
+    total = None
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(dev).total_memory
-        hw = dataclasses.replace(hw, hbm_bytes=min(hw.hbm_bytes, total))
-    # Padded rows: the micro-batch is micro_batch_size rows of up to max_model_len tokens.
-    tokens = a.micro_batch_tokens if a.micro_batch_tokens != 0 else (
-        a.micro_batch_size * cfg.rollout.max_model_len)
-    choice = pick_micro_batch(load_shape(cfg.model.path), hw,
-                              dtypes=Dtypes.for_model(cfg.model.dtype),
-                              shard=shard_size(cfg.parallel),
-                              checkpointing=a.gradient_checkpointing,
-                              logprob_chunk_tokens=a.logprob_chunk_tokens,
-                              longest_sequence=cfg.rollout.max_model_len, tokens=tokens)
-    resolved = dataclasses.replace(
-        a, gradient_checkpointing=choice.checkpointing,
-        micro_batch_tokens=choice.tokens if a.micro_batch_tokens == "auto" else a.micro_batch_tokens)
-    return resolved, choice
+    return plan.actor_config(total)
 
 
-def build_actor(cfg: Config, *, device: str | torch.device,
+def build_actor(cfg: Config, plan: RunPlan, *, device: str | torch.device,
                 arena: PinnedArena | None = None) -> Actor:
     """The actor from a run config: model.path / model.dtype, actor.* ('auto' resolved by
     resolve_actor_config, the choice kept as actor.micro_batch_choice), memory.offload_mode."""
-    actor_cfg, choice = resolve_actor_config(cfg, device)
+    actor_cfg, choice = resolve_actor_config(plan, device)
     actor = Actor(cfg.model.path, actor=actor_cfg, device=device, dtype=cfg.model.dtype,
                   offload_mode=cfg.memory.offload_mode, arena=arena)
     actor.micro_batch_choice = choice
     return actor
 
 
-def build_reference(cfg: Config, *, device: str | torch.device,
+def build_reference(cfg: Config, plan: RunPlan, *, device: str | torch.device,
                     arena: PinnedArena | None = None) -> ShardedModel | None:
     """The frozen reference model, or None when actor.kl_coef == 0 (no KL term at all); its
     forwards use the actor's micro-batches, log-prob head and compiled layers."""
     if cfg.actor.kl_coef == 0:
         return None
-    actor_cfg, _ = resolve_actor_config(cfg, device)
+    actor_cfg, _ = resolve_actor_config(plan, device)
     return ShardedModel(cfg.model.path, role="ref", device=device, dtype=cfg.model.dtype,
                         micro_batch_size=actor_cfg.micro_batch_size,
                         micro_batch_tokens=actor_cfg.micro_batch_tokens,
