@@ -12,6 +12,7 @@ from pathlib import Path
 
 from handoff.config import Config
 from handoff.errors import HandoffError
+from handoff.loggers import check_loggers
 from handoff.model_files import cap_context, check_model_dir
 from handoff.run_dir import check_out_dir
 
@@ -23,6 +24,7 @@ def preflight(cfg: Config) -> dict | None:
     check_model_dir(cfg.model.path, flag="model.path")
     cap_context(cfg)
     check_out_dir(cfg)
+    check_loggers(cfg.run.loggers)
     if cfg.data.prompts_per_step % cfg.parallel.gpus:
         raise HandoffError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not split "
                            f"over parallel.gpus={cfg.parallel.gpus} ranks: use a multiple of it")
