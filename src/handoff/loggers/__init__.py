@@ -10,6 +10,8 @@ tensorboard (torch's SummaryWriter, out_dir/tensorboard), wandb (out_dir/wandb) 
 (out_dir/mlruns) each implement base.Logger. wandb and mlflow are optional extras: naming one
 whose package is missing is refused before the run starts (check_loggers, preflight) with the
 pip command; TensorBoard, part of the runtime extra, only warns (metrics.jsonl has it all).
+A resume continues TensorBoard's events (the repeated steps purged) and samples.jsonl (their
+rows dropped); in wandb and MLflow it is a new run that starts at the resumed step.
 """
 
 from __future__ import annotations
