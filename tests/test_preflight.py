@@ -105,3 +105,16 @@ def test_checkpoints_already_on_disk_make_room_as_they_are_replaced(cfg, monkeyp
     _free_disk(monkeypatch, one - 1)
     with pytest.raises(HandoffError, match="checkpoints need"):
         preflight(resumed)
+
+
+def test_a_logger_whose_package_is_missing_fails_before_loading(cfg, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mlflow" else real(name, *a))
+    cfg.run.loggers = ["tensorboard", "mlflow"]
+    with pytest.raises(HandoffError, match=r"pip install 'handoff\[mlflow\]'"):
+        preflight(cfg)
+    cfg.run.loggers = ["tensorboard"]
+    preflight(cfg)

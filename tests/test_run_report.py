@@ -23,7 +23,7 @@ def _log(report, first_step, rewards):
         report.log_step({"step": step, "reward_mean": reward, "reward_std": 0.0,
                          "response_length": 1.0, "timing_s/gen": 0.0, "timing_s/step": 0.0})
     report._progress.stop()
-    report._tb.close()
+    report._loggers.close()
 
 
 def test_resumed_steps_replace_the_crashed_runs_events(tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from handoff.config import Config
 from handoff.errors import HandoffError
+from handoff.loggers import check_loggers
 from handoff.model_files import cap_context, check_model_dir
 from handoff.run_dir import check_out_dir
 from handoff.runplan import RunPlan
@@ -25,6 +26,7 @@ def preflight(cfg: Config) -> RunPlan:
     check_model_dir(cfg.model.path, flag="model.path")
     cap_context(cfg)
     check_out_dir(cfg)
+    check_loggers(cfg.run.loggers)
     run_plan = RunPlan.build(cfg)
     if cfg.data.prompts_per_step % cfg.parallel.gpus:
         raise HandoffError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not split "

@@ -2,7 +2,8 @@
 
     report = RunReport(plan, out_dir, rates=rates, meter=meter, kv_pool_bytes=pool_bytes)
     report.start(first_step)
-    report.log_step(row)           # metrics.jsonl + TensorBoard + one console line
+    report.log_step(row)           # metrics.jsonl + run.loggers + one console line
+    report.log_samples(step, [(prompt, completion, reward), ...])   # samples.jsonl + loggers
     summary = report.finish()      # summary.md, memory_timeline.{jsonl,png}, a rich table
 
 The planned column is the ledger (handoff.plan.ledger) for this model and these offloads,
@@ -25,7 +26,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from handoff.calibrate import Rates
-from handoff.config import Config
+from handoff.config import Config, to_dict
+from handoff.loggers import Loggers, open_loggers
 from handoff.memory.meter import MemoryMeter, plot_timeline
 from handoff.plan.ledger import SWITCH_ACTIONS, switch_actions
 from handoff.plan.trainer import exposed_behind_compute
@@ -93,7 +95,7 @@ class RunReport:
         self.plan = plan
         self.planned = planned_actions(plan, rates, kv_pool_bytes)
         self.metrics_path = out_dir / "metrics.jsonl"
-        self._tb = None
+        self._loggers: Loggers | None = None
         self._progress: Progress | None = None
 
     def start(self, first_step: int) -> None:
@@ -101,14 +103,8 @@ class RunReport:
         # metrics.jsonl to the steps before first_step.
         if first_step > 0 and self.metrics_path.is_file():
             self.rows = read_metrics(self.metrics_path)[0]
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # Events of steps after first_step (an earlier run's, or a crashed step's that a
-            # resume repeats) are purged, as the trimmed metrics.jsonl drops their rows.
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=first_step + 1)
-        except ImportError:  # tensorboard is optional: metrics.jsonl has everything
-            console.print("[yellow]tensorboard is not installed: writing metrics.jsonl only[/]")
+        self._loggers = open_loggers(self.cfg, self.out_dir, first_step=first_step)
+        self._loggers.log_config(to_dict(self.cfg))
         self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), TextColumn("{task.description}"),
                                   console=console, transient=False)
@@ -119,10 +115,8 @@ class RunReport:
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, row["step"])
+        if self._loggers is not None:
+            self._loggers.log_metrics(row, row["step"])
         line = (f"step {row['step']:>3}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
                 f"len {row['response_length']:.1f}  kl {row.get('kl', 0.0):.4f}  "
                 f"gen {row['timing_s/gen']:.2f}s  step {row['timing_s/step']:.2f}s  "
@@ -131,6 +125,12 @@ class RunReport:
             self._progress.console.print(line, highlight=False)
             self._progress.update(self._task, completed=row["step"],
                                   description=f"reward {row['reward_mean']:.3f}")
+
+    def log_samples(self, step: int, samples: list[tuple[str, str, float]]) -> None:
+        """A few of step `step`'s (prompt, completion, reward), counted from 1 like the rows:
+        samples.jsonl and the loggers' text (run.log_samples of them)."""
+        if self._loggers is not None:
+            self._loggers.log_samples(step, samples)
 
     # ---------------------------------------------------------------- the end
 
@@ -147,8 +147,8 @@ class RunReport:
     def finish(self) -> dict:
         if self._progress is not None:
             self._progress.stop()
-        if self._tb is not None:
-            self._tb.close()
+        if self._loggers is not None:
+            self._loggers.close()
         meter = self.meter
         meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
         last_step = self.rows[-1]["step"] - 1 if self.rows else 0
