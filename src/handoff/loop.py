@@ -25,6 +25,7 @@ and after a resume.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from handoff.run_report import RunReport, console
 from handoff.rewards import RewardSet, Sample
 from handoff.runplan import RunPlan
 from handoff.startup import start_worker
-from handoff.tasks import build_task
+from handoff.tasks import build_eval_problems, build_task
 from handoff.train.batch import RolloutBatch
 from handoff.train.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
                                      save_checkpoint)
@@ -189,6 +190,8 @@ class Run:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.task = build_task(cfg.data, seed=cfg.run.seed)
         self.rewards = RewardSet.from_config(cfg.reward, self.task, callables=reward_funcs)
+        self.eval_set = build_eval_problems(cfg.data, cfg.eval, seed=cfg.run.seed)
+        self.samples: list[tuple[str, str, float]] = []   # the last step's, for the report
         self.plan = plan or RunPlan.build(cfg)
         self.worker, self.rates = start_worker(cfg, self.plan)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
@@ -279,7 +282,39 @@ class Run:
         switch, times = worker.end_step([to_train, ref_moves, optimizer_moves, to_rollout])
         host = HostTimes(step_s=time.perf_counter() - t_step, checkpoint_s=checkpoint_s,
                          train_s=train_s, host_s=host_s)
+        self.samples = [(p, c, r) for (p, c), r in zip(scored.texts, scored.rewards)]
         return step_row(step, scored, update, gen, switch, times, host, world=self.world)
+
+    def evaluate(self) -> dict[str, float]:
+        """The evaluation set (data.eval_path, or arithmetic's held-out stream), one sample
+        each at eval.temperature (0: greedy), scored by the run's rewards: eval/reward_mean,
+        eval/accuracy and eval/format_rate where a grader gives them, averaged over ranks.
+        Runs in the rollout phase, between two steps."""
+        task, problems = self.eval_set
+        cfg = self.cfg
+        params = SamplingParams.from_config(cfg.rollout, seed=cfg.run.seed)
+        params = dataclasses.replace(params, n=1, temperature=cfg.eval.temperature,
+                                     sample_max_tokens=())
+        tp = self.worker.tp_size
+        mine = [i for i in range(len(problems)) if i % self.world // tp == self.rank // tp]
+        ids = [task.encode_prompt(problems[i], self.tokenizer, chat=cfg.data.chat_template)
+               for i in mine]
+        outs = self.worker.generate(ids, [params] * len(ids)).outputs
+        self.worker.reset_prefix_cache()
+        chat = cfg.data.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
+        samples = [Sample(problems[i], list(problems[i].messages) if chat else problems[i].prompt,
+                          self.tokenizer.decode(out.outputs[0].token_ids,
+                                                skip_special_tokens=True),
+                          out.outputs[0].token_ids)
+                   for i, out in zip(mine, outs) if i % self.world == self.rank]
+        scored = self.rewards.score(samples) if samples else None
+        row = {"eval/reward_mean": mean_over_ranks(list(scored.totals) if scored else [])[0]}
+        for key, flags in (("accuracy", "correct"), ("format_rate", "formatted")):
+            known = [float(f) for f in getattr(scored, flags, ()) if f is not None]
+            value, _, count = mean_over_ranks(known)
+            if count:
+                row[f"eval/{key}"] = value
+        return row
 
     # ---------------------------------------------------------------- the run
 
@@ -297,8 +332,12 @@ class Run:
                     save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
                         cfg.run.save_every and done % cfg.run.save_every == 0))
                     row = self.step(step, save=save)
+                    if self.eval_set and cfg.run.eval_every and (
+                            done % cfg.run.eval_every == 0 or done == cfg.run.steps):
+                        row.update(self.evaluate())
                     if self.report is not None:
                         self.report.log_step(row)
+                        self.report.log_samples(done, self.samples)
                     if self.pending_checkpoint is not None:
                         publish_checkpoint(self.pending_checkpoint)
             self.worker.settle()   # the last step's copies to the host land (in no row)

@@ -191,6 +191,11 @@ class HybridWorker:
             engine[counter] -= before[counter]
         return Generation(outs, seconds, engine)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the engine's cached prefixes (after generating outside a step: an
+        evaluation's prompts must not change what the next step's prefills compute)."""
+        self.engine.reset_prefix_cache()
+
     def _between_engine_steps(self) -> None:
         """Between two engine steps: land the copies that finished and start the next part's
         copy; when the pool holds generation back (engine.kv_short) and no copy of ours is in
