@@ -63,7 +63,7 @@ def user_files(tmp_path, monkeypatch):
 def _cfg(model_dir, out_dir, *extra):
     return load_config(_example(),
                        [f"model.path={model_dir}", f"run.out_dir={out_dir}",
-                        "data.task=file", "data.path=data.jsonl", "actor.kl_coef=0",
+                        "data.task=file", "data.path=data.jsonl", "actor.kl_coef=0", "data.chat_template=false",
                         "run.checkpoint=true", "run.save_every=1", *extra])
 
 
