@@ -10,6 +10,7 @@ accepted range. This module imports no torch: `handoff plan` uses it on a laptop
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -479,3 +480,23 @@ def _check_cross_fields(cfg: Config) -> None:
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def reference(cfg: Any = None, prefix: str = "") -> list[dict[str, str]]:
+    """Every key of the config tree, in order: {"key", "default", "range", "help"} (the
+    `handoff config` listing, generated from the fields' own metadata)."""
+    cfg = Config() if cfg is None else cfg
+    rows = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += reference(value, f"{prefix}{f.name}.")
+        else:
+            meta = dict(f.metadata)
+            bounded = any(meta.get(k) is not None for k in ("ge", "gt", "le", "lt"))
+            accepted = (" | ".join(map(str, meta["choices"])) if meta.get("choices")
+                        else _range_text(meta) if bounded else "")
+            rows.append({"key": f"{prefix}{f.name}", "default": json.dumps(value),
+                         "range": accepted + (" or auto" if meta.get("auto") else ""),
+                         "help": meta.get("help", "")})
+    return rows

@@ -45,3 +45,23 @@ def report_cmd(run_dir: str = typer.Argument(..., help="run.out_dir of a `handof
     from handoff.run_report import show_run
 
     show_run(run_dir)
+
+
+@app.command("config")
+@friendly_errors
+def config_cmd(
+    markdown: bool = typer.Option(False, "--markdown", help="a Markdown table"),
+) -> None:
+    """Every config key with its default, accepted values and help (override any as
+    section.key=value)."""
+    from handoff.config import reference
+
+    rows = reference()
+    if markdown:
+        print("| key | default | accepted | help |\n|---|---|---|---|")
+        for r in rows:
+            print(f"| `{r['key']}` | `{r['default']}` | {r['range']} | {r['help']} |")
+        return
+    for r in rows:
+        accepted = f"  [{r['range']}]" if r["range"] else ""
+        print(f"{r['key']} = {r['default']}{accepted}\n    {r['help']}")
