@@ -177,7 +177,7 @@ class Run:
 
             hf_logging.disable_progress_bar()
         torch.manual_seed(cfg.run.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
         self.task = build_task(cfg.data, seed=cfg.run.seed)
         self.worker, self.rates = start_worker(cfg)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
