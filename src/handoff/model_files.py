@@ -64,9 +64,8 @@ def check_architecture(path: str | Path, config: dict) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise HandoffError(f"{model / 'config.json'}: architecture model_type={model_type!r} is "
                            f"not supported; {fix}")
-    archs = config.get("architectures") or []
-    bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES] if isinstance(archs, list) \
-        else [archs]
+    archs = expect(config, "architectures", list, source=str(model / "config.json"), default=[])
+    bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
     if bad:
         raise HandoffError(f"{model / 'config.json'}: architecture {bad[0]!r} is not "
                            f"supported; {fix}")
