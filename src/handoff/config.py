@@ -248,6 +248,8 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4")
+        if isinstance(value, int):   # exact: a float would round a seed above 2**53
+            return value
         try:
             as_float = float(value)
         except ValueError:

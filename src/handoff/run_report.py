@@ -355,7 +355,8 @@ def show_run(run_dir: str | Path) -> dict:
         summary = read_json(summary_path, max_bytes=16 << 20)
         console.print(summary_table(summary))
     except HandoffError as e:
-        console.print(f"[yellow]{e}: its table is not shown[/]", highlight=False, markup=False)
+        console.print(f"{e}: its table is not shown", style="yellow", highlight=False,
+                      markup=False, soft_wrap=True)
         return {}
     except (KeyError, TypeError, ValueError) as e:   # a field missing or of another type
         console.print(f"[yellow]{summary_path} is damaged (field {e}: not the summary of a "
