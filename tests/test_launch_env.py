@@ -18,6 +18,8 @@ FULL = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0
 def env(monkeypatch):
     for name in VARS:
         monkeypatch.delenv(name, raising=False)
+    # A group an earlier test made in this process would answer instead of the environment.
+    monkeypatch.setattr(dist.dist, "is_initialized", lambda: False)
 
     def set_env(**values):
         for name, value in values.items():

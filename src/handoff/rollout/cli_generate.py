@@ -28,8 +28,11 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     from handoff.rollout.engine import Engine
     from handoff.rollout.sampling import SamplingParams
 
+    from handoff.dist import launch_env
+
     if not prompts:
         raise HandoffError("no prompt given: pass --prompt TEXT (repeat it for several)")
+    launch_env()   # torchrun's variables whole, or one line
     _check_launch(tp)
     check_model_dir(model)  # config, tokenizer and weights named before a loader complains
     tokenizer = load_tokenizer(model)
