@@ -236,8 +236,9 @@ def load_tokenizer(path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise HandoffError(f"cannot load a tokenizer from {str(path)!r} ({' '.join(str(e).split())[:200]}): "
-                           "pass an HF checkpoint directory with tokenizer files") from None
+        said = " ".join(str(e).split())[:200]   # transformers' messages span lines
+        raise HandoffError(f"cannot load a tokenizer from {str(path)!r} ({said}): pass an HF "
+                           "checkpoint directory with tokenizer files") from None
 
 
 def cap_context(cfg) -> None:

@@ -129,30 +129,30 @@ class _BoundedLoader(yaml.SafeLoader):
 
 
 def read_yaml(path: str | Path, *, max_bytes: int = MAX_YAML_BYTES) -> Any:
-    """A YAML file as plain data: size, aliases, nesting and values bounded; NaN and
-    infinity are left for the caller, which names the field with its accepted range."""
-    path = Path(path)
+    """A YAML config as plain data: size, aliases, nesting and values bounded (ConfigError
+    naming the file); NaN and infinity are left for the config, which names the field
+    with its accepted range."""
     try:
-        data = _read_bytes(path, max_bytes, "config file")
+        return _load_yaml(Path(path), max_bytes)
     except HandoffError as e:
         raise ConfigError(str(e)) from None
+
+
+def _load_yaml(path: Path, max_bytes: int) -> Any:
+    where = f"config file {str(path)!r}"
+    data = _read_bytes(path, max_bytes, "config file")
     try:
         value = yaml.load(data.decode("utf-8"), Loader=_BoundedLoader)  # noqa: S506 (safe loader)
     except UnicodeDecodeError:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: save it as UTF-8") from None
+        raise HandoffError(f"{where} is not UTF-8 text: save it as UTF-8") from None
     except RecursionError:
-        raise ConfigError(f"config file {str(path)!r} nests deeper than Python can parse: "
-                           "fix the file") from None
+        raise HandoffError(f"{where} nests deeper than Python can parse: fix the file") from None
     except ValueError as e:   # an integer of thousands of digits
-        raise ConfigError(f"config file {str(path)!r} holds a value that is not usable ({e}): "
-                           "fix the file") from None
+        raise HandoffError(f"{where} holds a value that is not usable ({e}): fix it") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({' '.join(str(e).split())}): "
-                           "fix the syntax") from None
-    try:
-        check_tree(value, f"config file {str(path)!r}", finite=False, max_nodes=100_000)
-    except HandoffError as e:
-        raise ConfigError(str(e)) from None
+        said = " ".join(str(e).split())   # PyYAML's message spans lines
+        raise HandoffError(f"{where} is not valid YAML ({said}): fix the syntax") from None
+    check_tree(value, where, finite=False, max_nodes=100_000)
     return value
 
 
