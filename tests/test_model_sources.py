@@ -183,3 +183,20 @@ def test_an_architecture_the_engine_does_not_run_is_refused_before_loading(model
                  lambda m: load_hf_model(str(m), torch.float32, False)):
         with pytest.raises(HandoffError, match=match):
             load(model)
+
+
+def test_every_from_pretrained_in_src_passes_trust_remote_code_false():
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "handoff"
+    calls, lax = 0, []
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "from_pretrained"):
+                calls += 1
+                flag = {k.arg: k.value for k in node.keywords}.get("trust_remote_code")
+                if not (isinstance(flag, ast.Constant) and flag.value is False):
+                    lax.append(f"{path.relative_to(src)}:{node.lineno}")
+    assert calls >= 5 and lax == []
