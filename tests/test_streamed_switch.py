@@ -378,7 +378,7 @@ def test_copies_to_the_host_land_between_engine_steps_and_grow_the_pool(
     assert worker.copies_pending
     worker.settle()
     assert not worker.copies_pending
-    assert worker.take_landed().actions["params_d2h"].bytes == parts["params"]
+    assert worker.copies.take_landed().actions["params_d2h"].bytes == parts["params"]
     assert all(t.untyped_storage().nbytes() == 0 for t in worker.actor.part_tensors("params"))
 
 
