@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -131,10 +132,7 @@ class RunReport:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, row["step"])
-        line = (f"step {row['step']:>3}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
-                f"len {row['response_length']:.1f}  kl {row.get('kl', 0.0):.4f}  "
-                f"gen {row['timing_s/gen']:.2f}s  step {row['timing_s/step']:.2f}s  "
-                f"switch {_switch_text(row)}")
+        line = step_line(row, kl=self.cfg.actor.kl_coef > 0)
         if self._progress is not None:
             self._progress.console.print(line, highlight=False)
             self._progress.update(self._task, completed=row["step"],
@@ -200,11 +198,28 @@ class RunReport:
         return summary
 
 
+def step_line(row: dict, *, kl: bool) -> str:
+    """A step's console line; `kl` only with a reference model (actor.kl_coef > 0)."""
+    kl_text = f"kl {row.get('kl', 0.0):.4f}  " if kl else ""
+    return (f"step {row['step']:>3}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
+            f"len {row['response_length']:.1f}  {kl_text}"
+            f"gen {row['timing_s/gen']:.2f}s  step {row['timing_s/step']:.2f}s  "
+            f"switch {_switch_text(row)}")
+
+
+# The exposed switch is what the step waits for, so it also holds host work the actions'
+# own seconds do not: said whenever it is the larger, lest it read as a measuring error.
+HOST_WORK = "includes host work: scoring, flushes, queueing"
+
+
 def _switch_text(row: dict) -> str:
     """A step row's switch: its actions' seconds and, where the row has it, the exposed part."""
     raw = row.get("switch/raw_s", sum(row.get(f"switch/{a}/seconds", 0.0) for a in SWITCH_ACTIONS))
     exposed = row.get("switch/exposed_s")
-    return f"{raw:.2f}s" + (f" (exposed {exposed:.2f}s)" if exposed is not None else "")
+    if exposed is None:
+        return f"{raw:.2f}s"
+    why = f", {HOST_WORK}" if exposed > raw else ""
+    return f"{raw:.2f}s (exposed {exposed:.2f}s{why})"
 
 
 def _totals(s: dict) -> list[tuple[str, dict, dict]]:
@@ -223,7 +238,10 @@ def _exposed_text(planned: dict) -> str:
 
 
 def _caption(s: dict) -> str:
-    exposed = f" (exposed {s['exposed_seconds']:.2f} s)" if "exposed_seconds" in s else ""
+    exposed = ""
+    if "exposed_seconds" in s:
+        why = f", {HOST_WORK}" if s["exposed_seconds"] > s.get("raw_seconds", math.inf) else ""
+        exposed = f" (exposed {s['exposed_seconds']:.2f} s{why})"
     return (f"switch {s['switch_seconds']:.2f} s{exposed} of a {s['step_seconds']:.2f} s step "
             f"({_share(s)}); reward {s['reward_first']:.3f} (first quarter) -> "
             f"{s['reward_last']:.3f} (last quarter)")
