@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -352,14 +353,16 @@ def show_run(run_dir: str | Path) -> dict:
                            "`handoff train` run")
     rows, problem = read_metrics(metrics_path, required=SHOWN_KEYS)
     if problem:
-        console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
-    t = Table(title=f"{run_dir}: {len(rows)} steps")
-    for col in ("step", "reward", "length", "kl", "gen s", "switch s", "step s"):
+        console.print(f"[yellow]{escape(problem)}[/]", highlight=False, soft_wrap=True)
+    t = Table(title=escape(f"{run_dir}: {len(rows)} steps"))
+    kl = any(r.get("kl") for r in rows)   # a run without a reference model logs kl 0 only
+    for col in ("step", "reward", "length", *(("kl",) if kl else ()), "gen s", "switch s",
+                "step s"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['response_length']:.1f}",
-                  f"{r.get('kl', 0.0):.4f}", f"{r['timing_s/gen']:.2f}", _switch_text(r),
-                  f"{r['timing_s/step']:.2f}")
+                  *((f"{r.get('kl', 0.0):.4f}",) if kl else ()), f"{r['timing_s/gen']:.2f}",
+                  _switch_text(r), f"{r['timing_s/step']:.2f}")
     console.print(t)
     if not summary_path.is_file():
         console.print("[yellow]no summary.json: the run did not finish[/]")
@@ -368,7 +371,7 @@ def show_run(run_dir: str | Path) -> dict:
         summary = json.loads(summary_path.read_text())
         console.print(summary_table(summary))
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        console.print(f"[yellow]{summary_path} is damaged (not the summary of a finished run): "
-                      "its table is not shown[/]", highlight=False)
+        console.print(f"[yellow]{escape(str(summary_path))} is damaged (not the summary of a "
+                      "finished run): its table is not shown[/]", highlight=False)
         return {}
     return summary
