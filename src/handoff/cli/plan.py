@@ -70,6 +70,6 @@ def plan_cmd(
     if plot:
         from handoff.plan.plot import plot_utilization
 
-        err_console.print(f"wrote {plot_utilization(report, plot)}")
+        err_console.print(f"wrote {plot_utilization(report, plot)}", markup=False)
     if not report["verdict"]["fits"]:
         sys.exit(PLAN_DOES_NOT_FIT)

@@ -180,7 +180,7 @@ def render_rich(report: dict, console) -> None:
     from rich.table import Table
 
     for line in header_lines(report):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, markup=False)   # a model's name is the user's
     for title, head, rows in tables(report):
         table = Table(title=title, title_justify="left")
         for h in head:
@@ -193,4 +193,4 @@ def render_rich(report: dict, console) -> None:
             table.add_row(*row)
         console.print(table)
     for line in summary_lines(report):
-        console.print(line, highlight=False, soft_wrap=True)
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
