@@ -39,6 +39,13 @@ def _graders():
     for ref in NUMERIC_REFERENCES:
         yield f"numeric {ref}", lambda r, ref=ref: score_numeric(r, ref)
     yield "text", lambda r: score_text(r, "Paris")
+    # The same graders as named rewards (handoff:numeric, handoff:exact) in reward.functions.
+    from handoff.rewards.builtin import exact, numeric
+    from handoff.tasks import Problem
+
+    asked = ({"role": "user", "content": "q"},)
+    yield "reward numeric", lambda r: numeric(Problem(messages=asked, answer="1,000", index=0), r)
+    yield "reward exact", lambda r: exact(Problem(messages=asked, answer="Paris", index=0), r)
 
 
 def _in_range(score) -> bool:
@@ -54,10 +61,10 @@ def test_every_grader_returns_a_reward_in_range_for_adversarial_responses():
             result = score(response)
             assert _in_range(result), (name, response[:80], result)
             # What was read back is a short canonical number or the text's own words.
-            if name != "text" and result.extracted is not None:
+            if name not in ("text", "reward exact") and result.extracted is not None:
                 assert len(result.extracted) <= 2 * MAX_DIGITS + 2, (name, response[:80])
             graded += 1
-    assert graded == len(responses) * (2 + len(NUMERIC_REFERENCES))
+    assert graded == len(responses) * (4 + len(NUMERIC_REFERENCES))
 
 
 @pytest.mark.parametrize("response", [
