@@ -212,8 +212,8 @@ class Run:
         """Continue from the last complete checkpoint (a fresh start when there is none)."""
         if latest_checkpoint(self.ckpt_dir) is None:
             if self.rank == 0:  # said out loud: a killed run with no checkpoint restarts at 0
-                console.print(f"[yellow]resume: no complete checkpoint in {self.ckpt_dir}: "
-                              "starting at step 0[/]", highlight=False)
+                console.print(f"resume: no complete checkpoint in {self.ckpt_dir}: starting at "
+                              "step 0", style="yellow", markup=False, highlight=False)
             return
         state = self.worker.load_trainer_state(lambda actor: load_checkpoint(self.ckpt_dir, actor))
         task_state = state["extra"].get("task") if isinstance(state["extra"], dict) else None

@@ -101,7 +101,7 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
         return convert_smollm2(out, dtype=dtype or "float32", overwrite=overwrite)
     if preset not in PRESETS:
         raise HandoffError(f"unknown preset {preset!r}: choose one of "
-                           f"{', '.join([*PRESETS, SMOLLM2_PRESET])}")
+                           f"{', '.join(dict.fromkeys([*PRESETS, SMOLLM2_PRESET]))}")
     dtype = dtype or "bfloat16"
     if dtype not in ("bfloat16", "float16", "float32"):
         raise HandoffError(f"dtype={dtype!r} is not supported: use bfloat16, float16 or float32")

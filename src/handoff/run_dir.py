@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from handoff.config import Config, to_dict
 from handoff.errors import HandoffError
@@ -107,7 +108,7 @@ def claim_out_dir(cfg: Config) -> RunLock:
                 path.unlink()
         if found:
             console.print(f"[yellow]overwrite: removed the earlier run's {', '.join(found)} "
-                          f"from {out}[/]", highlight=False, soft_wrap=True)
+                          f"from {escape(str(out))}[/]", highlight=False, soft_wrap=True)
     return lock
 
 
@@ -159,7 +160,7 @@ def trim_metrics(out_dir: Path, start_step: int) -> None:
         return
     rows, problem = read_metrics(path)
     if problem:
-        console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]{escape(problem)}[/]", highlight=False, soft_wrap=True)
     kept = [row for row in rows if row["step"] <= start_step]
     if len(kept) < len(rows):
         console.print(f"[yellow]resume: dropping {len(rows) - len(kept)} metrics row(s) after "

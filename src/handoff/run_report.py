@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -118,10 +120,7 @@ class RunReport:
             f.write(json.dumps(row) + "\n")
         if self._loggers is not None:
             self._loggers.log_metrics(row, row["step"])
-        line = (f"step {row['step']:>3}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
-                f"len {row['response_length']:.1f}  kl {row.get('kl', 0.0):.4f}  "
-                f"gen {row['timing_s/gen']:.2f}s  step {row['timing_s/step']:.2f}s  "
-                f"switch {_switch_text(row)}")
+        line = step_line(row, kl=self.cfg.actor.kl_coef > 0)
         if self._progress is not None:
             self._progress.console.print(line, highlight=False)
             self._progress.update(self._task, completed=row["step"],
@@ -193,11 +192,28 @@ class RunReport:
         return summary
 
 
+def step_line(row: dict, *, kl: bool) -> str:
+    """A step's console line; `kl` only with a reference model (actor.kl_coef > 0)."""
+    kl_text = f"kl {row.get('kl', 0.0):.4f}  " if kl else ""
+    return (f"step {row['step']:>3}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
+            f"len {row['response_length']:.1f}  {kl_text}"
+            f"gen {row['timing_s/gen']:.2f}s  step {row['timing_s/step']:.2f}s  "
+            f"switch {_switch_text(row)}")
+
+
+# The exposed switch is what the step waits for, so it also holds host work the actions'
+# own seconds do not: said whenever it is the larger, lest it read as a measuring error.
+HOST_WORK = "includes host work: scoring, flushes, queueing"
+
+
 def _switch_text(row: dict) -> str:
     """A step row's switch: its actions' seconds and, where the row has it, the exposed part."""
     raw = row.get("switch/raw_s", sum(row.get(f"switch/{a}/seconds", 0.0) for a in SWITCH_ACTIONS))
     exposed = row.get("switch/exposed_s")
-    return f"{raw:.2f}s" + (f" (exposed {exposed:.2f}s)" if exposed is not None else "")
+    if exposed is None:
+        return f"{raw:.2f}s"
+    why = f", {HOST_WORK}" if exposed > raw else ""
+    return f"{raw:.2f}s (exposed {exposed:.2f}s{why})"
 
 
 def _totals(s: dict) -> list[tuple[str, dict, dict]]:
@@ -216,7 +232,10 @@ def _exposed_text(planned: dict) -> str:
 
 
 def _caption(s: dict) -> str:
-    exposed = f" (exposed {s['exposed_seconds']:.2f} s)" if "exposed_seconds" in s else ""
+    exposed = ""
+    if "exposed_seconds" in s:
+        why = f", {HOST_WORK}" if s["exposed_seconds"] > s.get("raw_seconds", math.inf) else ""
+        exposed = f" (exposed {s['exposed_seconds']:.2f} s{why})"
     return (f"switch {s['switch_seconds']:.2f} s{exposed} of a {s['step_seconds']:.2f} s step "
             f"({_share(s)}); reward {s['reward_first']:.3f} (first quarter) -> "
             f"{s['reward_last']:.3f} (last quarter)")
@@ -331,14 +350,16 @@ def show_run(run_dir: str | Path) -> dict:
             expect(row, key, (int, float), source=f"{metrics_path} (step {row['step']})",
                    default=0.0 if key == "kl" else ...)
     if problem:
-        console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
-    t = Table(title=f"{run_dir}: {len(rows)} steps")
-    for col in ("step", "reward", "length", "kl", "gen s", "switch s", "step s"):
+        console.print(f"[yellow]{escape(problem)}[/]", highlight=False, soft_wrap=True)
+    t = Table(title=escape(f"{run_dir}: {len(rows)} steps"))
+    kl = any(r.get("kl") for r in rows)   # a run without a reference model logs kl 0 only
+    for col in ("step", "reward", "length", *(("kl",) if kl else ()), "gen s", "switch s",
+                "step s"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['response_length']:.1f}",
-                  f"{r.get('kl', 0.0):.4f}", f"{r['timing_s/gen']:.2f}", _switch_text(r),
-                  f"{r['timing_s/step']:.2f}")
+                  *((f"{r.get('kl', 0.0):.4f}",) if kl else ()), f"{r['timing_s/gen']:.2f}",
+                  _switch_text(r), f"{r['timing_s/step']:.2f}")
     console.print(t)
     if not summary_path.is_file():
         console.print("[yellow]no summary.json: the run did not finish[/]")
@@ -351,7 +372,7 @@ def show_run(run_dir: str | Path) -> dict:
                       markup=False, soft_wrap=True)
         return {}
     except (KeyError, TypeError, ValueError) as e:   # a field missing or of another type
-        console.print(f"[yellow]{summary_path} is damaged (field {e}: not the summary of a "
+        console.print(f"[yellow]{escape(str(summary_path))} is damaged (field {e}: not the summary of a "
                       "finished run): its table is not shown[/]", highlight=False)
         return {}
     return summary

@@ -67,7 +67,8 @@ def test_negative_pool_names_the_bytes():
     weights = engine_weight_bytes(load_shape("qwen3-32b"), 1)
     assert kv_pool_bytes(0.5, H100, weights) < 0
     msg = kv_shortfall(0.5, H100, weights)
-    assert "KV pool would be -28.0 GB" in msg and "65.5 GB" in msg and "\n" not in msg
+    assert "no KV pool at gpu_memory_utilization=0.5 (28.0 GB short)" in msg
+    assert "65.5 GB" in msg and "\n" not in msg
     assert kv_shortfall(0.5, H100, engine_weight_bytes(load_shape("qwen3-32b"), 8)) is None
 
 

@@ -119,7 +119,7 @@ def test_flags_config_file_and_overrides(tmp_path):
     assert a["bytes_per_card"] == b["bytes_per_card"]
     assert b["seconds"] == pytest.approx(a["seconds"] / 2)
     off = json.loads(invoke("--model", "qwen3-32b", "--gpus", "64", "--no-optimizer-offload",
-                            "--no-ref", "--json").output)
+                            "--kl-coef", "0", "--json").output)
     acts = {x["name"]: x for x in off["switch"]["actions"]}
     assert acts["optimizer_d2h"]["bytes_per_card"] == 0 and acts["ref_h2d"]["bytes_per_card"] == 0
     assert off["memory"]["train"]["reference"] == 0

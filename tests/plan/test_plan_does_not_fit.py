@@ -50,7 +50,7 @@ def test_every_failed_limit_is_a_reason():
     v = _plan(CASES["32b-on-one-card"])[1]["verdict"]
     failed = [r for r in v["reasons"] if r.startswith("does not fit")]
     assert any("training state 524.2 GB" in r for r in failed)
-    assert any("KV pool would be -28.0 GB at gpu_memory_utilization=0.5" in r for r in failed)
+    assert any("no KV pool at gpu_memory_utilization=0.5 (28.0 GB short)" in r for r in failed)
 
 
 def test_an_engine_tp_that_does_not_divide_the_kv_heads_is_not_called_fits():

@@ -1,8 +1,10 @@
 """The `handoff` command line: plan | train | generate | bench | report | init-model.
 
 Each command parses its options and calls one function of the room that does the work;
-user errors (HandoffError) print one line and exit 2, never a traceback. Keep this package's
-top-level imports free of torch: `handoff plan` must answer in well under a second.
+user errors (HandoffError) print one line and exit 2, never a traceback. What it prints of
+the user's (paths, prompts, names) is text, never rich markup: `escape` or `markup=False`.
+Keep this package's top-level imports free of torch: `handoff plan` must answer in well
+under a second.
 
 This module holds the typer `app` (the console entry point `handoff.cli:app`), the consoles
 and what every command shares; one module per command group adds its commands: `plan`,
@@ -17,6 +19,7 @@ from typing import Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from handoff.errors import HandoffError
 
@@ -37,7 +40,8 @@ def friendly_errors(fn: Callable) -> Callable:
             check_finite_options(kwargs)
             return fn(*args, **kwargs)
         except HandoffError as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
+                              soft_wrap=True)
             sys.exit(2)
 
     return wrapper

@@ -39,7 +39,7 @@ def _show_and_save(result: dict, out: str, render: Callable) -> None:
     render(result, console)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    console.print(f"wrote {out}")
+    console.print(f"wrote {out}", markup=False)
 
 
 @bench_app.command("kernel")
@@ -131,7 +131,8 @@ def bench_sweep_cmd(
     if replan:
         state = replan_sweep(config, list(overrides or []), out)
         console.print((Path(out) / "sweep.md").read_text(), highlight=False, markup=False)
-        console.print(f"planned {len(state['points'])} points again: {out}/sweep.md, sweep.png")
+        console.print(f"planned {len(state['points'])} points again: {out}/sweep.md, sweep.png",
+                      markup=False)
         return
 
     with Progress(SpinnerColumn(), TextColumn("[bold]sweep"), TimeElapsedColumn(),
@@ -143,7 +144,8 @@ def bench_sweep_cmd(
                           steps=steps, exclusive=exclusive, timeout_s=timeout,
                           progress=lambda text: bar.update(task, description=text))
     console.print((Path(out) / "sweep.md").read_text(), highlight=False, markup=False)
-    console.print(f"wrote {out}/sweep.json, sweep.md, sweep.png ({len(state['points'])} points)")
+    console.print(f"wrote {out}/sweep.json, sweep.md, sweep.png ({len(state['points'])} points)",
+                  markup=False)
 
 
 @bench_app.command("trainer")
@@ -221,7 +223,7 @@ def _variant_done(out: str, result: dict, variant: dict) -> None:
     else:
         line = (f"{variant['name']}: {variant['compute_seconds']:.2f} s, "
                 f"{variant['model_tflops']:.0f} TFLOP/s, MFU {variant['mfu']:.1%}")
-    console.print(line, highlight=False)
+    console.print(line, highlight=False, markup=False)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 
 from handoff.cli import app, console, friendly_errors
 
@@ -25,7 +26,7 @@ def init_model_cmd(
     from handoff.modelzoo import init_model
 
     path = init_model(preset, out, seed=seed, dtype=dtype, device=device, overwrite=overwrite)
-    console.print(f"wrote {preset} checkpoint to {path}")
+    console.print(f"wrote {preset} checkpoint to {path}", markup=False)
 
 
 @app.command("generate")
@@ -57,7 +58,7 @@ def generate_cmd(
         typer.echo(json.dumps(samples))
     elif is_main_process():
         for s in samples:
-            console.print(f"[bold]{s['prompt']!r}[/] -> {s['text']!r} "
+            console.print(f"[bold]{escape(repr(s['prompt']))}[/] -> {escape(repr(s['text']))} "
                           f"({len(s['token_ids'])} tokens, {s['finish_reason']})", highlight=False)
     if tp > 1:   # not after an error: another rank may still sit in a collective
         end_distributed_run()

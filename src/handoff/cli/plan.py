@@ -23,7 +23,8 @@ def plan_cmd(
     param_offload: Optional[bool] = typer.Option(None, "--param-offload/--no-param-offload"),
     optimizer_offload: Optional[bool] = typer.Option(
         None, "--optimizer-offload/--no-optimizer-offload"),
-    ref: bool = typer.Option(True, "--ref/--no-ref", help="a reference model (KL) exists"),
+    kl_coef: Optional[float] = typer.Option(None, "--kl-coef", help="actor.kl_coef: a "
+                                            "reference model is planned only when > 0"),
     ref_offload: Optional[bool] = typer.Option(None, "--ref-offload/--no-ref-offload"),
     grad_offload: bool = typer.Option(False, help="move grads with the optimizer, not free them"),
     prompt_len: Optional[int] = typer.Option(None, help="mean prompt tokens P"),
@@ -59,7 +60,7 @@ def plan_cmd(
 
     flags = dict(locals())
     cfg, auto_tp = plan_config(config, overrides, flags)
-    report = build_plan(cfg, ref=ref, grad_offload=grad_offload, auto_tp_size=auto_tp)
+    report = build_plan(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     elif markdown:
@@ -69,6 +70,6 @@ def plan_cmd(
     if plot:
         from handoff.plan.plot import plot_utilization
 
-        err_console.print(f"wrote {plot_utilization(report, plot)}")
+        err_console.print(f"wrote {plot_utilization(report, plot)}", markup=False)
     if not report["verdict"]["fits"]:
         sys.exit(PLAN_DOES_NOT_FIT)

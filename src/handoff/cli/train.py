@@ -6,6 +6,7 @@ import sys
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from handoff.cli import app, err_console, friendly_errors
 
@@ -31,8 +32,8 @@ def train_cmd(
         train(cfg)
     except KeyboardInterrupt:
         if world_rank_size()[0] == 0:
-            err_console.print(f"[bold yellow]{interrupted_message(cfg, f'handoff train {config}')}"
-                              "[/]", highlight=False, soft_wrap=True)
+            message = escape(interrupted_message(cfg, f"handoff train {config}"))
+            err_console.print(f"[bold yellow]{message}[/]", highlight=False, soft_wrap=True)
         sys.exit(130)
     # Not after an error: the other ranks may sit in a collective.
     end_distributed_run()

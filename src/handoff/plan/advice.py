@@ -7,8 +7,10 @@ Advice is not a rule of thumb ("raise --util or --tp" on one card led to another
 every candidate is planned (`verdict_of`: report.build_plan's verdict of a config, passed
 in so this module needs no import of report's), and the first one whose verdict fits is the
 answer. Candidates, least change first: the highest safe utilization of the same layout;
-both offloads (and the ref's) on; another engine TP on the same cards; then more cards
-(doubling, up to MAX_CARDS), each with the TP sizes the model's heads allow. No torch here.
+both offloads (and the ref's) on; another engine TP on the same cards; then more cards,
+fewest first from the fewest whose shard holds the training state (any count within a node,
+whole nodes beyond one, up to MAX_CARDS), each with the TP sizes that divide the cards and
+suit the model's heads. No torch here.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Callable, Iterator
 
 from handoff.config import Config, validate
 from handoff.errors import ConfigError
+from handoff.plan.hardware import hardware_profile
+from handoff.plan.ledger import Dtypes
 from handoff.plan.shapes import ModelShape, load_shape
-from handoff.plan.verdict import tp_layout_problems
+from handoff.plan.verdict import min_training_cards, tp_layout_problems
 
 MAX_CARDS = 1024
 _FLAGS = {"parallel.gpus": "--gpus", "parallel.tp": "--tp",
@@ -45,11 +49,22 @@ def _layouts(cfg: Config, shape: ModelShape) -> Iterator[tuple[int, int, int | N
     for tp in _tp_sizes(p.gpus, shape, p.tp):
         if tp != p.tp:
             yield from ((p.gpus, tp, p.shard_size, on) for on in offloads)
-    gpus = p.gpus * 2
-    while gpus <= MAX_CARDS:
+    for gpus in _more_cards(cfg, shape):
         for tp in _tp_sizes(gpus, shape, p.tp):
             yield from ((gpus, tp, None, on) for on in offloads)
-        gpus *= 2
+
+
+def _more_cards(cfg: Config, shape: ModelShape) -> Iterator[int]:
+    """Card counts above the config's, fewest first, from the fewest whose FSDP shard holds
+    the training state: any count within a node, whole nodes beyond one."""
+    hw = hardware_profile(cfg.hardware.name, cfg.hardware)
+    fewest = min_training_cards(shape, Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype),
+                                hw)
+    if fewest == 0:
+        return   # no card count holds the trainer's activations: more cards cannot help
+    for gpus in range(max(cfg.parallel.gpus + 1, fewest), MAX_CARDS + 1):
+        if gpus <= hw.gpus_per_node or gpus % hw.gpus_per_node == 0:
+            yield gpus
 
 
 def _overrides(before: Config, after: Config) -> dict[str, object]:

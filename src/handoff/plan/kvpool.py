@@ -104,7 +104,7 @@ def kv_shortfall(utilization: float, hw: HardwareProfile, weights_bytes: float) 
     pool = kv_pool_bytes(utilization, hw, weights_bytes)
     if pool > 0:
         return None
-    return (f"KV pool would be {pool / GB:.1f} GB at gpu_memory_utilization={utilization:g}: "
+    return (f"no KV pool at gpu_memory_utilization={utilization:g} ({-pool / GB:.1f} GB short): "
             f"engine weights need {weights_bytes / GB:.1f} GB + activations "
             f"{hw.activation_peak_bytes / GB:.1f} GB + CUDA graphs "
             f"{hw.graph_pool_bytes / GB:.1f} GB of "

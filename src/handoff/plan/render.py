@@ -1,7 +1,8 @@
 """Print a `build_plan` report: rich tables for a terminal, or Markdown for docs.
 
 Both forms come from one list of (title, header, rows) so they never disagree; numbers are
-shown in GB (1e9 bytes), seconds and milliseconds, while `--json` keeps bytes and seconds.
+shown in GB (1e9 bytes), seconds and milliseconds, while `--json` keeps bytes and seconds
+(and a utilization or KV pool at or below 0, which is printed as "none").
 """
 
 from __future__ import annotations
@@ -13,6 +14,16 @@ GB = 1e9
 
 def _gb(x: float) -> str:
     return f"{x / GB:.1f}"
+
+
+def _util(x: float | None) -> str:
+    """A utilization; at or below 0 (nothing is safe) there is none to give."""
+    return f"{x:.2f}" if x is not None and x > 0 else "none"
+
+
+def _pool_gb(x: float) -> str:
+    """A KV pool in GB; a negative one is the engine's shortfall, no pool."""
+    return _gb(x) if x > 0 else f"none ({_gb(-x)} short)"
 
 
 def _secs(x: float) -> str:
@@ -48,8 +59,8 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     for i in range(max(len(t_items), len(g_items))):
         t = t_items[i] if i < len(t_items) else ("", None)
         g = g_items[i] if i < len(g_items) else ("", None)
-        mem_rows.append([t[0], _gb(t[1]) if t[1] is not None else "",
-                         g[0], _gb(g[1]) if g[1] is not None else ""])
+        gen_gb = "" if g[1] is None else _pool_gb(g[1]) if g[0] == "kv_pool" else _gb(g[1])
+        mem_rows.append([t[0], _gb(t[1]) if t[1] is not None else "", g[0], gen_gb])
     mem_rows.append(["training peak (limit)", f"{_gb(report['memory']['train_peak_bytes'])} "
                      f"({_gb(report['memory']['train_peak_limit_bytes'])})", "", ""])
 
@@ -68,7 +79,8 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         mark = ", ".join(x for x, on in ((asked, r["requested"]), ("highest safe", r["best"]))
                          if on)
         gen_s = _secs(r["generation_seconds"]) if r["generation_seconds"] is not None else "-"
-        kv_rows.append([f"{r['utilization']:g}", _gb(r["kv_pool_bytes"]), f"{r['concurrency']:.0f}",
+        kv_rows.append([f"{r['utilization']:g}", _pool_gb(r["kv_pool_bytes"]),
+                        f"{r['concurrency']:.0f}",
                         f"{r['decode_step_seconds'] * 1e3:.1f}", f"{r['tokens_per_second']:.0f}",
                         gen_s, mark])
     out = [
@@ -83,7 +95,7 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows = []
         for o in options["sets"]:
             if not o.get("kv_pool_bytes") or o["kv_pool_bytes"] <= 0 or not o["fits"]:
-                rows.append([o["offloads"], f"{o['utilization']:.2f}", "-", "-", "-", "-",
+                rows.append([o["offloads"], _util(o["utilization"]), "-", "-", "-", "-",
                              "does not fit"])
                 continue
             rows.append([o["offloads"], f"{o['utilization']:.2f}", _gb(o["kv_pool_bytes"]),
@@ -99,10 +111,14 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 def summary_lines(report: dict) -> list[str]:
     lines = []
     gain = report["kv_gain"]
-    if gain:
+    if gain and round(gain["slower_by"], 2) > 0:
         lines.append(f"generation at {gain['from_utilization']:g} takes {gain['slower_by']:.0%} "
                      f"longer than at the highest safe {gain['to_utilization']:g} "
                      f"({gain['seconds_saved']:.0f} s per step)")
+    elif gain and round(gain["slower_by"], 2) < 0:   # asked above the safe one: see the verdict
+        lines.append(f"generation at {gain['from_utilization']:g} is {-gain['slower_by']:.0%} "
+                     f"faster than at the highest safe {gain['to_utilization']:g} "
+                     f"({-gain['seconds_saved']:.0f} s less per step), above what is safe")
     wl = report["workload"]
     if wl.get("kv_pool") == "elastic":
         row = next(r for r in report["kv"] if r["requested"])
@@ -129,11 +145,14 @@ def summary_lines(report: dict) -> list[str]:
                      f"({st['train_flops_per_s'] / 1e12:.0f} TFLOP/s per card) = "
                      f"{_secs(st['modelled_seconds'])} s modelled{given}")
     v = report["verdict"]
-    util = f"{v['max_utilization']:.2f}" if v["max_utilization"] is not None else "-"
+    util = _util(v["max_utilization"])
     lines.append(f"verdict: {'fits' if v['fits'] else 'DOES NOT FIT'}; mode "
                  f"{v['mode'] or '-'}; highest safe gpu_memory_utilization {util}")
     lines += [f"  - {r}" for r in v["reasons"]]
-    if not v["fits"]:
+    if not v.get("runnable", True):
+        lines.append("to fit: no layout helps: the runtime cannot run this model (see the "
+                     "first reason); the tables size it for another trainer")
+    elif not v["fits"]:
         lines.append(f"to fit: {advice_text(v.get('advice'))}")
     options = report.get("offload_sets")
     if options and options["recommended"]:
@@ -161,7 +180,7 @@ def render_rich(report: dict, console) -> None:
     from rich.table import Table
 
     for line in header_lines(report):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, markup=False)   # a model's name is the user's
     for title, head, rows in tables(report):
         table = Table(title=title, title_justify="left")
         for h in head:
@@ -174,4 +193,4 @@ def render_rich(report: dict, console) -> None:
             table.add_row(*row)
         console.print(table)
     for line in summary_lines(report):
-        console.print(line, highlight=False, soft_wrap=True)
+        console.print(line, highlight=False, soft_wrap=True, markup=False)

@@ -79,11 +79,13 @@ def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
             "train_flops_per_s": hw.train_flops_per_s}, exposed
 
 
-def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
+def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = False,
                auto_tp_size: bool = False, advise: bool = True) -> dict:
     """Every table of `handoff plan` as one dict, whether the run fits or not; raises
     HandoffError only on unusable input. A plan that does not fit carries, with `advise`,
-    the smallest change that re-plans to one that fits (plan/advice.py)."""
+    the smallest change that re-plans to one that fits (plan/advice.py). A reference model
+    is priced when `ref`, by default when actor.kl_coef > 0 (a run builds one only then)."""
+    ref = cfg.actor.kl_coef > 0 if ref is None else ref
     shape = load_shape(cfg.model.path)
     hw = hardware_profile(cfg.hardware.name, cfg.hardware)
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
@@ -147,7 +149,7 @@ def build_plan(cfg: Config, *, ref: bool = True, grad_offload: bool = False,
                      tail_seconds=req_row.tail_seconds, step_seconds=step["seconds"])
     memory_owners = memory_by_owner(shape, parallel, memory, hw, kv_pool_bytes=pool,
                                     dtypes=dtypes, ref=ref)
-    if not verdict.fits and advise:
+    if not verdict.fits and advise and verdict.runnable:
         verdict.advice = find_fitting_plan(
             dataclasses.replace(cfg, parallel=parallel),
             lambda trial: build_plan(trial, ref=ref, grad_offload=grad_offload,
@@ -205,7 +207,7 @@ PLAN_FLAGS = {
     "decode_tbps": "hardware.decode_bw_tbps", "activation_gb": "hardware.activation_peak_gb",
     "graph_pool_gb": "hardware.graph_pool_gb", "resident_gb": "hardware.resident_gb",
     "train_activation_gb": "hardware.train_activation_gb",
-    "train_tflops": "hardware.train_tflops",
+    "train_tflops": "hardware.train_tflops", "kl_coef": "actor.kl_coef",
 }
 
 

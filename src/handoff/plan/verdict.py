@@ -4,6 +4,8 @@
     v.fits, v.mode, v.max_utilization, v.reasons
 
 Hard limits (any one failing: the run does not fit; every failing one is a reason):
+* the runtime runs the model (dense qwen3, qwen2, llama: plan/model_checks.py); a MoE or
+  MLA model is priced for sizing, and its verdict says a run cannot start;
 * training peak 16N/n + activations <= TRAIN_PEAK_FRACTION x HBM (70 GB of an 80 GB card:
   NCCL buffers, the allocator and the engine's resident pool take the rest);
 * pinned host state per node <= HOST_FRACTION of host RAM (the source: 16N <= half of it);
@@ -61,6 +63,7 @@ class Verdict:
     fix: str | None = None            # one line when it does not fit: the cause, the advice
     long_tail_share: float | None = None
     advice: dict | None = None        # plan/advice.py: the overrides of a plan that fits
+    runnable: bool = True             # False: no layout helps, the runtime cannot run the model
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,10 +77,15 @@ def training_peak_bytes(shape: ModelShape, shard: int, dtypes: Dtypes,
 
 
 def min_training_cards(shape: ModelShape, dtypes: Dtypes, hw: HardwareProfile) -> int:
-    """Fewest cards (a power of two) whose shard keeps the training peak under the limit."""
+    """Fewest cards whose shard keeps the training peak under the limit (FSDP shards over
+    any count); 0 when no count does (the activations alone exceed it)."""
     room = TRAIN_PEAK_FRACTION * hw.hbm_bytes - hw.train_activation_bytes
-    need = shape.num_params * dtypes.train_state_bytes / room if room > 0 else math.inf
-    return 2 ** math.ceil(math.log2(max(need, 1))) if math.isfinite(need) else 0
+    if room <= 0:
+        return 0
+    cards = max(math.ceil(shape.num_params * dtypes.train_state_bytes / room), 1)
+    while training_peak_bytes(shape, cards, dtypes, hw) > TRAIN_PEAK_FRACTION * hw.hbm_bytes:
+        cards += 1   # the per-card state is rounded up to whole bytes
+    return cards
 
 
 def trainer_left_bytes(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
@@ -148,6 +156,10 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
     """Fits or not, colocate / colocate_async / disaggregate, the safe utilization, why."""
     reasons: list[str] = []
     fixes: list[str] = []   # one entry per hard limit that fails
+    refusal = shape.runtime_refusal
+    if refusal:
+        reasons.append(f"does not fit: {refusal}")
+        fixes.append("runtime")
     shard = shard_size(parallel)
     peak = training_peak_bytes(shape, shard, dtypes, hw)
     limit = TRAIN_PEAK_FRACTION * hw.hbm_bytes
@@ -177,6 +189,11 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
         if left and (max_util <= 0 or min_tp is None):
             reasons.append(f"does not fit: {_gb(left)} of trainer state stays on the card during "
                            f"generation, leaving the engine no KV pool")
+        elif max_util <= 0:
+            reasons.append(f"does not fit: no gpu_memory_utilization is safe: "
+                           f"{_gb(hw.resident_bytes)} resident and {_gb(FRAGMENTATION_SHARE * peak)}"
+                           f" for fragmentation ({FRAGMENTATION_SHARE:.0%} of the training peak) "
+                           f"fill the {_gb(hw.hbm_bytes)} card")
         else:
             reasons.append(f"does not fit: engine weights {_gb(weights)} per card (TP="
                            f"{parallel.tp}) leave no KV pool at utilization {max_util:.2f}")
@@ -206,7 +223,7 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
     fits = not fixes
     tail_share = tail_seconds / generation_seconds if generation_seconds else None
     mode: str | None = None
-    if fits:
+    if not fixes or fixes == ["runtime"]:   # a model only priced still gets its mode's signals
         mode = _mode(parallel, hw, max_util, reasons, tail_share=tail_share,
                      generation_seconds=generation_seconds, step_seconds=step_seconds)
         if sync_seconds > SLOW_SYNC_SECONDS:
@@ -217,7 +234,8 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
         first = next(r for r in reasons if r.startswith("does not fit"))
         fix = f"{shape.name} on {parallel.gpus} cards {first}"
     return Verdict(fits=fits, mode=mode, max_utilization=max_util, min_tp=min_tp,
-                   reasons=reasons, fix=fix, long_tail_share=tail_share)
+                   reasons=reasons, fix=fix, long_tail_share=tail_share,
+                   runnable=refusal is None)
 
 
 def _mode(parallel: ParallelConfig, hw: HardwareProfile, max_util: float, reasons: list[str], *,

@@ -3,7 +3,8 @@
     handoff generate --model ckpt/ --prompt "2+2=" --prompt "Hello" --max-tokens 32 \
         --temperature 0.7 --n 2 --json
 
-Prompts are tokenized as raw text with the checkpoint's tokenizer (no chat template); every
+Prompts are tokenized as raw text with the checkpoint's tokenizer (no chat template); one
+that is not UTF-8 text (a lone surrogate, from invalid bytes in the argument) is refused; every
 sample is printed, or with --json a list of {prompt, token_ids, text, logprobs, finish_reason}
 (token_ids are the generated ones, the stop token included; text is their decoding without
 special tokens).
@@ -33,6 +34,7 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     if not prompts:
         raise HandoffError("no prompt given: pass --prompt TEXT (repeat it for several)")
     launch_env()   # torchrun's variables whole, or one line
+    check_prompts(prompts)
     _check_launch(tp)
     check_model_dir(model)  # config, tokenizer and weights named before a loader complains
     tokenizer = load_tokenizer(model)
@@ -48,6 +50,18 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
              "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
              "logprobs": s.logprobs, "finish_reason": s.finish_reason}
             for text, out in zip(prompts, outputs) for s in out.outputs]
+
+
+def check_prompts(prompts: list[str]) -> None:
+    """Refuse a prompt that is not text: invalid UTF-8 bytes in a shell argument reach Python
+    as lone surrogates, which no tokenizer encodes and no terminal prints."""
+    for i, text in enumerate(prompts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise HandoffError(f"prompt {i} is not valid UTF-8 text (character {e.start} is "
+                               f"{text[e.start]!r}, a lone surrogate: invalid bytes in the "
+                               "argument?): pass the prompt as UTF-8 text") from None
 
 
 def is_main_process() -> bool:

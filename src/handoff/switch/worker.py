@@ -124,7 +124,8 @@ class HybridWorker:
         if key not in self._said:
             self._said.add(key)
             if world_rank_size()[0] == 0:
-                _console.print(f"[yellow]{text}[/]", highlight=False, soft_wrap=True)
+                _console.print(text, style="yellow", markup=False, highlight=False,
+                               soft_wrap=True)
 
     def _timed(self, record: SwitchRecord, action: str, fn: Callable[[], T],
                nbytes: Callable[[], int] = lambda: 0) -> T:

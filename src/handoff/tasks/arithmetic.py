@@ -18,6 +18,11 @@ the problem's own equation ending in it ("7 + 3 = 10"; "7+3=10", and "7 x 3" for
 * 0.0: anything else: the right number inside a sentence ("The answer is 10"), another
   equation ("3 + 7 = 10"), or the answer followed by more text (the model must stop).
 
+Grading is bounded (answers.py's limits): a response over `MAX_EXAMINED_CHARS` characters
+is not one short line, only its tail is searched for the last integer, and an integer of
+more than `MAX_DIGITS` digits is a wrong answer (never converted: Python refuses to
+convert one of over 4300 digits).
+
 The equation form is accepted on purpose: it is how SmolLM2-135M-Instruct answers when it
 is right (1-digit sums, greedy: 59% of answers in this format, 89% of those right). Made to
 give the bare number, it learns the format within a few GRPO steps but its accuracy
@@ -30,6 +35,7 @@ import random
 import re
 
 from handoff.errors import HandoffError
+from handoff.tasks.answers import MAX_DIGITS, MAX_EXAMINED_CHARS, examined
 from handoff.tasks.base import Problem, Score, Task
 
 CORRECT_REWARD = 1.0
@@ -40,6 +46,11 @@ PROMPT = "What is {a} {op} {b}? Answer with just the number."
 _FORMAT = re.compile(r"\s*(?:(\d+)\s*([-+*x\u00d7])\s*(\d+)\s*=\s*)?([-+]?\d+)\.?\s*")
 _SAME_OP = {"x": "*", "\u00d7": "*"}
 _ANY_INTEGER = re.compile(r"[-+]?\d+")
+
+
+def _integer(digits: str) -> int | None:
+    """An integer as written (`+07` -> 7), None when it has more than MAX_DIGITS digits."""
+    return int(digits) if len(digits.lstrip("+-")) <= MAX_DIGITS else None
 
 
 def _filler(rng: random.Random, chars: int) -> str:
@@ -94,20 +105,23 @@ class ArithmeticTask(Task):
                        metadata={"a": a, "b": b, "op": op})
 
     def score(self, problem: Problem, response: str) -> Score:
-        m = _FORMAT.fullmatch(response)
+        m = _FORMAT.fullmatch(response) if len(response) <= MAX_EXAMINED_CHARS else None
         if m is not None and m.group(1) is not None:
             meta = problem.metadata
-            restated = (int(m.group(1)), _SAME_OP.get(m.group(2), m.group(2)), int(m.group(3)))
+            restated = (_integer(m.group(1)), _SAME_OP.get(m.group(2), m.group(2)),
+                        _integer(m.group(3)))
             if restated != (meta["a"], meta["op"], meta["b"]):
                 m = None  # an equation, but not this problem's
         if m is None:
             # Unformatted: no reward, but `correct` still says whether the last integer was
             # right, so the logged accuracy separates "cannot add" from "says too much".
-            found = _ANY_INTEGER.findall(response)
-            value = str(int(found[-1])) if found else None
+            found = _ANY_INTEGER.findall(examined(response))
+            number = _integer(found[-1]) if found else None
+            value = None if number is None else str(number)
             return Score(reward=0.0, correct=value == problem.answer, formatted=False,
                          extracted=value)
-        value = str(int(m.group(4)))
+        number = _integer(m.group(4))
+        value = None if number is None else str(number)
         correct = value == problem.answer
         return Score(reward=CORRECT_REWARD if correct else FORMAT_REWARD, correct=correct,
                      formatted=True, extracted=value)

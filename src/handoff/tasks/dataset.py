@@ -9,8 +9,10 @@ field: `reward_model.ground_truth` for verl's parquet files). A prompt is a stri
 user turn) or a list of chat messages ({"role", "content"}). Every other field of a record
 reaches the rewards: `Problem.metadata["columns"]` (handoff/rewards). Answers that read as a number
 are graded numerically (see answers.py: `#### N`, `\\boxed{N}`, or the last number);
-others by normalised exact match of the marked answer or the last line. Records are visited
-in a fresh seeded permutation each epoch; record order on disk does not matter.
+others by normalised exact match of the marked answer or the last line. An answer written as
+a number the grader cannot read (`inf`, `NaN`, `1e999`, a power, more than 64 digits) is
+refused at start, naming the record. Records are visited in a fresh seeded permutation each
+epoch; record order on disk does not matter.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from typing import Any
 import numpy as np
 
 from handoff.errors import HandoffError
-from handoff.tasks.answers import normalize_number, score_numeric, score_text
+from handoff.tasks.answers import (
+    MAX_DIGITS, MAX_EXPONENT, UnreadableNumber, normalize_number, read_number, score_numeric,
+    score_text,
+)
 from handoff.tasks.base import Problem, Score, Task, encode_prompt
 from handoff.tasks.saved_datasets import load_dataset_rows, looks_like_hub_id
 
@@ -48,6 +53,9 @@ def _read_json_lines(path: Path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise HandoffError(f"{path}:{lineno} is not valid JSON ({e.msg}): fix or "
                                    "remove that line (one JSON object per line)") from None
+            except ValueError as e:  # an integer of more digits than Python converts
+                raise HandoffError(f"{path}:{lineno} holds a number Python will not read "
+                                   f"({e}): write it as a string or fix that line") from None
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise HandoffError(f"record {i} of {path} is a {type(row).__name__}, not an object: "
@@ -92,6 +100,14 @@ def load_records(path: str | Path, *, split: str = "train",
         raise HandoffError(f"data file {str(p)!r} holds no records: add at least one row with "
                            "a prompt field and an answer field")
     return rows
+
+
+def unreadable_answer(path: Path, row: int, raw: str) -> HandoffError:
+    """The one line for a record whose answer is a number no grader can compare."""
+    return HandoffError(f"record {row} of {path}: answer {raw[:60]!r} is not a finite number "
+                        f"the grader reads (inf, nan, a power, over {MAX_DIGITS} digits or an "
+                        f"exponent beyond {MAX_EXPONENT}): write the number out, or fix the "
+                        "record")
 
 
 def _field(row: dict, key: str) -> Any:
@@ -149,7 +165,10 @@ class DatasetTask(Task):
 
     def make_answer(self, raw: str, row: int) -> str:
         """The reference as graded: canonical number when it reads as one, else the text."""
-        return normalize_number(raw) or raw.strip()
+        try:
+            return read_number(raw) or raw.strip()
+        except UnreadableNumber:
+            raise unreadable_answer(self.path, row, raw) from None
 
     def _record(self, index: int) -> int:
         epoch, pos = divmod(index, len(self))
