@@ -297,9 +297,6 @@ def _field_types(cls: type) -> dict[str, Any]:
 def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
     """Turn a YAML/CLI value into the field's declared type, or raise naming the field."""
     origin = typing.get_origin(tp)
-    if origin is list:   # a YAML list, or one item alone (run.loggers=wandb)
-        items = value if isinstance(value, list) else [value]
-        return [_coerce(item, typing.get_args(tp)[0], key, meta) for item in items]
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
@@ -347,7 +344,8 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
 
 
 def _coerce_list(value: Any, item_tp: Any, key: str, meta: dict) -> list:
-    """A list field from YAML or `key=[a,b]` (a single value is a list of one)."""
+    """A list field from YAML or `key=[a,b]` (a single value is a list of one:
+    run.loggers=wandb)."""
     if value is None:
         raise ConfigError(f"{key} is empty (YAML null): give a list such as [a, b] or []")
     items = value if isinstance(value, (list, tuple)) else [value]
