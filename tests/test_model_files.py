@@ -58,7 +58,7 @@ def test_truncated_or_missing_weights_are_named_before_loading(model, tmp_path):
 
 def test_a_tensor_of_the_wrong_shape_or_none_is_refused_by_the_trainer(model):
     from handoff.config import ActorConfig
-    from handoff.train.actor import Actor
+    from handoff.trainer.actor import Actor
 
     weights = model / "model.safetensors"
     state = load_file(str(weights))

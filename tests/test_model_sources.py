@@ -18,7 +18,7 @@ from handoff.errors import HandoffError
 from handoff.model_files import check_model_dir, load_tokenizer, weight_files
 from handoff.modelzoo import init_model
 from handoff.rollout.models import iter_checkpoint, read_hf_config
-from handoff.train.model import load_hf_model
+from handoff.trainer.model import load_hf_model
 
 runner = CliRunner()
 

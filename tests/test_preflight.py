@@ -68,7 +68,7 @@ def _free_disk(monkeypatch, free):
 
 
 def test_checkpoint_bytes_are_params_master_and_adam(cfg):
-    from handoff.train.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
+    from handoff.trainer.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
 
     shape = load_shape(cfg.model.path)
     n, files = shape.num_params, shape.num_tensors

@@ -16,7 +16,7 @@ FLOORS = {
     "config": 1, "demo_model": 1, "model_files": 1,
     "plan": 2, "dist": 2, "tasks": 2,
     "memory": 3, "sync": 3, "runplan": 3, "rewards": 3,
-    "rollout": 4, "train": 4, "modelzoo": 4,
+    "rollout": 4, "trainer": 4, "modelzoo": 4,
     "calibrate": 5, "run_dir": 5, "loggers": 5,
     "switch": 6, "run_report": 6, "preflight": 6,
     "startup": 7,

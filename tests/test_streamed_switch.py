@@ -59,10 +59,15 @@ def _unfreeze_gc():
     gc.unfreeze()
 
 
-def _run(model_dir, out_dir, *extra) -> Run:
+def length_mod_3(completions, **kwargs):
+    """A reward that varies within groups, so every update really moves the weights."""
+    return [float(len(c) % 3) for c in completions]
+
+
+def _run(model_dir, out_dir, *extra, reward_funcs=()) -> Run:
     run = Run(load_config("examples/cpu-tiny.yaml", [
         f"model.path={model_dir}", f"run.out_dir={out_dir}", "run.checkpoint=false",
-        f"run.rates_file={model_dir / 'rates.json'}", *extra]))
+        f"run.rates_file={model_dir / 'rates.json'}", *extra]), reward_funcs=reward_funcs)
     gc.collect()
     gc.freeze()
     return run
@@ -115,8 +120,8 @@ def _event_log(worker, monkeypatch) -> list[str]:
     """Log the worker's probes, the arena's copies and drops, the forwards, the GEMM warm-ups,
     the optimizer's step, the engine's wakes and KV growth (consecutive repeats kept once by
     `_compact`)."""
-    import handoff.train.actor as actor_module
-    import handoff.train.model as model_module
+    import handoff.trainer.actor as actor_module
+    import handoff.trainer.model as model_module
 
     log: list[str] = []
     arena = worker.actor.arena
@@ -174,7 +179,7 @@ def test_the_switch_order_with_overlap_off_and_on(model_dir, tmp_path, monkeypat
                                            ("true", "false")])
 def test_the_gemm_shapes_are_launched_before_the_copies_back(model_dir, tmp_path, monkeypatch,
                                                              warm, offload):
-    import handoff.train.gemm_warmup as gemm_warmup
+    import handoff.trainer.gemm_warmup as gemm_warmup
 
     monkeypatch.setattr(gemm_warmup, "_launched", set())   # a fresh process
     trainer = _run(model_dir, tmp_path, f"memory.warm_gemms={warm}",
@@ -231,8 +236,7 @@ def test_overlap_changes_no_number_of_the_training(model_dir, tmp_path):
     rows = {}
     for overlap in ("false", "true"):
         trainer = _run(model_dir, tmp_path / overlap, f"memory.overlap={overlap}",
-                       "actor.lr=0.05")
-        trainer.task.reward = lambda problem, text: float(len(text) % 3)   # moves the policy
+                       "actor.lr=0.05", reward_funcs=[length_mod_3])
         rows[overlap] = [trainer.step(step) for step in range(2)]
     for off, on in zip(rows["false"], rows["true"]):
         for key in ("reward_mean", "loss", "pg_loss", "kl", "grad_norm", "entropy"):
@@ -241,11 +245,10 @@ def test_overlap_changes_no_number_of_the_training(model_dir, tmp_path):
 
 
 def test_the_ref_comes_back_from_its_first_host_copy_every_step(model_dir, tmp_path):
-    trainer = _run(model_dir, tmp_path, "actor.lr=0.05")
+    trainer = _run(model_dir, tmp_path, "actor.lr=0.05", reward_funcs=[length_mod_3])
     worker = trainer.worker
-    trainer.task.reward = lambda problem, text: float(len(text) % 3)
     problems, ids, indices, params = step_prompts(trainer.cfg, trainer.task, trainer.tokenizer, 0)
-    batch = trainer._score(problems, ids, indices, worker.generate(ids, params).outputs).batch
+    batch = trainer._score(0, problems, ids, indices, worker.generate(ids, params).outputs).batch
     seen = []
     for step in range(2):
         worker.begin_step(step)

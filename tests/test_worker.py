@@ -88,9 +88,9 @@ def test_one_step_runs_the_switch_order(model_dir, tmp_path):
 
 def test_engine_equals_fresh_engine_after_every_sync(model_dir, tmp_path):
     cfg = tiny_cfg(model_dir, tmp_path, "run.steps=2", "actor.lr=0.05", "actor.kl_coef=0")
-    trainer = Run(cfg)
     # A reward that varies within groups, so every update really moves the weights.
-    trainer.task.reward = lambda problem, text: float(len(text) % 3)
+    trainer = Run(cfg, reward_funcs=[lambda completions, **kw: [float(len(c) % 3)
+                                                                 for c in completions]])
     before = greedy(trainer.worker.engine)
     for step in range(2):
         row = trainer.step(step)

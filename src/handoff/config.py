@@ -96,7 +96,7 @@ class MemoryConfig:
     warm_gemms: bool = F(True, help=(
         "memory.overlap: before the copies back are queued beside a forward, launch its GEMM "
         "shapes not launched before (a cuBLAS kernel's first launch waits for the copies in "
-        "flight; train/gemm_warmup.py)"))
+        "flight; trainer/gemm_warmup.py)"))
     optimizer_back_programs: int = F(0, ge=0, help=(
         "memory.overlap: 0, the optimizer's copy back runs on the copy engines; N, by a kernel "
         "of N programs (thread blocks: a few SMs) beside the forwards and backwards, off the "
@@ -170,7 +170,7 @@ class ActorConfig:
         "optimizer steps of linear warm-up from actor.lr / warmup_steps to actor.lr"))
     compile: bool = F(False, help=(
         "torch.compile each decoder layer's forward (actor and reference): norms, RoPE and "
-        "SwiGLU fused; the first micro-batches pay for the compile (handoff.train.compiled)"))
+        "SwiGLU fused; the first micro-batches pay for the compile (handoff.trainer.compiled)"))
 
 
 @dataclass

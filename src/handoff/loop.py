@@ -46,8 +46,8 @@ from handoff.rewards import RewardSet, Sample
 from handoff.runplan import RunPlan
 from handoff.startup import start_worker
 from handoff.tasks import build_eval_problems, build_task
-from handoff.train.batch import RolloutBatch
-from handoff.train.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
                                      save_checkpoint)
 from handoff.switch import Generation, StepTimes, SwitchRecord
 

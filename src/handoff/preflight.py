@@ -80,7 +80,7 @@ def _check_resume(cfg: Config) -> None:
 
 def _start_step(ckpt_dir: Path) -> int:
     """The step of the latest complete checkpoint (0 when there is none)."""
-    from handoff.train.checkpoint import checkpoint_step, latest_checkpoint
+    from handoff.trainer.checkpoint import checkpoint_step, latest_checkpoint
 
     latest = latest_checkpoint(ckpt_dir)
     return checkpoint_step(latest) if latest else 0
@@ -99,7 +99,7 @@ def checkpoint_bytes(plan: RunPlan) -> int:
     """Bytes of one checkpoint: the params in model.dtype plus, as the trainer keeps them,
     the fp32 master copy (none for fp32 params) and Adam's two fp32 moments; one file per
     tensor, each with its overhead; every rank's RNG states."""
-    from handoff.train.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
+    from handoff.trainer.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
 
     shape = plan.shape
     files = shape.num_tensors * (1 + (1 if plan.dtypes.master_bytes else 0) + 2)
@@ -114,7 +114,7 @@ def _check_checkpoint_room(cfg: Config, plan: RunPlan) -> None:
     the disk holds at most KEEP_LAST + 1 at once; the checkpoints already there are on the
     disk (not free) and leave as new ones replace them.
     """
-    from handoff.train.checkpoint import KEEP_LAST
+    from handoff.trainer.checkpoint import KEEP_LAST
 
     run = cfg.run
     ckpt_dir = Path(run.out_dir) / "checkpoints"

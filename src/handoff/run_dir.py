@@ -176,7 +176,7 @@ def trim_metrics(out_dir: Path, start_step: int) -> None:
 
 def interrupted_message(cfg: Config, command: str) -> str:
     """What a run stopped by Ctrl-C can resume from, and how (one line)."""
-    from handoff.train.checkpoint import checkpoint_step, latest_checkpoint
+    from handoff.trainer.checkpoint import checkpoint_step, latest_checkpoint
 
     if not cfg.run.checkpoint:
         return ("interrupted: this run keeps no checkpoints (run.checkpoint=false): nothing to "

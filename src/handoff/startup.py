@@ -26,7 +26,7 @@ from handoff.memory.staging import PinnedArena
 from handoff.rollout.engine import Engine
 from handoff.rollout.parallel import init_tp_group
 from handoff.runplan import RunPlan
-from handoff.train.actor import build_actor, build_reference
+from handoff.trainer.actor import build_actor, build_reference
 from handoff.switch.worker import HybridWorker
 
 

@@ -9,7 +9,7 @@ from handoff.switch import copies as copies_module
 from handoff.switch.clock import StepClock
 from handoff.switch.copies import CopiesInFlight
 from handoff.switch.record import SwitchRecord
-from handoff.train.model import Move
+from handoff.trainer.model import Move
 
 PARTS = {"params": 100, "optimizer": 600}
 

@@ -43,13 +43,13 @@ from handoff.plan.shapes import load_shape
 from handoff.plan.trainer import (activation_bytes_per_token, fixed_activation_bytes,
                                   matmul_params)
 from handoff.runplan import RunPlan
-from handoff.train.actor import Actor, resolve_actor_config
-from handoff.train.attention import backend_for
-from handoff.train.batch import RolloutBatch
-from handoff.train.compiled import set_compiled_layers
-from handoff.train.grpo import group_advantages
-from handoff.train.model import ShardedModel, set_activation_checkpointing
-from handoff.train.packing import micro_batch_rows
+from handoff.trainer.actor import Actor, resolve_actor_config
+from handoff.trainer.attention import backend_for
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.compiled import set_compiled_layers
+from handoff.trainer.grpo import group_advantages
+from handoff.trainer.model import ShardedModel, set_activation_checkpointing
+from handoff.trainer.packing import micro_batch_rows
 
 VARIANT_KEYS = ("micro_batch_tokens", "micro_batch_size", "logprob_chunk_tokens",
                 "gradient_checkpointing", "compile")

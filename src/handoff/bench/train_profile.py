@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from handoff.train.logprobs import HEAD_RANGE
+from handoff.trainer.logprobs import HEAD_RANGE
 
 OPTIMIZER_RANGE = "handoff.optimizer_step"
 RECOMPUTE_RANGE = "handoff.recompute"

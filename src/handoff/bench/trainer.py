@@ -23,8 +23,8 @@ import torch
 from handoff.config import Config
 from handoff.memory.staging import PinnedArena
 from handoff.runplan import RunPlan
-from handoff.train.actor import build_actor, build_reference
-from handoff.train.batch import RolloutBatch
+from handoff.trainer.actor import build_actor, build_reference
+from handoff.trainer.batch import RolloutBatch
 
 ORDER = (("optimizer_d2h", "actor", "host", "optimizer"), ("params_d2h", "actor", "host", "params"),
          ("ref_d2h", "ref", "host", "params"), ("params_h2d", "actor", "device", "params"),

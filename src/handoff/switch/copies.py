@@ -29,8 +29,8 @@ from handoff.memory.allocator import device_free_bytes
 from handoff.memory.staging import Transfer
 from handoff.switch.clock import StepClock
 from handoff.switch.record import SwitchRecord
-from handoff.train.actor import Actor
-from handoff.train.model import Move, ShardedModel
+from handoff.trainer.actor import Actor
+from handoff.trainer.model import Move, ShardedModel
 from handoff.units import fmt_bytes
 
 

@@ -41,9 +41,9 @@ from handoff.switch.clock import StepClock, StepTimes
 from handoff.switch.copies import CopiesInFlight
 from handoff.switch.record import Generation, SwitchRecord
 from handoff.sync.weights import sync_weights
-from handoff.train.actor import Actor
-from handoff.train.batch import RolloutBatch
-from handoff.train.model import ShardedModel
+from handoff.trainer.actor import Actor
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.model import ShardedModel
 
 T = TypeVar("T")
 _console = Console(stderr=True)
@@ -288,7 +288,7 @@ class HybridWorker:
         """A pass's hooks (model.PassHooks): the copies back still due are queued beside it.
 
         Before any forward, its GEMM shapes new to the process are launched (memory.warm_gemms:
-        train/gemm_warmup.py says why). The copies are queued once its first micro-batches are
+        trainer/gemm_warmup.py says why). The copies are queued once its first micro-batches are
         (PassHooks.first_launched): queueing allocates their storages, which waits for the
         driver to clear the memory the engine's pool just freed, and the device computes
         meanwhile. Both are the clock's queueing, not the pass's work."""

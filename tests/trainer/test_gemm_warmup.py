@@ -7,9 +7,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-import handoff.train.gemm_warmup as gemm_warmup
+import handoff.trainer.gemm_warmup as gemm_warmup
 from handoff.modelzoo import init_model
-from handoff.train.gemm_warmup import model_gemms, warm_gemms
+from handoff.trainer.gemm_warmup import model_gemms, warm_gemms
 
 
 @pytest.fixture(scope="module")

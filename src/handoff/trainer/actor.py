@@ -34,12 +34,12 @@ from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena
 from handoff.plan.trainer import MicroBatchChoice
 from handoff.runplan import RunPlan
-from handoff.train import grpo
-from handoff.train.batch import RolloutBatch
+from handoff.trainer import grpo
+from handoff.trainer.batch import RolloutBatch
 from handoff.dist import all_reduce_
-from handoff.train.forward import token_forward
-from handoff.train.model import PassHooks, ShardedModel
-from handoff.train.optim import LrSchedule, MixedPrecisionAdamW, local_shard
+from handoff.trainer.forward import token_forward
+from handoff.trainer.model import PassHooks, ShardedModel
+from handoff.trainer.optim import LrSchedule, MixedPrecisionAdamW, local_shard
 
 
 class Actor(ShardedModel):

@@ -7,9 +7,9 @@ import torch
 
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
-from handoff.train.actor import Actor
-from handoff.train.grpo import LOSS_AGGREGATIONS, group_advantages, token_logprobs
-from handoff.train.optim import local_shard
+from handoff.trainer.actor import Actor
+from handoff.trainer.grpo import LOSS_AGGREGATIONS, group_advantages, token_logprobs
+from handoff.trainer.optim import local_shard
 
 from test_actor import make_batch
 

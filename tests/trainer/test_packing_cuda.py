@@ -9,11 +9,11 @@ import torch
 
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
-from handoff.train.actor import Actor
-from handoff.train.batch import RolloutBatch
-from handoff.train import attention
-from handoff.train.grpo import group_advantages
-from handoff.train.logprobs import chunked_token_logprobs
+from handoff.trainer.actor import Actor
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer import attention
+from handoff.trainer.grpo import group_advantages
+from handoff.trainer.logprobs import chunked_token_logprobs
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():

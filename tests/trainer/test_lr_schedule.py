@@ -8,9 +8,9 @@ import torch
 
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
-from handoff.train.actor import Actor
-from handoff.train.checkpoint import load_checkpoint, save_checkpoint
-from handoff.train.optim import LrSchedule
+from handoff.trainer.actor import Actor
+from handoff.trainer.checkpoint import load_checkpoint, save_checkpoint
+from handoff.trainer.optim import LrSchedule
 
 from test_actor import make_batch
 

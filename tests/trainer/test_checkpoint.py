@@ -9,8 +9,8 @@ import torch
 
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
-from handoff.train.actor import Actor
-from handoff.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from handoff.trainer.actor import Actor
+from handoff.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 HERE = Path(__file__).parent
 

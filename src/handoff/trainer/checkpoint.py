@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
-from handoff.train.actor import Actor
-from handoff.train.checkpoint_files import (FILE_OVERHEAD_BYTES, FORMAT, META, RNG_FILE_BYTES,
+from handoff.trainer.actor import Actor
+from handoff.trainer.checkpoint_files import (FILE_OVERHEAD_BYTES, FORMAT, META, RNG_FILE_BYTES,
                                             SafeReader, check_identity, file_hashes,
                                             model_identity, read_json, rng_state,
                                             set_rng_state, verify_files)

@@ -56,7 +56,7 @@ def varlen_trains(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _varlen_matches_reference(device: torch.device, dtype: torch.dtype) -> bool:
-    from handoff.train.packing import PackedSeqs
+    from handoff.trainer.packing import PackedSeqs
 
     g = torch.Generator(device=device).manual_seed(0)
     shapes = ((24, 4, 64), (24, 2, 64), (24, 2, 64))

@@ -11,12 +11,12 @@ import torch
 from handoff.config import ActorConfig
 from handoff.errors import HandoffError
 from handoff.modelzoo import init_model
-from handoff.train.actor import Actor
-from handoff.train.batch import RolloutBatch
-from handoff.train.attention import backend_for
-from handoff.train.grpo import group_advantages
-from handoff.train.logprobs import chunked_token_logprobs
-from handoff.train.packing import PackedMicroBatch, micro_batch_rows, pack_rows
+from handoff.trainer.actor import Actor
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.attention import backend_for
+from handoff.trainer.grpo import group_advantages
+from handoff.trainer.logprobs import chunked_token_logprobs
+from handoff.trainer.packing import PackedMicroBatch, micro_batch_rows, pack_rows
 from handoff.runplan import RunPlan
 
 ATOL = 2e-5
@@ -158,7 +158,7 @@ def test_a_packed_token_never_attends_across_sequences(ckpt):
 
 def test_auto_micro_batching_resolves_to_numbers_and_explicit_values_stay():
     from handoff.config import load_config
-    from handoff.train.actor import resolve_actor_config
+    from handoff.trainer.actor import resolve_actor_config
 
     cfg = load_config(None, ["model.path=tiny-qwen3", "hardware.name=cpu",
                              "actor.micro_batch_tokens=auto", "actor.gradient_checkpointing=auto",

@@ -7,9 +7,9 @@ from safetensors.torch import load_file
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
 from handoff.plan.shapes import PRESETS, count_params
-from handoff.train.actor import Actor
-from handoff.train.batch import RolloutBatch
-from handoff.train.checkpoint import load_checkpoint, save_checkpoint
+from handoff.trainer.actor import Actor
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():

@@ -6,11 +6,11 @@ first micro-batch's forward and backward."""
 import pytest
 import torch
 
-import handoff.train.forward as forward_module
+import handoff.trainer.forward as forward_module
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
-from handoff.train.actor import Actor
-from handoff.train.model import ShardedModel
+from handoff.trainer.actor import Actor
+from handoff.trainer.model import ShardedModel
 
 from test_packing import long_tailed_batch
 
@@ -51,7 +51,7 @@ def _logged(monkeypatch, module):
 
 
 def test_new_shapes_go_first_and_the_hook_waits_for_them(ckpt, monkeypatch):
-    import handoff.train.model as model_module
+    import handoff.trainer.model as model_module
 
     ref = ShardedModel(ckpt, role="ref", device="cpu", dtype="float32", micro_batch_tokens=48)
     batch = long_tailed_batch()
@@ -79,7 +79,7 @@ def test_new_shapes_go_first_and_the_hook_waits_for_them(ckpt, monkeypatch):
 
 
 def test_an_update_runs_the_hook_after_its_first_micro_batch(ckpt, monkeypatch):
-    import handoff.train.actor as actor_module
+    import handoff.trainer.actor as actor_module
 
     actor = Actor(ckpt, actor=ActorConfig(micro_batch_tokens=48), device="cpu", dtype="float32")
     log = _logged(monkeypatch, actor_module)

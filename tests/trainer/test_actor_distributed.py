@@ -1,7 +1,7 @@
 """Two gloo processes vs a single-process plain-torch GRPO on the same global batches.
 
 The reference below is written out in plain torch (log_softmax, torch.optim.AdamW,
-clip_grad_norm_), independent of handoff.train.grpo: FSDP2 sharding, micro-batching with
+clip_grad_norm_), independent of handoff.trainer.grpo: FSDP2 sharding, micro-batching with
 uneven row counts per rank, token-mean aggregation across ranks, clipping and the
 fp32-master AdamW must all add up to the same loss, gradients and weights.
 """

@@ -26,10 +26,10 @@ FSDP2's CPUOffloadPolicy keeps params (and grads, optimizer) on the host for goo
 each layer in per forward, so `to()` moves nothing.
 
 Micro-batches are right-padded rows of micro_batch_size, or whole sequences packed up to
-micro_batch_tokens (train/packing.py, attention per sequence in train/attention.py); the
+micro_batch_tokens (trainer/packing.py, attention per sequence in trainer/attention.py); the
 head scores tokens in chunks of logprob_chunk_tokens without [tokens x vocab] fp32 logits
-when that is > 0 (train/logprobs.py). With compile_layers each decoder layer's forward runs
-through torch.compile (train/compiled.py).
+when that is > 0 (trainer/logprobs.py). With compile_layers each decoder layer's forward runs
+through torch.compile (trainer/compiled.py).
 
 Shape legend: B sequences, T tokens, V vocabulary.
 """
@@ -47,15 +47,15 @@ from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena, Transfer
 from handoff.model_files import (check_architecture, check_loading_info, check_shape,
                                  read_model_config, weight_files)
-from handoff.train import attention
-from handoff.train.batch import RolloutBatch
-from handoff.train.compiled import set_compiled_layers
+from handoff.trainer import attention
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.compiled import set_compiled_layers
 from handoff.dist import all_reduce_, init_mesh, resolve_device
-from handoff.train.forward import new_shapes_first, token_forward
-from handoff.train.gemm_warmup import warm_gemms
-from handoff.train.logprobs import install_token_head
-from handoff.train.optim import local_shard
-from handoff.train.packing import build_micro_batch, micro_batch_rows
+from handoff.trainer.forward import new_shapes_first, token_forward
+from handoff.trainer.gemm_warmup import warm_gemms
+from handoff.trainer.logprobs import install_token_head
+from handoff.trainer.optim import local_shard
+from handoff.trainer.packing import build_micro_batch, micro_batch_rows
 
 _HOST_NAMES = ("host", "cpu")
 
@@ -86,7 +86,7 @@ def load_hf_model(path: str, dtype: torch.dtype, gradient_checkpointing: bool) -
     check_architecture(path, config)
     check_shape(path, config)
     weight_files(path)   # refuses pickle-only or unloadable names before transformers looks
-    # SDPA for padded rows, varlen for packed ones: one registered name (train/attention.py).
+    # SDPA for padded rows, varlen for packed ones: one registered name (trainer/attention.py).
     attention.register()
     # A tensor of the wrong shape, or none at all, would be a random init: refused instead.
     model, info = AutoModelForCausalLM.from_pretrained(
@@ -152,9 +152,9 @@ class ShardedModel:
         self.world_size = self.mesh.size()
         self.dtype = getattr(torch, dtype)
         self.micro_batch_size = micro_batch_size
-        # > 0: whole sequences packed up to this many tokens per micro-batch (train/packing.py)
+        # > 0: whole sequences packed up to this many tokens per micro-batch (trainer/packing.py)
         self.micro_batch_tokens = micro_batch_tokens
-        # > 0: the head scores this many tokens at a time, no full logits (train/logprobs.py)
+        # > 0: the head scores this many tokens at a time, no full logits (trainer/logprobs.py)
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.offload_mode = offload_mode
         self.arena = arena if arena is not None else PinnedArena(pin=self.device.type == "cuda")
@@ -162,7 +162,7 @@ class ShardedModel:
         if not self.trainable:
             model.requires_grad_(False)
         self.module = self._shard(model)
-        # After sharding: FSDP2's hooks stay outside the compiled forwards (train/compiled.py).
+        # After sharding: FSDP2's hooks stay outside the compiled forwards (trainer/compiled.py).
         set_compiled_layers(self.module, compile_layers)
         self._parts = {"params": self._param_tensors}
         self._host: set[str] = set()

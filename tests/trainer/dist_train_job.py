@@ -13,8 +13,8 @@ import sys
 import torch
 
 from handoff.config import ActorConfig
-from handoff.train.batch import RolloutBatch
-from handoff.train.grpo import group_advantages
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.grpo import group_advantages
 
 ACTOR = dict(lr=1e-2, micro_batch_size=2, kl_coef=0.05, entropy_coef=0.01, grad_clip=0.5,
              clip_low=0.2, clip_high=0.28)
@@ -49,8 +49,8 @@ def local(batch: RolloutBatch, rank: int) -> RolloutBatch:
 
 
 def main(ckpt: str, out: str) -> None:
-    from handoff.train.actor import Actor
-    from handoff.train.checkpoint import load_checkpoint, save_checkpoint
+    from handoff.trainer.actor import Actor
+    from handoff.trainer.checkpoint import load_checkpoint, save_checkpoint
 
     rank = int(os.environ["RANK"])
     actor = Actor(ckpt, actor=ActorConfig(**ACTOR), dtype="float32")

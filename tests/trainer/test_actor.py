@@ -8,9 +8,9 @@ from handoff.config import ActorConfig, load_config
 from handoff.errors import HandoffError
 from handoff.modelzoo import init_model
 from handoff.plan.shapes import PRESETS, count_params
-from handoff.train.actor import Actor, build_reference
-from handoff.train.batch import RolloutBatch
-from handoff.train.grpo import group_advantages
+from handoff.trainer.actor import Actor, build_reference
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.grpo import group_advantages
 from handoff.runplan import RunPlan
 
 N_TINY = count_params(PRESETS["tiny-qwen3"])

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from handoff.train import grpo
-from handoff.train.logprobs import HEAD_RANGE, next_token_targets, shift_to_tokens, token_head
+from handoff.trainer import grpo
+from handoff.trainer.logprobs import HEAD_RANGE, next_token_targets, shift_to_tokens, token_head
 
 # The input shapes token_forward has run in this process.
 _shapes_run: set[tuple[int, ...]] = set()

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from handoff.errors import HandoffError
-from handoff.train.batch import RolloutBatch
-from handoff.train.optim import MixedPrecisionAdamW
+from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.optim import MixedPrecisionAdamW
 
 
 def test_from_tokens_right_pads_and_marks_responses():

@@ -11,9 +11,9 @@ import sys
 import time
 
 from handoff.config import ActorConfig
-from handoff.train.actor import Actor
-from handoff.train.checkpoint import save_checkpoint
-from handoff.train import checkpoint as ckpt_module
+from handoff.trainer.actor import Actor
+from handoff.trainer.checkpoint import save_checkpoint
+from handoff.trainer import checkpoint as ckpt_module
 
 
 def stall(*_args, **_kwargs):

@@ -10,10 +10,10 @@ import torch
 
 from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
-from handoff.train import compiled
-from handoff.train.actor import Actor
-from handoff.train.grpo import group_advantages
-from handoff.train.model import ShardedModel
+from handoff.trainer import compiled
+from handoff.trainer.actor import Actor
+from handoff.trainer.grpo import group_advantages
+from handoff.trainer.model import ShardedModel
 
 from test_packing import long_tailed_batch
 

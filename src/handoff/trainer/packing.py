@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from handoff.memory.host_copy import upload
-from handoff.train.batch import RolloutBatch
+from handoff.trainer.batch import RolloutBatch
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:

@@ -21,9 +21,9 @@ import torch
 from handoff.config import ActorConfig, load_config
 from handoff.errors import HandoffError
 from handoff.modelzoo import init_model
-from handoff.train.actor import Actor
-from handoff.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from handoff.train.checkpoint import checkpoint_bytes
+from handoff.trainer.actor import Actor
+from handoff.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from handoff.trainer.checkpoint import checkpoint_bytes
 from handoff.runplan import RunPlan
 
 

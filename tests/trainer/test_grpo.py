@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from handoff.train import grpo
+from handoff.trainer import grpo
 
 
 def test_all_equal_rewards_give_zero_advantages():

@@ -10,7 +10,7 @@ kernel time goes (docs/PERF.md, "The trainer's compute").
 
 The layer's `forward` is compiled, not its `__call__`: FSDP2's gather / reshard hooks and
 transformers' activation checkpointing wrap `__call__` and stay eager around it. The
-attention function itself is left out of the graph (train/attention.py disables compile for
+attention function itself is left out of the graph (trainer/attention.py disables compile for
 it): FlashAttention varlen is one kernel already, and its backend probe must not be traced.
 Shapes are dynamic from the first call (packed micro-batches differ in tokens), so the one
 compiled code is shared by every layer and micro-batch; the first micro-batch pays for the
