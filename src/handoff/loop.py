@@ -37,6 +37,7 @@ from handoff.dist import mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.memory.allocator import alloc_retries, frozen_gc_heap
+from handoff.model_source import resolve_model
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_dir import claim_out_dir, trim_metrics, write_run_config
 from handoff.run_report import RunReport, console
@@ -165,6 +166,7 @@ class Run:
     def __init__(self, cfg: Config):
         from transformers import AutoTokenizer
 
+        cfg.model.path = resolve_model(cfg.model.path)   # a preset or Hub id: its directory
         self.cfg = cfg
         self.rank, self.world = world_rank_size()
         self.out_dir = Path(cfg.run.out_dir)
