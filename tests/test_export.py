@@ -1,0 +1,169 @@
+"""`handoff export`: a tiny run's checkpoint out as a Hugging Face model (CPU).
+
+The exported directory must load in transformers, hold exactly the tensors the trainer
+saved, and give the engine's greedy completions; bad inputs get one line and lose nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from handoff.config import load_config
+from handoff.errors import HandoffError
+from handoff.export import export_model
+from handoff.loop import train
+from handoff.modelzoo import init_model
+from handoff.rollout.cli_generate import generate_samples
+
+PROMPTS = ["1+2=", "hello", "What is 7*8?", "abc", "The cat"]
+
+
+def _lively_model(out, *, tied: bool):
+    """tiny-qwen3 with unit-gain weights: init_model's std 0.02 repeats one token forever,
+    which any engine would match. Untied: an lm_head of its own in config and weights."""
+    init_model("tiny-qwen3", out, dtype="float32")
+    state = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    if not tied:
+        state["lm_head.weight"] = torch.empty_like(state["model.embed_tokens.weight"])
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    for name, value in state.items():
+        if value.dim() == 2:
+            state[name] = torch.randn(value.shape, generator=gen) * 1.5 / value.shape[1] ** 0.5
+    state["model.embed_tokens.weight"][256:260] *= 0.05   # EOS and friends rarely chosen
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def trained(request, tmp_path_factory):
+    """A two-step run checkpointed at both steps, and the actor's params at each save."""
+    root = tmp_path_factory.mktemp("export")
+    model_dir = _lively_model(root / "model", tied=request.param)
+    saved = {}
+    import handoff.loop
+
+    def recording_save(ckpt_dir, actor, *, step, **kwargs):
+        saved[step] = {n: p.detach().full_tensor().clone()
+                       for n, p in actor.module.named_parameters()}
+        return plain_save(ckpt_dir, actor, step=step, **kwargs)
+
+    def varied_rewards(*args, **kwargs):
+        # A random model never solves the task: all-zero rewards would leave the weights as
+        # they were. Any reward that varies within a group makes the update move them.
+        task = plain_build(*args, **kwargs)
+        task.reward = lambda problem, text: float(sum(text.encode()) % 3)
+        return task
+
+    plain_save, plain_build = handoff.loop.save_checkpoint, handoff.loop.build_task
+    cfg = load_config("examples/cpu-tiny.yaml", [f"model.path={model_dir}",
+                                                  f"run.out_dir={root / 'run'}",
+                                                  "run.save_every=1", "run.steps=2"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(handoff.loop, "save_checkpoint", recording_save)
+        mp.setattr(handoff.loop, "build_task", varied_rewards)
+        train(cfg)
+    return {"model": model_dir, "run": root / "run", "saved": saved, "tied": request.param}
+
+
+def test_the_export_loads_in_transformers_and_gives_the_engines_greedy_completions(trained,
+                                                                                  tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = export_model(trained["run"], tmp_path / "hf")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "handoff_export.json"} <= names
+    assert json.loads((out / "handoff_export.json").read_text())["step"] == 2
+    weights = load_file(str(out / "model.safetensors"))
+    final = trained["saved"][2]
+    # The trained tensors exactly, the tied head left for transformers to tie.
+    assert ("lm_head.weight" in weights) == (not trained["tied"])
+    assert set(weights) == set(final)
+    assert all(torch.equal(weights[n], final[n]) for n in final)
+    start = load_file(str(trained["model"] / "model.safetensors"))
+    assert any(not torch.equal(weights[n], start[n]) for n in weights)   # training moved them
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.dtype == torch.float32
+    if trained["tied"]:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    engine = generate_samples(str(out), PROMPTS, max_tokens=12, temperature=0.0, chat=False,
+                              device="cpu")
+    assert len(engine) == len(PROMPTS)
+    for prompt, sample in zip(PROMPTS, engine):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        assert sample["prompt_token_ids"] == ids
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+        assert sample["token_ids"] == hf[0, len(ids):].tolist(), prompt
+    assert any(len(set(s["token_ids"])) > 2 for s in engine)   # not one token repeated
+
+
+def test_step_picks_an_earlier_checkpoint(trained, tmp_path):
+    if not trained["tied"]:
+        pytest.skip("one layout is enough")
+    out = export_model(trained["run"], tmp_path / "hf", step=1)
+    weights = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(weights[n], t) for n, t in trained["saved"][1].items())
+    assert any(not torch.equal(weights[n], t) for n, t in trained["saved"][2].items())
+    assert json.loads((out / "handoff_export.json").read_text())["step"] == 1
+
+
+def test_export_bad_inputs_are_one_line_and_lose_nothing(trained, tmp_path):
+    if not trained["tied"]:
+        pytest.skip("one layout is enough")
+    run = trained["run"]
+    with pytest.raises(HandoffError, match=r"no complete checkpoint of step 7: it keeps steps "
+                                           r"\[1, 2\]"):
+        export_model(run, tmp_path / "a", step=7)
+    with pytest.raises(HandoffError, match="--step -1 is negative"):
+        export_model(run, tmp_path / "a", step=-1)
+
+    empty_run = tmp_path / "empty-run"
+    empty_run.mkdir()
+    (empty_run / "config.json").write_text((run / "config.json").read_text())
+    with pytest.raises(HandoffError, match="has no complete checkpoint"):
+        export_model(empty_run, tmp_path / "a")
+    with pytest.raises(HandoffError, match="not a handoff run directory"):
+        export_model(tmp_path / "nowhere", tmp_path / "a")
+
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    with pytest.raises(HandoffError, match=r"already holds files \(notes.txt\): pass "
+                                           "--overwrite"):
+        export_model(run, used)
+    assert [p.name for p in used.iterdir()] == ["notes.txt"]   # nothing written, nothing lost
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(HandoffError, match="is a file, not a directory"):
+        export_model(run, tmp_path / "a-file")
+    (tmp_path / "link").symlink_to(used)
+    with pytest.raises(HandoffError, match="is a symbolic link"):
+        export_model(run, tmp_path / "link")
+
+
+def test_overwrite_replaces_the_export_and_never_writes_through_a_link(trained, tmp_path):
+    if not trained["tied"]:
+        pytest.skip("one layout is enough")
+    out = tmp_path / "hf"
+    out.mkdir()
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep me")
+    (out / "config.json").symlink_to(outside)           # a planted link out of --out
+    (out / "model-00002-of-00002.safetensors").write_text("stale shard")
+    (out / "notes.txt").write_text("mine")
+    export_model(trained["run"], out, overwrite=True)
+    assert outside.read_text() == "keep me"
+    assert not (out / "config.json").is_symlink()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+    assert not (out / "model-00002-of-00002.safetensors").exists()   # a loader would read it
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / ".handoff-export.tmp").exists()
