@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import handoff.loop
 from handoff.config import load_config
 from handoff.errors import HandoffError
 from handoff.export import export_model
@@ -40,13 +41,10 @@ def _lively_model(out, *, tied: bool):
     return out
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
-def trained(request, tmp_path_factory):
+def _train(root, *, tied: bool) -> dict:
     """A two-step run checkpointed at both steps, and the actor's params at each save."""
-    root = tmp_path_factory.mktemp("export")
-    model_dir = _lively_model(root / "model", tied=request.param)
+    model_dir = _lively_model(root / "model", tied=tied)
     saved = {}
-    import handoff.loop
 
     def recording_save(ckpt_dir, actor, *, step, **kwargs):
         saved[step] = {n: p.detach().full_tensor().clone()
@@ -68,12 +66,33 @@ def trained(request, tmp_path_factory):
         mp.setattr(handoff.loop, "save_checkpoint", recording_save)
         mp.setattr(handoff.loop, "build_task", varied_rewards)
         train(cfg)
-    return {"model": model_dir, "run": root / "run", "saved": saved, "tied": request.param}
+    return {"model": model_dir, "run": root / "run", "saved": saved, "tied": tied}
 
 
-def test_the_export_loads_in_transformers_and_gives_the_engines_greedy_completions(trained,
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(tied) -> the trained run of that head layout, trained once per module."""
+    done = {}
+
+    def get(tied: bool) -> dict:
+        if tied not in done:
+            done[tied] = _train(tmp_path_factory.mktemp("export"), tied=tied)
+        return done[tied]
+
+    return get
+
+
+@pytest.fixture
+def trained(runs):
+    return runs(True)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_export_loads_in_transformers_and_gives_the_engines_greedy_completions(runs, tied,
                                                                                   tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trained = runs(tied)
 
     out = export_model(trained["run"], tmp_path / "hf")
     names = {p.name for p in out.iterdir()}
@@ -108,8 +127,6 @@ def test_the_export_loads_in_transformers_and_gives_the_engines_greedy_completio
 
 
 def test_step_picks_an_earlier_checkpoint(trained, tmp_path):
-    if not trained["tied"]:
-        pytest.skip("one layout is enough")
     out = export_model(trained["run"], tmp_path / "hf", step=1)
     weights = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(weights[n], t) for n, t in trained["saved"][1].items())
@@ -118,8 +135,6 @@ def test_step_picks_an_earlier_checkpoint(trained, tmp_path):
 
 
 def test_export_bad_inputs_are_one_line_and_lose_nothing(trained, tmp_path):
-    if not trained["tied"]:
-        pytest.skip("one layout is enough")
     run = trained["run"]
     with pytest.raises(HandoffError, match=r"no complete checkpoint of step 7: it keeps steps "
                                            r"\[1, 2\]"):
@@ -134,6 +149,7 @@ def test_export_bad_inputs_are_one_line_and_lose_nothing(trained, tmp_path):
         export_model(empty_run, tmp_path / "a")
     with pytest.raises(HandoffError, match="not a handoff run directory"):
         export_model(tmp_path / "nowhere", tmp_path / "a")
+    assert not (tmp_path / "a").exists()   # refused before anything was written
 
     used = tmp_path / "used"
     used.mkdir()
@@ -151,8 +167,6 @@ def test_export_bad_inputs_are_one_line_and_lose_nothing(trained, tmp_path):
 
 
 def test_overwrite_replaces_the_export_and_never_writes_through_a_link(trained, tmp_path):
-    if not trained["tied"]:
-        pytest.skip("one layout is enough")
     out = tmp_path / "hf"
     out.mkdir()
     outside = tmp_path / "outside.json"

@@ -51,19 +51,25 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     """Write the run's checkpoint (the latest, or the one of `step`) to `out` as an HF model
     directory; returns `out`."""
     run_dir, out = Path(run_dir), Path(out)
-    staging = _prepare_out(out, overwrite=overwrite)
+    _check_out(out, overwrite=overwrite)   # refused before a large checkpoint is read
     model_dir = _run_model_dir(run_dir)
     ckpt = find_checkpoint(run_dir, step)
     config = read_model_config(model_dir, flag="the run's model.path")
     tensors = read_checkpoint_part(ckpt, "model")
     _check_fits_model(tensors, model_dir, config, ckpt)
-    dtype = {t.dtype for t in tensors.values()}.pop()
-    _write_weights(ckpt, tensors, staging, tie=bool(config.get("tie_word_embeddings")))
-    _write_config(model_dir, config, dtype, staging)
-    (staging / "handoff_export.json").write_text(json.dumps(
-        {"run_dir": str(run_dir.resolve()), "checkpoint": ckpt.name,
-         "step": checkpoint_step(ckpt), "model": str(model_dir)}, indent=1))
-    _publish(staging, out)
+    dtype = next(iter(tensors.values())).dtype   # the trainer keeps every param in one dtype
+    created = not out.exists()
+    staging = _fresh_staging(out)
+    try:
+        _write_weights(ckpt, tensors, staging, tie=bool(config.get("tie_word_embeddings")))
+        _write_config(model_dir, config, dtype, staging)
+        (staging / "handoff_export.json").write_text(json.dumps(
+            {"run_dir": str(run_dir.resolve()), "checkpoint": ckpt.name,
+             "step": checkpoint_step(ckpt), "model": str(model_dir)}, indent=1))
+        _publish(staging, out)
+    except BaseException:
+        shutil.rmtree(out if created else staging, ignore_errors=True)
+        raise
     return out
 
 
@@ -156,8 +162,8 @@ def _check_fits_model(tensors: dict[str, torch.Tensor], model_dir: str, config: 
 # ---------------------------------------------------------------- writing DIR
 
 
-def _prepare_out(out: Path, *, overwrite: bool) -> Path:
-    """Refuse a link, a file or (without overwrite) a used directory; a fresh staging dir."""
+def _check_out(out: Path, *, overwrite: bool) -> None:
+    """Refuse a link, a file or (without overwrite) a directory that holds files."""
     if out.is_symlink():
         raise HandoffError(f"--out {str(out)!r} is a symbolic link: export writes only into a "
                            "real directory; pass its target or a new path")
@@ -169,11 +175,15 @@ def _prepare_out(out: Path, *, overwrite: bool) -> Path:
         raise HandoffError(f"--out {str(out)!r} already holds files ({', '.join(sorted(used)[:3])}"
                            f"{', ...' if len(used) > 3 else ''}): pass --overwrite to replace "
                            "them, or choose an empty directory")
+
+
+def _fresh_staging(out: Path) -> Path:
+    """An empty DIR/.handoff-export.tmp (a killed export's leftovers removed)."""
     staging = out / STAGING
     out.mkdir(parents=True, exist_ok=True)
     if staging.is_symlink() or staging.is_file():
         staging.unlink()
-    shutil.rmtree(staging, ignore_errors=True)   # a killed export's leftovers
+    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     return staging
 
