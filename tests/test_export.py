@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import handoff.export
 import handoff.loop
 from handoff.config import load_config
 from handoff.errors import HandoffError
@@ -166,18 +167,32 @@ def test_export_bad_inputs_are_one_line_and_lose_nothing(trained, tmp_path):
         export_model(run, tmp_path / "link")
 
 
-def test_overwrite_replaces_the_export_and_never_writes_through_a_link(trained, tmp_path):
+def test_overwrite_replaces_the_export_and_never_writes_through_a_link(trained, tmp_path,
+                                                                        monkeypatch):
+    from transformers import AutoModelForCausalLM
+
     out = tmp_path / "hf"
-    out.mkdir()
+    # First a sharded export (HF's index beside the shards), loaded by transformers whole.
+    monkeypatch.setattr(handoff.export, "MAX_SHARD_BYTES", 60_000)
+    export_model(trained["run"], out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and sorted(p.name for p in out.glob("*.safetensors")) == shards
+    model = AutoModelForCausalLM.from_pretrained(out)
+    final = trained["saved"][2]
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in final.items())
+
     outside = tmp_path / "outside.json"
     outside.write_text("keep me")
+    (out / "config.json").unlink()
     (out / "config.json").symlink_to(outside)           # a planted link out of --out
-    (out / "model-00002-of-00002.safetensors").write_text("stale shard")
     (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(handoff.export, "MAX_SHARD_BYTES", 5 * 10**9)
     export_model(trained["run"], out, overwrite=True)
     assert outside.read_text() == "keep me"
     assert not (out / "config.json").is_symlink()
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
-    assert not (out / "model-00002-of-00002.safetensors").exists()   # a loader would read it
+    # The old shards and index are gone (a loader would read them beside the new file).
+    assert [p.name for p in out.glob("*.safetensors*")] == ["model.safetensors"]
     assert (out / "notes.txt").read_text() == "mine"
     assert not (out / ".handoff-export.tmp").exists()

@@ -17,8 +17,8 @@ written outside DIR and an export cut short leaves no half model; DIR must not b
 link, and a DIR that holds files is refused without --overwrite (which replaces the files an
 export writes and its earlier weight shards, and keeps the rest).
 
-An adapter export (`--adapter`, LoRA) will read another part of the checkpoint through
-`read_checkpoint_part` and write beside `_write_weights` into the same staged directory.
+An adapter export (`--adapter`, LoRA) will read another part of the checkpoint as a
+`CheckpointPart` and write beside `_write_weights` into the same staged directory.
 """
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     model_dir = _run_model_dir(run_dir)
     ckpt = find_checkpoint(run_dir, step)
     config = read_model_config(model_dir, flag="the run's model.path")
-    tensors = read_checkpoint_part(ckpt, "model")
-    _check_fits_model(tensors, model_dir, config, ckpt)
-    dtype = next(iter(tensors.values())).dtype   # the trainer keeps every param in one dtype
+    weights = CheckpointPart(ckpt, "model")
+    _check_fits_model(weights.tensors, model_dir, config, ckpt)
+    dtype = next(iter(weights.tensors.values())).dtype   # every param in one dtype
     created = not out.exists()
     staging = _fresh_staging(out)
     try:
-        _write_weights(ckpt, tensors, staging, tie=bool(config.get("tie_word_embeddings")))
+        _write_weights(weights, staging, tie=bool(config.get("tie_word_embeddings")))
         _write_config(model_dir, config, dtype, staging)
         (staging / "handoff_export.json").write_text(json.dumps(
             {"run_dir": str(run_dir.resolve()), "checkpoint": ckpt.name,
@@ -114,28 +114,38 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     return max(found, key=lambda p: (p / META).stat().st_mtime)   # a step saved again: newest
 
 
-def read_checkpoint_part(ckpt: Path, part: str) -> dict[str, torch.Tensor]:
-    """{name: full tensor} of one part of a checkpoint ("model": the trained params), read on
-    one process whatever world size wrote it; verified as a resume verifies it first."""
-    meta = read_json(ckpt / META, "checkpoint's meta.json")
-    if meta.get("format") != FORMAT:
-        raise HandoffError(f"{ckpt} was written by an older handoff (format "
-                           f"{meta.get('format', 1)}, without file hashes): it cannot be "
-                           "verified; export it with the handoff that wrote it")
-    verify_files(ckpt, meta.get("files"))
-    reader = SafeReader(ckpt, meta["files"])
-    reader.check()
-    prefix = f"{part}."
-    state = {key.removeprefix(prefix): torch.empty(tuple(m.size), dtype=m.properties.dtype)
-             for key, m in reader.read_metadata().state_dict_metadata.items()
-             if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    if not state:
-        raise HandoffError(f"{ckpt} holds no {part!r} tensors: it is not a checkpoint of "
-                           "`handoff train`; export another step")
-    with warnings.catch_warnings():   # one process by design, which DCP warns about
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({part: state}, storage_reader=reader, no_dist=True)
-    return state
+class CheckpointPart:
+    """One part of a checkpoint ("model": the trained params), verified as a resume verifies
+    it: every tensor's full shape and dtype at once (`tensors`: meta tensors, no memory),
+    their values a group at a time (`load`), on one process whatever world size wrote it."""
+
+    def __init__(self, ckpt: Path, part: str):
+        meta = read_json(ckpt / META, "checkpoint's meta.json")
+        if meta.get("format") != FORMAT:
+            raise HandoffError(f"{ckpt} was written by an older handoff (format "
+                               f"{meta.get('format', 1)}, without file hashes): it cannot be "
+                               "verified; export it with the handoff that wrote it")
+        verify_files(ckpt, meta.get("files"))
+        self.reader = SafeReader(ckpt, meta["files"])
+        self.reader.check()
+        self.ckpt, self.part = ckpt, part
+        prefix = f"{part}."
+        self.tensors = {
+            key.removeprefix(prefix): torch.empty(tuple(m.size), dtype=m.properties.dtype,
+                                                  device="meta")
+            for key, m in self.reader.read_metadata().state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+        if not self.tensors:
+            raise HandoffError(f"{ckpt} holds no {part!r} tensors: it is not a checkpoint of "
+                               "`handoff train`; export another step")
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """{name: full tensor on the host} for `names`."""
+        state = {n: torch.empty_like(self.tensors[n], device="cpu") for n in names}
+        with warnings.catch_warnings():   # one process by design, which DCP warns about
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({self.part: state}, storage_reader=self.reader, no_dist=True)
+        return state
 
 
 def _check_fits_model(tensors: dict[str, torch.Tensor], model_dir: str, config: dict,
@@ -188,34 +198,33 @@ def _fresh_staging(out: Path) -> Path:
     return staging
 
 
-def _write_weights(ckpt: Path, tensors: dict[str, torch.Tensor], staging: Path, *,
-                   tie: bool) -> None:
-    """safetensors shards of at most MAX_SHARD_BYTES (one file when it fits), with HF's index."""
+def _write_weights(weights: CheckpointPart, staging: Path, *, tie: bool) -> None:
+    """safetensors shards of at most MAX_SHARD_BYTES (one file when it fits), with HF's index;
+    one shard's tensors in host memory at a time."""
     from safetensors.torch import save_file
 
+    names = sorted(weights.tensors)
     if tie:   # one storage for two names: transformers ties lm_head to the embedding at load
-        tensors = {n: t for n, t in tensors.items() if n != "lm_head.weight"}
-    elif "lm_head.weight" not in tensors:
-        raise HandoffError(f"checkpoint {ckpt} has no lm_head.weight and the model's config "
-                           "does not tie it to the embedding: export the run with the model "
-                           "directory it trained")
+        names = [n for n in names if n != "lm_head.weight"]
+    elif "lm_head.weight" not in names:
+        raise HandoffError(f"checkpoint {weights.ckpt} has no lm_head.weight and the "
+                           "model's config does not tie it to the embedding: export the run "
+                           "with the model directory it trained")
+    sizes = {n: weights.tensors[n].numel() * weights.tensors[n].element_size() for n in names}
     shards, size = [[]], 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+    for name in names:
+        if shards[-1] and size + sizes[name] > MAX_SHARD_BYTES:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
+        size += sizes[name]
+    files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for file, shard in zip(names, shards):
-        save_file({n: tensors[n].contiguous() for n in shard}, str(staging / file),
-                  metadata={"format": "pt"})
+    for file, shard in zip(files, shards):
+        save_file(weights.load(shard), str(staging / file), metadata={"format": "pt"})
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
-                                                for t in tensors.values())},
-                 "weight_map": {n: file for file, shard in zip(names, shards) for n in shard}}
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {n: file for file, shard in zip(files, shards) for n in shard}}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
 
 
