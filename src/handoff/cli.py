@@ -420,11 +420,11 @@ def train_cmd(
     from handoff.config import load_config
     from handoff.preflight import preflight
 
-    from handoff.demo_model import resolve_model_path
+    from handoff.model_source import resolve_model
 
     cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else [])
                       + (["run.overwrite=true"] if overwrite else []))
-    cfg.model.path = resolve_model_path(cfg.model.path)
+    cfg.model.path = resolve_model(cfg.model.path)
     preflight(cfg)
     from handoff.loop import train
     from handoff.dist import end_distributed_run, world_rank_size
