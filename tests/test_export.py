@@ -196,3 +196,28 @@ def test_overwrite_replaces_the_export_and_never_writes_through_a_link(trained, 
     assert [p.name for p in out.glob("*.safetensors*")] == ["model.safetensors"]
     assert (out / "notes.txt").read_text() == "mine"
     assert not (out / ".handoff-export.tmp").exists()
+
+
+def test_handoff_export_then_generate_from_a_prompt_file(trained, tmp_path):
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    out = tmp_path / "hf"
+    result = CliRunner().invoke(app, ["export", str(trained["run"]), "--out", str(out),
+                                      "--step", "1"])
+    assert result.exit_code == 0, result.output
+    assert "step 1" in result.output and json.loads(
+        (out / "handoff_export.json").read_text())["step"] == 1
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(p + "\n" for p in PROMPTS))
+    result = CliRunner().invoke(app, ["generate", "--model", str(out), "--prompt-file",
+                                      str(prompts), "--max-tokens", "4", "--temperature", "0",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert [s["prompt"] for s in json.loads(result.stdout)] == PROMPTS
+    # A used --out: one line, exit 2, nothing touched.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = CliRunner().invoke(app, ["export", str(trained["run"]), "--out", str(out)])
+    assert result.exit_code == 2 and "pass --overwrite" in result.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

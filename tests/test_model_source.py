@@ -11,6 +11,7 @@ from handoff.errors import HandoffError
 from handoff.model_files import check_model_dir
 from handoff.model_source import resolve_model
 from handoff.modelzoo import init_model
+from handoff.plan.shapes import load_shape
 
 
 @pytest.fixture
@@ -79,3 +80,24 @@ def test_plan_keeps_a_preset_name_and_other_paths_pass_unchanged(tmp_path, monke
     # Not Hub ids: left for the model directory's own checks to name.
     for path in ("./models/tiny", ".models/tiny-qwen3", "a/b/c", "/no/such/dir"):
         assert resolve_model(path) == path
+
+
+def test_the_commands_take_a_cached_hub_id_and_name_a_missing_one(tmp_path, monkeypatch,
+                                                                  no_network):
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    _hub_cache(tmp_path / "hub", "org/tiny")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    result = CliRunner().invoke(app, ["plan", "--model", "org/tiny", "--hardware", "cpu",
+                                      "--json"])
+    assert result.exit_code in (0, 3), result.output   # planned from the snapshot's config
+    assert json.loads(result.stdout)["model"]["params"] == load_shape("tiny-qwen3").num_params
+    result = CliRunner().invoke(app, ["generate", "--model", "org/tiny", "--prompt", "hi",
+                                      "--max-tokens", "2", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)) == 1
+    result = CliRunner().invoke(app, ["generate", "--model", "org/absent", "--prompt", "hi"])
+    assert result.exit_code == 2
+    assert "`huggingface-cli download org/absent`" in result.output

@@ -167,9 +167,12 @@ class SyncConfig:
 @dataclass
 class DataConfig:
     task: str = F("arithmetic", help="arithmetic | gsm8k | file", choices=("arithmetic", "gsm8k", "file"))
-    path: str | None = F(None, help="JSONL or Parquet file for task=file (or gsm8k)")
+    path: str | None = F(None, help="for task=file (or gsm8k): a JSONL or Parquet file, a "
+                         "`datasets` save_to_disk directory, or a Hub dataset id already in the "
+                         "local Hugging Face cache (never downloaded)")
     prompt_field: str = F("prompt", help="field that holds the prompt")
-    answer_field: str = F("answer", help="field that holds the reference answer")
+    answer_field: str = F("answer", help="field that holds the reference answer (a dotted name "
+                          "reads a nested field: reward_model.ground_truth in verl's files)")
     difficulty: int = F(1, help="arithmetic: digits per operand", ge=1, le=9)
     ops: str = F("+-", help="arithmetic: operators to draw from, a mix of + - *")
     context_chars: int = F(0, help="arithmetic: a filler passage of about this many characters "
@@ -178,6 +181,14 @@ class DataConfig:
                            ge=0)
     prompts_per_step: int = F(8, help="prompts per step (each sampled rollout.n times)", ge=1)
     chat_template: bool = F(True, help="apply the tokenizer's chat template when it has one")
+    split: str = F("train", help="the split of a `datasets` directory (save_to_disk) or of a Hub "
+                   "dataset id in data.path (read from the local Hugging Face cache only)")
+    subset: str | None = F(None, help="the configuration of a Hub dataset id (e.g. main for "
+                           "openai/gsm8k; None: its only or default one)")
+    eval_path: str | None = F(None, help="an evaluation set, read as data.path is (JSONL, "
+                              "Parquet, a save_to_disk directory or a cached Hub id; None: none)")
+    eval_split: str = F("test", help="the split of data.eval_path when it is a `datasets` "
+                        "directory or a Hub id")
 
 
 @dataclass
@@ -204,6 +215,31 @@ class RunConfig:
     rates_file: str | None = F(None, help="price the ledger with the rates an earlier run on "
                                "this card measured (its summary.json) instead of measuring them "
                                "at start (handoff bench sweep's points)")
+    eval_every: int = F(0, help="score the evaluation set (data.eval_path) every N steps "
+                        "(0: never)", ge=0)
+
+
+@dataclass
+class RewardConfig:
+    functions: list[str] = F(default_factory=list, help=(
+        "rewards to score with, each FILE.py:NAME (a path relative to the current directory, "
+        "as data.path), module.path:NAME, or a built-in handoff:task | handoff:numeric | "
+        "handoff:exact; TRL- and verl-style functions are told apart by their parameters "
+        "(handoff/rewards); empty: the task's own grader. The named code runs: it is yours"))
+    weights: list[float] | None = F(None, help="one weight per reward function, in order "
+                                    "(None: all 1.0); the reward is the weighted sum, a None "
+                                    "value skipped as TRL does")
+    workers: int = F(0, ge=0, help="score FILE.py / module rewards in a pool of this many "
+                     "processes, each loading the functions itself (0: in this process; "
+                     "built-ins and functions passed from Python always run in process)")
+
+
+@dataclass
+class EvalConfig:
+    n: int = F(0, ge=0, help="problems of data.eval_path scored per evaluation, the first n in "
+               "file order (0: all of them); task=arithmetic without data.eval_path: n problems "
+               "of a stream no run trains on (0: no evaluation)")
+    temperature: float = F(0.0, ge=0, help="sampling temperature of an evaluation (0: greedy)")
 
 
 @dataclass
@@ -218,6 +254,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -235,6 +273,8 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         tp = args[0]
+    if typing.get_origin(tp) is list:
+        return _coerce_list(value, typing.get_args(tp)[0], key, meta)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -270,6 +310,14 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
             raise ConfigError(f"{key}={value!r} is not a string")
         return str(value)
     return value
+
+
+def _coerce_list(value: Any, item_tp: Any, key: str, meta: dict) -> list:
+    """A list field from YAML or `key=[a,b]` (a single value is a list of one)."""
+    if value is None:
+        raise ConfigError(f"{key} is empty (YAML null): give a list such as [a, b] or []")
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [_coerce(item, item_tp, f"{key}[{i}]", meta) for i, item in enumerate(items)]
 
 
 def _apply(obj: Any, data: dict, prefix: str) -> None:
@@ -327,6 +375,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def _check_field(key: str, value: Any, meta: dict) -> None:
     if value is None or (meta.get("auto") and value == "auto"):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_field(f"{key}[{i}]", item, meta)
         return
     choices = meta.get("choices")
     if choices is not None and value not in choices:

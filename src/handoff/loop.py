@@ -36,7 +36,7 @@ from handoff.config import Config
 from handoff.dist import mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
-from handoff.memory.allocator import alloc_retries, frozen_gc_heap
+from handoff.memory.allocator import frozen_gc_heap
 from handoff.model_source import resolve_model
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_dir import claim_out_dir, trim_metrics, write_run_config
@@ -46,11 +46,8 @@ from handoff.tasks import build_task
 from handoff.train.batch import RolloutBatch
 from handoff.train.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
                                      save_checkpoint)
-from handoff.worker import SwitchRecord
+from handoff.switch import Generation, StepTimes, SwitchRecord
 
-
-# Engine counters a step row reports as this step's share (stats() gives them since start).
-_ENGINE_COUNTERS = ("preemptions", "decode_steps", "decode_seconds", "prefill_seconds")
 
 
 def _prompt_seed(seed: int, step: int, index: int) -> int:
@@ -93,36 +90,41 @@ class Scored:
     prompt_lengths: list[int]
 
 
-def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord,
-             engine: dict, *, world: int, gen_s: float, train_s: float, checkpoint_s: float,
-             step_s: float, work: dict[str, float], host_s: float = 0.0,
-             flush_s: float = 0.0, copy_wait_s: float = 0.0, queue_s: float = 0.0,
-             gemms_warmed: int = 0, alloc_retries: int = 0) -> dict:
-    """The step's metrics row (rewards and lengths averaged over every rank; the engine's
-    numbers, `engine` = its stats after the step's generate with this step's preemptions,
-    are this rank's, and so are `work`, its generation and trainer compute seconds by phase
-    (HybridWorker.work), `copy_wait_s`, the compute's waits for copies, `host_s`, the step's
-    host work outside the worker (its prompts and their scoring: part of the exposed time),
-    `flush_s`, the switch's cache flushes (HybridWorker.flush_seconds: exposed too),
-    `queue_s`, the compute's idle time while the host queues the copies back inside it, and
-    `gemms_warmed`, the GEMM shapes launched before them (HybridWorker: exposed too), and
-    train_tokens, the prompt + response tokens it trained on)."""
+@dataclass(frozen=True)
+class HostTimes:
+    """The loop's own clock of a step: its wall seconds, the part spent saving a checkpoint,
+    the trainer's wall seconds (log-probs and update), and its host work outside the worker
+    (sampling the prompts, scoring the responses: exposed, no device works meanwhile)."""
+
+    step_s: float
+    checkpoint_s: float
+    train_s: float
+    host_s: float
+
+
+def step_row(step: int, scored: Scored, update: dict[str, float], gen: Generation,
+             switch: SwitchRecord, times: StepTimes, host: HostTimes, *, world: int) -> dict:
+    """The step's metrics row: rewards and lengths averaged over every rank; the engine's
+    numbers (`gen.engine`: its stats after the step's generation, this step's share of its
+    counters), `times` (the worker's clock) and train_tokens (the prompt + response tokens
+    trained on) are this rank's."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
     length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
     tokens, _, _ = mean_over_ranks([float(sum(scored.lengths))])
     prompt_mean, _, _ = mean_over_ranks([float(n) for n in scored.prompt_lengths])
-    sync = switch.sync
+    sync, engine = switch.sync, gen.engine
     row = {
         "step": step + 1, "reward_mean": reward_mean, "reward_std": reward_std,
         "response_length": length_mean, **{k: float(v) for k, v in update.items()},
-        "timing_s/gen": gen_s, "timing_s/train": train_s, "timing_s/step": step_s,
-        "timing_s/checkpoint": checkpoint_s, "timing_s/host": host_s,
-        "tokens_per_s": tokens * world / gen_s,
-        "switch/exposed_s": step_s - checkpoint_s - sum(work.values()),
-        "switch/copy_wait_s": copy_wait_s, "switch/flush_s": flush_s,
-        "switch/queue_s": queue_s, "switch/gemms_warmed": gemms_warmed,
-        **{f"work_s/{phase}": seconds for phase, seconds in work.items()},
-        "switch/raw_s": sum(a.seconds for a in switch.actions.values()),
+        "timing_s/gen": gen.seconds, "timing_s/train": host.train_s,
+        "timing_s/step": host.step_s, "timing_s/checkpoint": host.checkpoint_s,
+        "timing_s/host": host.host_s,
+        "tokens_per_s": tokens * world / gen.seconds,
+        "switch/exposed_s": host.step_s - host.checkpoint_s - times.work_s,
+        "switch/copy_wait_s": times.copy_wait_s, "switch/flush_s": times.flush_s,
+        "switch/queue_s": times.queue_s, "switch/gemms_warmed": times.gemms_warmed,
+        **{f"work_s/{phase}": seconds for phase, seconds in times.work.items()},
+        "switch/raw_s": switch.raw_seconds,
         "train_tokens": sum(scored.prompt_lengths) + sum(scored.lengths),
         "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
         "sync/bound_extra_bytes": sync.bound_extra_bytes,
@@ -137,7 +139,7 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         "engine/decode_s": engine["decode_seconds"],
         "engine/prefill_s": engine["prefill_seconds"],
         # Allocations that flushed torch's cache (a device sync each): the step ran short.
-        "memory/alloc_retries": alloc_retries,
+        "memory/alloc_retries": times.alloc_retries,
     }
     if sync.verified_buckets:   # sync.verify: every bucket's checksum matched on both sides
         row["sync/verified_buckets"] = sync.verified_buckets
@@ -191,7 +193,7 @@ class Run:
         if self.rank == 0:
             trim_metrics(self.out_dir, self.start_step)
         self.report = (RunReport(cfg, self.out_dir, rates=self.rates, meter=self.worker.meter,
-                                 kv_pool_bytes=self.worker.pool.region_bytes("kv_cache"))
+                                 kv_pool_bytes=self.worker.kv_pool_bytes)
                        if self.rank == 0 else None)
 
     # ---------------------------------------------------------------- checkpoints
@@ -213,9 +215,9 @@ class Run:
 
     def _save(self, step: int) -> Path:
         """Write checkpoint `step` unpublished: it counts once its metrics row is written."""
-        self.worker.settle()   # no copy of the trainer's state may still be on its way
-        return save_checkpoint(self.ckpt_dir, self.worker.actor, step=step,
-                               extra={"task": self.task.state_dict()}, publish=False)
+        return self.worker.save_trainer_state(lambda actor: save_checkpoint(
+            self.ckpt_dir, actor, step=step, extra={"task": self.task.state_dict()},
+            publish=False))
 
     # ---------------------------------------------------------------- one step
 
@@ -242,21 +244,13 @@ class Run:
         worker = self.worker
         worker.begin_step(step)
         t_step = time.perf_counter()
-        host_s = 0.0   # the step's own host work outside the worker: prompts, then scoring
         problems, prompt_ids, indices, params = step_prompts(
             self.cfg, self.task, self.tokenizer, step, rank=self.rank, world=self.world,
-            tp=worker.engine.tp.size)
-        host_s += time.perf_counter() - t_step
-        before = worker.engine.stats()
-        retries = alloc_retries(worker.device)
+            tp=worker.tp_size)
+        host_s = time.perf_counter() - t_step
+        gen = worker.generate(prompt_ids, params)
         t0 = time.perf_counter()
-        outs = worker.generate(prompt_ids, params)
-        gen_s = time.perf_counter() - t0
-        engine = worker.engine.stats()
-        for counter in _ENGINE_COUNTERS:   # this step's share of the engine's counters
-            engine[counter] -= before[counter]
-        t0 = time.perf_counter()
-        scored = self._score(problems, prompt_ids, indices, outs)
+        scored = self._score(problems, prompt_ids, indices, gen.outputs)
         host_s += time.perf_counter() - t0
         to_train = worker.to_train()
         t0 = time.perf_counter()
@@ -269,14 +263,10 @@ class Run:
         self.pending_checkpoint = self._save(step + 1) if save else None
         checkpoint_s = time.perf_counter() - t0 if save else 0.0
         to_rollout = worker.to_rollout()
-        switch = SwitchRecord.merged([to_train, ref_moves, optimizer_moves, to_rollout,
-                                      worker.take_landed()])
-        return step_row(step, scored, update, switch, engine, world=self.world, gen_s=gen_s,
-                        train_s=train_s, checkpoint_s=checkpoint_s, host_s=host_s,
-                        step_s=time.perf_counter() - t_step, work=worker.work,
-                        flush_s=worker.flush_seconds, copy_wait_s=worker.copy_wait_seconds,
-                        queue_s=worker.queue_seconds, gemms_warmed=worker.gemms_warmed,
-                        alloc_retries=alloc_retries(worker.device) - retries)
+        switch, times = worker.end_step([to_train, ref_moves, optimizer_moves, to_rollout])
+        host = HostTimes(step_s=time.perf_counter() - t_step, checkpoint_s=checkpoint_s,
+                         train_s=train_s, host_s=host_s)
+        return step_row(step, scored, update, gen, switch, times, host, world=self.world)
 
     # ---------------------------------------------------------------- the run
 

@@ -26,7 +26,7 @@ from handoff.memory.staging import PinnedArena
 from handoff.rollout.engine import Engine
 from handoff.rollout.parallel import init_tp_group
 from handoff.train.actor import build_actor, build_reference
-from handoff.worker import HybridWorker
+from handoff.switch.worker import HybridWorker
 
 
 def start_worker(cfg: Config, *, device: str | torch.device | None = None
