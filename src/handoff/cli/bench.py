@@ -209,7 +209,8 @@ def bench_train_compute_cmd(
     from handoff.model_source import resolve_model
 
     result = run_train_compute_bench(
-        resolve_model(model, flag="--model"), device=device, dtype=dtype, rows=rows, prompt_len=prompt_len,
+        resolve_model(model, flag="--model"), device=device, dtype=dtype, rows=rows,
+        prompt_len=prompt_len,
         response_lens=response_lens, group=group, variants=variant,
         micro_batch_size=micro_batch_size, gradient_checkpointing=gradient_checkpointing,
         repeats=repeats, offload=offload, profile=profile, matmul_size=matmul_size,
