@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 import handoff.export
 import handoff.loop
+from handoff.api import train
 from handoff.config import load_config
 from handoff.errors import HandoffError
 from handoff.export import export_model
-from handoff.loop import train
 from handoff.modelzoo import init_model
 from handoff.rollout.cli_generate import generate_samples
 
@@ -52,21 +52,19 @@ def _train(root, *, tied: bool) -> dict:
                        for n, p in actor.module.named_parameters()}
         return plain_save(ckpt_dir, actor, step=step, **kwargs)
 
-    def varied_rewards(*args, **kwargs):
+    def varied_rewards(prompts, completions, **columns):
         # A random model never solves the task: all-zero rewards would leave the weights as
         # they were. Any reward that varies within a group makes the update move them.
-        task = plain_build(*args, **kwargs)
-        task.reward = lambda problem, text: float(sum(text.encode()) % 3)
-        return task
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        return [float(sum(t.encode()) % 3) for t in texts]
 
-    plain_save, plain_build = handoff.loop.save_checkpoint, handoff.loop.build_task
+    plain_save = handoff.loop.save_checkpoint
     cfg = load_config("examples/cpu-tiny.yaml", [f"model.path={model_dir}",
                                                   f"run.out_dir={root / 'run'}",
                                                   "run.save_every=1", "run.steps=2"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(handoff.loop, "save_checkpoint", recording_save)
-        mp.setattr(handoff.loop, "build_task", varied_rewards)
-        train(cfg)
+        train(cfg, reward_funcs=[varied_rewards])
     return {"model": model_dir, "run": root / "run", "saved": saved, "tied": tied}
 
 

@@ -10,6 +10,7 @@ accepted range. This module imports no torch: `handoff plan` uses it on a laptop
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -153,6 +154,20 @@ class ActorConfig:
         "recompute activations in backward (auto: only when a micro-batch of "
         "handoff.plan.trainer.MIN_TOKENS_WITHOUT_RECOMPUTE tokens would not fit without it)"))
     updates_per_step: int = F(1, help="optimizer steps per rollout batch", ge=1)
+    loss_agg: str = F("token_mean", choices=("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
+                      help=(
+        "how a step's per-token losses become one: token_mean, over all its response tokens "
+        "(DAPO); seq_mean, each sequence's token mean averaged over sequences (the GRPO paper); "
+        "seq_mean_token_sum_norm, each sequence's token sum / rollout.max_tokens averaged over "
+        "sequences (Dr. GRPO)"))
+    scale_advantages: bool = F(True, help=(
+        "divide each group's centred rewards by the group's std (false: Dr. GRPO's unscaled "
+        "advantages)"))
+    lr_schedule: str = F("constant", choices=("constant", "cosine", "linear"), help=(
+        "learning rate over the run's optimizer steps (run.steps * updates_per_step): after "
+        "the warm-up, constant, or a cosine or linear fall towards 0 at the last step"))
+    warmup_steps: int = F(0, ge=0, help=(
+        "optimizer steps of linear warm-up from actor.lr / warmup_steps to actor.lr"))
     compile: bool = F(False, help=(
         "torch.compile each decoder layer's forward (actor and reference): norms, RoPE and "
         "SwiGLU fused; the first micro-batches pay for the compile (handoff.train.compiled)"))
@@ -215,6 +230,16 @@ class RunConfig:
     rates_file: str | None = F(None, help="price the ledger with the rates an earlier run on "
                                "this card measured (its summary.json) instead of measuring them "
                                "at start (handoff bench sweep's points)")
+    loggers: list[str] = F(default_factory=lambda: ["tensorboard"],
+                           choices=("tensorboard", "wandb", "mlflow"), help=(
+        "where each step's metrics also go (metrics.jsonl always): tensorboard (out_dir/"
+        "tensorboard), wandb (pip install 'handoff[wandb]'; WANDB_MODE=offline keeps it in "
+        "out_dir/wandb), mlflow (pip install 'handoff[mlflow]'; out_dir/mlruns unless "
+        "MLFLOW_TRACKING_URI is set); e.g. run.loggers=[tensorboard,wandb]"))
+    wandb_project: str | None = F(None, help="wandb project (None: 'handoff'); the run is "
+                                  "named after run.out_dir")
+    log_samples: int = F(4, ge=0, help="completions per step written to out_dir/samples.jsonl "
+                         "(prompt, completion, reward) and logged as text (0: none)")
     eval_every: int = F(0, help="score the evaluation set (data.eval_path) every N steps "
                         "(0: never)", ge=0)
 
@@ -268,6 +293,9 @@ def _field_types(cls: type) -> dict[str, Any]:
 def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
     """Turn a YAML/CLI value into the field's declared type, or raise naming the field."""
     origin = typing.get_origin(tp)
+    if origin is list:   # a YAML list, or one item alone (run.loggers=wandb)
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(item, typing.get_args(tp)[0], key, meta) for item in items]
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
@@ -436,6 +464,12 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError(f"rollout.max_tokens={ro.max_tokens} leaves no room for a prompt in "
                           f"rollout.max_model_len={ro.max_model_len}: lower max_tokens or raise "
                           "max_model_len above it")
+    a = cfg.actor
+    optimizer_steps = cfg.run.steps * a.updates_per_step
+    if a.warmup_steps > optimizer_steps:
+        raise ConfigError(f"actor.warmup_steps={a.warmup_steps} is longer than the run's "
+                          f"{optimizer_steps} optimizer steps (run.steps * actor.updates_per_step):"
+                          " the learning rate would never reach actor.lr; lower warmup_steps")
     run = cfg.run
     if not run.out_dir.strip():
         raise ConfigError("run.out_dir is empty (it would mean the current directory): name "
@@ -447,3 +481,23 @@ def _check_cross_fields(cfg: Config) -> None:
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def reference(cfg: Any = None, prefix: str = "") -> list[dict[str, str]]:
+    """Every key of the config tree, in order: {"key", "default", "range", "help"} (the
+    `handoff config` listing, generated from the fields' own metadata)."""
+    cfg = Config() if cfg is None else cfg
+    rows = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += reference(value, f"{prefix}{f.name}.")
+        else:
+            meta = dict(f.metadata)
+            bounded = any(meta.get(k) is not None for k in ("ge", "gt", "le", "lt"))
+            accepted = (" | ".join(map(str, meta["choices"])) if meta.get("choices")
+                        else _range_text(meta) if bounded else "")
+            rows.append({"key": f"{prefix}{f.name}", "default": json.dumps(value),
+                         "range": accepted + (" or auto" if meta.get("auto") else ""),
+                         "help": meta.get("help", "")})
+    return rows

@@ -25,9 +25,11 @@ and after a resume.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -37,12 +39,13 @@ from handoff.dist import mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.memory.allocator import frozen_gc_heap
-from handoff.model_source import resolve_model
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_dir import claim_out_dir, trim_metrics, write_run_config
 from handoff.run_report import RunReport, console
+from handoff.rewards import RewardSet, Sample
+from handoff.runplan import RunPlan
 from handoff.startup import start_worker
-from handoff.tasks import build_task
+from handoff.tasks import build_eval_problems, build_task
 from handoff.train.batch import RolloutBatch
 from handoff.train.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
                                      save_checkpoint)
@@ -88,6 +91,8 @@ class Scored:
     rewards: list[float]
     lengths: list[int]
     prompt_lengths: list[int]
+    reward_metrics: dict[str, float]   # RewardSet's: reward/<name>, accuracy, format_rate, ...
+    texts: list[tuple[str, str]]       # (prompt, completion) of every sample, in order
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ def step_row(step: int, scored: Scored, update: dict[str, float], gen: Generatio
     row = {
         "step": step + 1, "reward_mean": reward_mean, "reward_std": reward_std,
         "response_length": length_mean, **{k: float(v) for k, v in update.items()},
+        **scored.reward_metrics,
         "timing_s/gen": gen.seconds, "timing_s/train": host.train_s,
         "timing_s/step": host.step_s, "timing_s/checkpoint": host.checkpoint_s,
         "timing_s/host": host.host_s,
@@ -165,10 +171,10 @@ def check_finite_update(update: dict, step: int) -> None:
 class Run:
     """One training run: the worker, the task, the tokenizer and the output files."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, plan: RunPlan | None = None, *,
+                 reward_funcs: Sequence[Callable] = ()):
         from transformers import AutoTokenizer
 
-        cfg.model.path = resolve_model(cfg.model.path)   # a preset or Hub id: its directory
         self.cfg = cfg
         self.rank, self.world = world_rank_size()
         self.out_dir = Path(cfg.run.out_dir)
@@ -183,7 +189,11 @@ class Run:
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.task = build_task(cfg.data, seed=cfg.run.seed)
-        self.worker, self.rates = start_worker(cfg)
+        self.rewards = RewardSet.from_config(cfg.reward, self.task, callables=reward_funcs)
+        self.eval_set = build_eval_problems(cfg.data, cfg.eval, seed=cfg.run.seed)
+        self.samples: list[tuple[str, str, float]] = []   # the last step's, for the report
+        self.plan = plan or RunPlan.build(cfg)
+        self.worker, self.rates = start_worker(cfg, self.plan)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
         self.start_step = 0
@@ -192,7 +202,7 @@ class Run:
             self._resume()
         if self.rank == 0:
             trim_metrics(self.out_dir, self.start_step)
-        self.report = (RunReport(cfg, self.out_dir, rates=self.rates, meter=self.worker.meter,
+        self.report = (RunReport(self.plan, self.out_dir, rates=self.rates, meter=self.worker.meter,
                                  kv_pool_bytes=self.worker.kv_pool_bytes)
                        if self.rank == 0 else None)
 
@@ -221,23 +231,29 @@ class Run:
 
     # ---------------------------------------------------------------- one step
 
-    def _score(self, problems: list, prompt_ids: list[list[int]], indices: list[int],
-               outs: list) -> Scored:
-        """Reward every sample this rank trains on; the batch on the worker's device."""
-        prompts_rep, responses, rewards, lengths = [], [], [], []
+    def _score(self, step: int, problems: list, prompt_ids: list[list[int]],
+               indices: list[int], outs: list) -> Scored:
+        """Reward every sample this rank trains on (RewardSet); the batch on the worker's
+        device. A reward function that fails stops the step here, before any training: the
+        last checkpoint is the run's state."""
+        chat = self.cfg.data.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
+        prompts_rep, responses, samples, texts = [], [], [], []
         for problem, ids, out, index in zip(problems, prompt_ids, outs, indices):
             if index % self.world != self.rank:
                 continue  # generated for another rank of this TP group, which trains on it
+            prompt = list(problem.messages) if chat else problem.prompt
             for sample in out.outputs:
                 text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
                 prompts_rep.append(ids)
                 responses.append(sample.token_ids)
-                rewards.append(float(self.task.reward(problem, text)))
-                lengths.append(len(sample.token_ids))
+                samples.append(Sample(problem, prompt, text, sample.token_ids))
+                texts.append((problem.prompt, text))
+        scored = self.rewards.score(samples, step=step, max_steps=self.cfg.run.steps)
+        rewards = list(scored.totals)
         batch = RolloutBatch.from_tokens(prompts_rep, responses, rewards,
                                          group_size=self.cfg.rollout.n, pad_id=self.pad_id)
-        return Scored(batch.to(self.worker.device), rewards, lengths,
-                      [len(ids) for ids in prompts_rep])
+        return Scored(batch.to(self.worker.device), rewards, [len(r) for r in responses],
+                      [len(ids) for ids in prompts_rep], scored.metrics_row(), texts)
 
     def step(self, step: int, *, save: bool = False) -> dict:
         """One GRPO step; with `save`, checkpoint after the update (trainer state on device)."""
@@ -250,7 +266,7 @@ class Run:
         host_s = time.perf_counter() - t_step
         gen = worker.generate(prompt_ids, params)
         t0 = time.perf_counter()
-        scored = self._score(problems, prompt_ids, indices, gen.outputs)
+        scored = self._score(step, problems, prompt_ids, indices, gen.outputs)
         host_s += time.perf_counter() - t0
         to_train = worker.to_train()
         t0 = time.perf_counter()
@@ -266,7 +282,39 @@ class Run:
         switch, times = worker.end_step([to_train, ref_moves, optimizer_moves, to_rollout])
         host = HostTimes(step_s=time.perf_counter() - t_step, checkpoint_s=checkpoint_s,
                          train_s=train_s, host_s=host_s)
+        self.samples = [(p, c, r) for (p, c), r in zip(scored.texts, scored.rewards)]
         return step_row(step, scored, update, gen, switch, times, host, world=self.world)
+
+    def evaluate(self) -> dict[str, float]:
+        """The evaluation set (data.eval_path, or arithmetic's held-out stream), one sample
+        each at eval.temperature (0: greedy), scored by the run's rewards: eval/reward_mean,
+        eval/accuracy and eval/format_rate where a grader gives them, averaged over ranks.
+        Runs in the rollout phase, between two steps."""
+        task, problems = self.eval_set
+        cfg = self.cfg
+        params = SamplingParams.from_config(cfg.rollout, seed=cfg.run.seed)
+        params = dataclasses.replace(params, n=1, temperature=cfg.eval.temperature,
+                                     sample_max_tokens=())
+        tp = self.worker.tp_size
+        mine = [i for i in range(len(problems)) if i % self.world // tp == self.rank // tp]
+        ids = [task.encode_prompt(problems[i], self.tokenizer, chat=cfg.data.chat_template)
+               for i in mine]
+        outs = self.worker.generate(ids, [params] * len(ids)).outputs
+        self.worker.reset_prefix_cache()
+        chat = cfg.data.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
+        samples = [Sample(problems[i], list(problems[i].messages) if chat else problems[i].prompt,
+                          self.tokenizer.decode(out.outputs[0].token_ids,
+                                                skip_special_tokens=True),
+                          out.outputs[0].token_ids)
+                   for i, out in zip(mine, outs) if i % self.world == self.rank]
+        scored = self.rewards.score(samples) if samples else None
+        row = {"eval/reward_mean": mean_over_ranks(list(scored.totals) if scored else [])[0]}
+        for key, flags in (("accuracy", "correct"), ("format_rate", "formatted")):
+            known = [float(f) for f in getattr(scored, flags, ()) if f is not None]
+            value, _, count = mean_over_ranks(known)
+            if count:
+                row[f"eval/{key}"] = value
+        return row
 
     # ---------------------------------------------------------------- the run
 
@@ -284,8 +332,12 @@ class Run:
                     save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
                         cfg.run.save_every and done % cfg.run.save_every == 0))
                     row = self.step(step, save=save)
+                    if self.eval_set and cfg.run.eval_every and (
+                            done % cfg.run.eval_every == 0 or done == cfg.run.steps):
+                        row.update(self.evaluate())
                     if self.report is not None:
                         self.report.log_step(row)
+                        self.report.log_samples(done, self.samples)
                     if self.pending_checkpoint is not None:
                         publish_checkpoint(self.pending_checkpoint)
             self.worker.settle()   # the last step's copies to the host land (in no row)
@@ -298,13 +350,17 @@ class Run:
         return self.report.finish() if self.report is not None else {}
 
 
-def train(cfg: Config) -> dict:
-    """Run `cfg` to the end; returns the summary (rank 0; {} elsewhere)."""
-    run = Run(cfg)
+def train(cfg: Config, *, plan: RunPlan | None = None,
+          reward_funcs: Sequence[Callable] = ()) -> dict:
+    """Run `cfg` to the end; returns the summary (rank 0; {} elsewhere). `plan`: the run's
+    plan when the preflight built it already; `reward_funcs`: reward functions from Python
+    (after those reward.functions names, weighted by reward.weights)."""
+    run = Run(cfg, plan, reward_funcs=reward_funcs)
     try:
         if run.rank == 0:   # after the resume: a failed one leaves the run's config as it was
             write_run_config(cfg)
         return run.run()
     finally:
+        run.rewards.close()
         if run.run_lock is not None:   # the run is over: out_dir is free for the next
             run.run_lock.release()

@@ -12,26 +12,31 @@ from pathlib import Path
 
 from handoff.config import Config
 from handoff.errors import HandoffError
+from handoff.loggers import check_loggers
 from handoff.model_files import cap_context, check_model_dir
 from handoff.run_dir import check_out_dir
+from handoff.runplan import RunPlan
 
 
-def preflight(cfg: Config) -> dict | None:
-    """Raise HandoffError naming cause and fix when `cfg` cannot run; returns the plan on GPUs.
+def preflight(cfg: Config) -> RunPlan:
+    """Raise HandoffError naming cause and fix when `cfg` cannot run; returns the run's plan
+    (built once here, after the model's files are checked).
 
     May lower rollout.max_model_len to the model's context length (with a warning)."""
     check_model_dir(cfg.model.path, flag="model.path")
     cap_context(cfg)
     check_out_dir(cfg)
+    check_loggers(cfg.run.loggers)
+    run_plan = RunPlan.build(cfg)
     if cfg.data.prompts_per_step % cfg.parallel.gpus:
         raise HandoffError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not split "
                            f"over parallel.gpus={cfg.parallel.gpus} ranks: use a multiple of it")
     if cfg.run.resume:
         _check_resume(cfg)
     if cfg.run.checkpoint:
-        _check_checkpoint_room(cfg)
+        _check_checkpoint_room(cfg, run_plan)
     if cfg.hardware.name == "cpu":
-        return None
+        return run_plan
     from handoff.plan.advice import advice_text
     from handoff.plan.report import build_plan
 
@@ -42,7 +47,7 @@ def preflight(cfg: Config) -> dict | None:
         raise HandoffError(f"the planner says this run cannot fit: {reasons}; "
                            f"{advice_text(verdict['advice'])}. Run `handoff plan --config "
                            "CONFIG` for the full ledger")
-    return plan
+    return run_plan
 
 
 def _check_resume(cfg: Config) -> None:
@@ -62,7 +67,7 @@ def _start_step(ckpt_dir: Path) -> int:
     return checkpoint_step(latest) if latest else 0
 
 
-def checkpoint_bytes(cfg: Config) -> int:
+def checkpoint_bytes(plan: RunPlan) -> int:
     """Bytes of one checkpoint: the params in model.dtype plus, as the trainer keeps them,
     the fp32 master copy (none for fp32 params) and Adam's two fp32 moments; one file per
     tensor, each with its overhead; every rank's RNG states.
@@ -72,18 +77,15 @@ def checkpoint_bytes(cfg: Config) -> int:
     135M CPU demo: 1.6 GB a checkpoint, 3.2 GB for the two kept). The files' overhead is
     ~2 KB per tensor, nothing at scale (a tiny-qwen3 run's checkpoint measured 14.0 / 12.0 B
     of tensors per param, its DCP metadata read back)."""
-    from handoff.plan.ledger import Dtypes
-    from handoff.plan.shapes import load_shape
     from handoff.train.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
 
-    d = Dtypes.for_model(cfg.model.dtype)
-    shape = load_shape(cfg.model.path)
-    files = shape.num_tensors * (1 + (1 if d.master_bytes else 0) + 2)
-    return (shape.num_params * (d.param_bytes + d.master_bytes + d.optimizer_bytes)
-            + files * FILE_OVERHEAD_BYTES + cfg.parallel.gpus * RNG_FILE_BYTES)
+    shape = plan.shape
+    files = shape.num_tensors * (1 + (1 if plan.dtypes.master_bytes else 0) + 2)
+    return (shape.num_params * plan.checkpoint_param_bytes()
+            + files * FILE_OVERHEAD_BYTES + plan.cfg.parallel.gpus * RNG_FILE_BYTES)
 
 
-def _check_checkpoint_room(cfg: Config) -> None:
+def _check_checkpoint_room(cfg: Config, plan: RunPlan) -> None:
     """Refuse a run whose checkpoints cannot fit on out_dir's filesystem.
 
     A save writes a new checkpoint next to those kept (KEEP_LAST after each publish), so
@@ -102,7 +104,7 @@ def _check_checkpoint_room(cfg: Config) -> None:
     kept = sum(1 for p in ckpt_dir.glob("step_*") if (p / "meta.json").is_file())
     # During save i the disk holds what the last publish kept plus the one being written.
     peak = max(kept + 1, min(kept + saves - 1, KEEP_LAST) + 1)
-    one = checkpoint_bytes(cfg)
+    one = checkpoint_bytes(plan)
     need = (peak - kept) * one
     where = ckpt_dir
     while not where.exists():

@@ -30,7 +30,8 @@ from handoff.config import Config, to_dict
 from handoff.errors import HandoffError
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
-             "memory_timeline.jsonl", "memory_timeline.png", "tensorboard", "checkpoints")
+             "memory_timeline.jsonl", "memory_timeline.png", "tensorboard", "checkpoints",
+             "samples.jsonl", "wandb", "mlruns")
 LOCK_FILE = ".handoff.lock"
 
 console = Console(stderr=True)

@@ -87,7 +87,9 @@ def test_settle_starts_and_lands_every_queued_copy_in_order():
 
 def test_parts_due_back_are_queued_while_the_card_has_room(monkeypatch):
     actor, copies = _copies(MemoryConfig(wake_margin_mb=0))
-    monkeypatch.setattr(copies_module, "device_free_bytes", lambda device: 650)
+    # 650 B free, less what the copies back already queued take.
+    monkeypatch.setattr(copies_module, "device_free_bytes", lambda device: 650 - sum(
+        c.bytes for c in actor.copies if c.name.endswith("device")))
     copies.due_back = ["params", "optimizer"]
     record = SwitchRecord()
     copies.stream_due_back(record)           # room for the params (100), not the optimizer

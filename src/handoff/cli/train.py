@@ -20,18 +20,13 @@ def train_cmd(
                                    "run.out_dir (refused without it or --resume)"),
 ) -> None:
     """Colocated sync GRPO: generate, switch, train, switch back; planned vs measured at the end."""
+    from handoff.api import train
     from handoff.config import load_config
-    from handoff.model_source import resolve_model
-    from handoff.preflight import preflight
-
-    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else [])
-                      + (["run.overwrite=true"] if overwrite else []))
-    cfg.model.path = resolve_model(cfg.model.path)
-    preflight(cfg)
-    from handoff.loop import train
     from handoff.dist import end_distributed_run, world_rank_size
     from handoff.run_dir import interrupted_message
 
+    cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else [])
+                      + (["run.overwrite=true"] if overwrite else []))
     try:
         train(cfg)
     except KeyboardInterrupt:
@@ -50,3 +45,23 @@ def report_cmd(run_dir: str = typer.Argument(..., help="run.out_dir of a `handof
     from handoff.run_report import show_run
 
     show_run(run_dir)
+
+
+@app.command("config")
+@friendly_errors
+def config_cmd(
+    markdown: bool = typer.Option(False, "--markdown", help="a Markdown table"),
+) -> None:
+    """Every config key with its default, accepted values and help (override any as
+    section.key=value)."""
+    from handoff.config import reference
+
+    rows = reference()
+    if markdown:
+        print("| key | default | accepted | help |\n|---|---|---|---|")
+        for r in rows:
+            print(f"| `{r['key']}` | `{r['default']}` | {r['range']} | {r['help']} |")
+        return
+    for r in rows:
+        accepted = f"  [{r['range']}]" if r["range"] else ""
+        print(f"{r['key']} = {r['default']}{accepted}\n    {r['help']}")

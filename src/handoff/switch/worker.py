@@ -1,7 +1,7 @@
 """HybridWorker: one device's actor, reference and engine, and the phases of a step that
 hand the memory from one to the other. Each phase returns what it did.
 
-    worker, rates = start_worker(cfg)                 # handoff.startup
+    worker, rates = start_worker(cfg, plan)           # handoff.startup
     gen = worker.generate(prompts, params)            # Generation: outputs, seconds, engine
     record = worker.to_train()                        # SwitchRecord
     logprobs, record = worker.log_probs(batch)        # old (if needed) and ref log-probs
@@ -190,6 +190,11 @@ class HybridWorker:
         for counter in ENGINE_COUNTERS:
             engine[counter] -= before[counter]
         return Generation(outs, seconds, engine)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the engine's cached prefixes (after generating outside a step: an
+        evaluation's prompts must not change what the next step's prefills compute)."""
+        self.engine.reset_prefix_cache()
 
     def _between_engine_steps(self) -> None:
         """Between two engine steps: land the copies that finished and start the next part's
