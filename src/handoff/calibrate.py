@@ -21,7 +21,6 @@ The measurements behind these choices are in docs/PERF.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from handoff.config import Config
 from handoff.dist import wait_for_device
 from handoff.errors import HandoffError
+from handoff.reading import expect, read_json
 from handoff.memory.allocator import aggressive_empty_cache, host_memory
 from handoff.memory.host_copy import copy_from_host
 from handoff.memory.regions import RegionPool
@@ -68,14 +68,16 @@ class Rates:
         """The rates of an earlier run: its summary.json (or a JSON of the rates alone)."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise HandoffError(f"run.rates_file={str(path)!r} cannot be read as JSON ({e}): "
-                               "pass the summary.json of a finished run on this card") from None
-        values = data.get("rates", data) if isinstance(data, dict) else None
+            data = read_json(path, max_bytes=16 << 20)
+        except HandoffError as e:
+            raise HandoffError(f"run.rates_file: {e}; pass the summary.json of a finished run "
+                               "on this card") from None
+        values = data.get("rates", data)
         if not isinstance(values, dict) or "d2h_bps" not in values:
             raise HandoffError(f"run.rates_file={str(path)!r} holds no measured rates: pass the "
                                "summary.json of a finished `handoff train` run")
+        for key in values:   # every rate prices the ledger: a number, and not below 0
+            expect(values, key, (int, float), source=f"run.rates_file={str(path)!r}", lo=0)
         return cls(values)
 
     def profile(self, hw: HardwareProfile) -> HardwareProfile:

@@ -22,6 +22,7 @@ import yaml
 
 from handoff.errors import ConfigError
 from handoff.lengths import ResponseLengths
+from handoff.reading import read_yaml
 
 
 def F(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None,
@@ -218,9 +219,13 @@ class WorkloadConfig:
 
 @dataclass
 class RunConfig:
-    steps: int = F(10, help="training steps", ge=1)
+    # Bounded so that a typo (1e12) is refused at once, not a preflight that counts saves
+    # for hours: 10**7 steps is years of training at the fastest step handoff takes.
+    steps: int = F(10, help="training steps (at most 10**7)", ge=1, le=10**7)
     out_dir: str = F("runs/default", help="output directory (metrics, timeline, checkpoints)")
-    seed: int = F(0, help="global seed", ge=0)
+    # torch.manual_seed and numpy's generators take a non-negative 64-bit integer.
+    seed: int = F(0, help="global seed (0 .. 2**63-1: torch's and numpy's seed range)", ge=0,
+                  le=2**63 - 1)
     device: str = F("auto", help="auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
     save_every: int = F(0, help="checkpoint every N steps (0: only at the end)", ge=0)
     checkpoint: bool = F(True, help="write checkpoints (false: a benchmark run that keeps none)")
@@ -312,6 +317,8 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4")
+        if isinstance(value, int):   # exact: a float would round a seed above 2**53
+            return value
         try:
             as_float = float(value)
         except ValueError:
@@ -371,7 +378,7 @@ def set_key(cfg: Config, dotted: str, raw: str) -> None:
     parts = dotted.split(".")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):   # then the text as typed
         value = raw
     nested: Any = value
     for part in reversed(parts):
@@ -387,11 +394,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} not found: pass the path of a YAML file "
                               "such as examples/cpu-demo.yaml")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML ({e}): fix the syntax") from None
-        _apply(cfg, data, "")
+        _apply(cfg, read_yaml(p) or {}, "")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value: write e.g. rollout.n=8")

@@ -35,10 +35,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from handoff.errors import HandoffError
-from handoff.model_files import check_model_dir, read_model_config, weight_files
+from handoff.model_files import (check_model_dir, load_tokenizer, read_model_config,
+                                 weight_files)
 from handoff.model_source import resolve_model
+from handoff.reading import read_json
 from handoff.train.checkpoint import checkpoint_step, latest_checkpoint
-from handoff.train.checkpoint_files import FORMAT, META, SafeReader, read_json, verify_files
+from handoff.train.checkpoint_files import FORMAT, META, SafeReader, verify_files
+from handoff.train.checkpoint_files import read_json as read_checkpoint_json
 
 STAGING = ".handoff-export.tmp"
 MAX_SHARD_BYTES = 5 * 10**9
@@ -82,12 +85,12 @@ def _run_model_dir(run_dir: Path) -> str:
     if not file.is_file():
         raise HandoffError(f"{run_dir} is not a handoff run directory (no config.json): pass "
                            "the run.out_dir of a `handoff train` run")
-    try:
-        path = json.loads(file.read_bytes())["model"]["path"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+    model = read_json(file).get("model")
+    path = model.get("path") if isinstance(model, dict) else None
+    if not isinstance(path, str):
         raise HandoffError(f"{file} does not record model.path (truncated or edited): "
-                           "restore the run's config.json") from None
-    model_dir = resolve_model(str(path), flag="the run's model.path")
+                           "restore the run's config.json")
+    model_dir = resolve_model(path, flag="the run's model.path")
     check_model_dir(model_dir, flag="the run's model.path")   # its config and tokenizer
     return model_dir
 
@@ -120,7 +123,7 @@ class CheckpointPart:
     their values a group at a time (`load`), on one process whatever world size wrote it."""
 
     def __init__(self, ckpt: Path, part: str):
-        meta = read_json(ckpt / META, "checkpoint's meta.json")
+        meta = read_checkpoint_json(ckpt / META, "checkpoint's meta.json")
         if meta.get("format") != FORMAT:
             raise HandoffError(f"{ckpt} was written by an older handoff (format "
                                f"{meta.get('format', 1)}, without file hashes): it cannot be "
@@ -230,19 +233,22 @@ def _write_weights(weights: CheckpointPart, staging: Path, *, tie: bool) -> None
 
 def _write_config(model_dir: str, config: dict, dtype: torch.dtype, staging: Path) -> None:
     """config.json (dtype set to the weights'), generation_config.json and the tokenizer."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     config = dict(config)
     for key in ("dtype", "torch_dtype"):
         if key in config or key == "dtype":
             config[key] = str(dtype).removeprefix("torch.")
     (staging / "config.json").write_text(json.dumps(config, indent=2))
-    if (Path(model_dir) / "generation_config.json").is_file():
-        generation = GenerationConfig.from_pretrained(model_dir)
+    generation_file = Path(model_dir) / "generation_config.json"
+    if generation_file.is_file():   # copied as data (the engine reads its eos ids)
+        (staging / generation_file.name).write_text(json.dumps(read_json(generation_file),
+                                                               indent=2))
     else:
-        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(staging))
-    generation.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(staging)
+        GenerationConfig(**{k: config[k] for k in ("bos_token_id", "eos_token_id",
+                                                   "pad_token_id")
+                            if config.get(k) is not None}).save_pretrained(staging)
+    load_tokenizer(model_dir).save_pretrained(staging)
 
 
 def _publish(staging: Path, out: Path) -> None:

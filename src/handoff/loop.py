@@ -187,7 +187,7 @@ class Run:
 
             hf_logging.disable_progress_bar()
         torch.manual_seed(cfg.run.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
         self.task = build_task(cfg.data, seed=cfg.run.seed)
         self.rewards = RewardSet.from_config(cfg.reward, self.task, callables=reward_funcs)
         self.eval_set = build_eval_problems(cfg.data, cfg.eval, seed=cfg.run.seed)

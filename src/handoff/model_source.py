@@ -33,7 +33,8 @@ def resolve_model(name: str, *, flag: str = "model.path", materialise_presets: b
     if Path(name).exists():
         return name
     if name == SMOLLM2_PRESET:
-        return str(convert_smollm2(default_dir()))
+        # The cache is handoff's own: a stale conversion there is written over.
+        return str(convert_smollm2(default_dir(), overwrite=True))
     if name in PRESETS:
         return str(_preset_dir(name, flag)) if materialise_presets else name
     if _is_hub_id(name):

@@ -1,8 +1,10 @@
-"""Checks `handoff train` makes before any work: is the model there, does the plan fit.
+"""Checks `handoff train` makes before any work: is the launch whole, is the model there and
+of one piece with its tokenizer, does every data record fit, does the plan fit.
 
 A run that cannot fit should fail in a second with the planner's reasons, not after minutes
 of loading with an out-of-memory error on the first wake; nor should a run train for an
-hour and then die writing a checkpoint its disk cannot hold.
+hour and then die writing a checkpoint its disk cannot hold, or at step 40 on the one data
+record too long for rollout.max_model_len.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import shutil
 from pathlib import Path
 
 from handoff.config import Config
+from handoff.dist import launch_env
 from handoff.errors import HandoffError
 from handoff.loggers import check_loggers
-from handoff.model_files import cap_context, check_model_dir
+from handoff.model_files import cap_context, check_model_dir, load_tokenizer
 from handoff.run_dir import check_out_dir
 from handoff.runplan import RunPlan
+from handoff.tasks import DatasetTask, build_task
 
 
 def preflight(cfg: Config) -> RunPlan:
@@ -23,8 +27,10 @@ def preflight(cfg: Config) -> RunPlan:
     (built once here, after the model's files are checked).
 
     May lower rollout.max_model_len to the model's context length (with a warning)."""
+    launch_env()   # torchrun's variables whole and in range, or one line
     check_model_dir(cfg.model.path, flag="model.path")
     cap_context(cfg)
+    check_prompt_lengths(cfg)
     check_out_dir(cfg)
     check_loggers(cfg.run.loggers)
     run_plan = RunPlan.build(cfg)
@@ -50,6 +56,19 @@ def preflight(cfg: Config) -> RunPlan:
     return run_plan
 
 
+def check_prompt_lengths(cfg: Config) -> None:
+    """Every record of a data file leaves rollout.max_tokens of rollout.max_model_len free
+    (the engine would refuse the first batch holding a longer one, mid-run)."""
+    task = build_task(cfg.data, seed=cfg.run.seed)
+    if not isinstance(task, DatasetTask):   # generated problems: the engine checks each
+        return
+    ro = cfg.rollout
+    task.check_prompt_lengths(load_tokenizer(cfg.model.path),
+                              limit=ro.max_model_len - ro.max_tokens, chat=cfg.data.chat_template,
+                              setting=f"rollout.max_model_len={ro.max_model_len} minus "
+                                      f"rollout.max_tokens={ro.max_tokens}")
+
+
 def _check_resume(cfg: Config) -> None:
     """A resume whose checkpoint already reached run.steps fails now, not after loading."""
     ckpt_dir = Path(cfg.run.out_dir) / "checkpoints"
@@ -65,6 +84,15 @@ def _start_step(ckpt_dir: Path) -> int:
 
     latest = latest_checkpoint(ckpt_dir)
     return checkpoint_step(latest) if latest else 0
+
+
+def count_saves(start: int, steps: int, every: int) -> int:
+    """Checkpoints a run from step `start` to `steps` writes: each `every` steps (0: none)
+    and one at the end; counted, not walked (run.steps may be 10**7)."""
+    if steps <= start:
+        return 0
+    periodic = steps // every - start // every if every else 0
+    return periodic + (0 if every and steps % every == 0 else 1)
 
 
 def checkpoint_bytes(plan: RunPlan) -> int:
@@ -97,8 +125,7 @@ def _check_checkpoint_room(cfg: Config, plan: RunPlan) -> None:
     run = cfg.run
     ckpt_dir = Path(run.out_dir) / "checkpoints"
     start = _start_step(ckpt_dir) if run.resume else 0
-    saves = sum(1 for done in range(start + 1, run.steps + 1)
-                if done == run.steps or (run.save_every and done % run.save_every == 0))
+    saves = count_saves(start, run.steps, run.save_every)
     if saves == 0:
         return
     kept = sum(1 for p in ckpt_dir.glob("step_*") if (p / "meta.json").is_file())

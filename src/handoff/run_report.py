@@ -31,6 +31,7 @@ from handoff.loggers import Loggers, open_loggers
 from handoff.memory.meter import MemoryMeter, plot_timeline
 from handoff.plan.ledger import SWITCH_ACTIONS, switch_actions
 from handoff.plan.trainer import exposed_behind_compute
+from handoff.reading import expect, read_json
 from handoff.run_dir import read_metrics
 from handoff.runplan import RunPlan
 from handoff.units import fmt_bytes
@@ -325,6 +326,10 @@ def show_run(run_dir: str | Path) -> dict:
         raise HandoffError(f"{run_dir} holds no metrics.jsonl: pass the run.out_dir of a "
                            "`handoff train` run")
     rows, problem = read_metrics(metrics_path, required=SHOWN_KEYS)
+    for row in rows:   # a row edited by hand: one line naming the step and the field
+        for key in (*SHOWN_KEYS, "kl"):
+            expect(row, key, (int, float), source=f"{metrics_path} (step {row['step']})",
+                   default=0.0 if key == "kl" else ...)
     if problem:
         console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
     t = Table(title=f"{run_dir}: {len(rows)} steps")
@@ -339,10 +344,14 @@ def show_run(run_dir: str | Path) -> dict:
         console.print("[yellow]no summary.json: the run did not finish[/]")
         return {}
     try:
-        summary = json.loads(summary_path.read_text())
+        summary = read_json(summary_path, max_bytes=16 << 20)
         console.print(summary_table(summary))
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        console.print(f"[yellow]{summary_path} is damaged (not the summary of a finished run): "
-                      "its table is not shown[/]", highlight=False)
+    except HandoffError as e:
+        console.print(f"{e}: its table is not shown", style="yellow", highlight=False,
+                      markup=False, soft_wrap=True)
+        return {}
+    except (KeyError, TypeError, ValueError) as e:   # a field missing or of another type
+        console.print(f"[yellow]{summary_path} is damaged (field {e}: not the summary of a "
+                      "finished run): its table is not shown[/]", highlight=False)
         return {}
     return summary

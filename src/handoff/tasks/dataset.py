@@ -15,6 +15,7 @@ in a fresh seeded permutation each epoch; record order on disk does not matter.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 
 from handoff.errors import HandoffError
 from handoff.tasks.answers import normalize_number, score_numeric, score_text
-from handoff.tasks.base import Problem, Score, Task
+from handoff.tasks.base import Problem, Score, Task, encode_prompt
 from handoff.tasks.saved_datasets import load_dataset_rows, looks_like_hub_id
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
@@ -161,12 +162,38 @@ class DatasetTask(Task):
 
     def get(self, index: int) -> Problem:
         row = self._record(index)
+        return Problem(messages=self._prompt(row), answer=self._answers[row], index=index,
+                       metadata={"row": row, "path": str(self.path),
+                                 "columns": dict(self._columns[row])})
+
+    def _prompt(self, row: int) -> tuple[dict[str, str], ...]:
         messages = [dict(m) for m in self._messages[row]]
         if self.instruction:
             messages[-1]["content"] = f"{messages[-1]['content']}\n\n{self.instruction}"
-        return Problem(messages=tuple(messages), answer=self._answers[row], index=index,
-                       metadata={"row": row, "path": str(self.path),
-                                 "columns": dict(self._columns[row])})
+        return tuple(messages)
+
+    def check_prompt_lengths(self, tokenizer: Any, *, limit: int, chat: bool,
+                             setting: str) -> None:
+        """Refuse, at start, a record whose prompt takes more than `limit` tokens, naming it
+        by its place in the data file (a JSONL file's line), not by a batch position."""
+        for row in range(len(self)):
+            problem = Problem(messages=self._prompt(row), answer="", index=row)
+            n = len(encode_prompt(problem, tokenizer, chat=chat))
+            if n > limit:
+                raise HandoffError(f"record {row} of {self.path}{self._line_text(row)} has a "
+                                   f"prompt of {n} tokens, more than the {limit} {setting} "
+                                   "leaves for it: shorten or drop that record, or raise the "
+                                   "limit")
+
+    def _line_text(self, row: int) -> str:
+        """' (line N)' for a JSON-lines file (its blank lines hold no record), else ''."""
+        suffix = self.path.suffix.lower()
+        if suffix in (".parquet", ".pq") or (suffix == ".json" and self.path.read_text(
+                encoding="utf-8").lstrip().startswith("[")):
+            return ""
+        with open(self.path, encoding="utf-8") as f:
+            filled = (n for n, line in enumerate(f, 1) if line.strip())
+            return f" (line {next(itertools.islice(filled, row, None))})"
 
     def score(self, problem: Problem, response: str) -> Score:
         if normalize_number(problem.answer) == problem.answer:
