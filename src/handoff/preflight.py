@@ -98,7 +98,13 @@ def count_saves(start: int, steps: int, every: int) -> int:
 def checkpoint_bytes(plan: RunPlan) -> int:
     """Bytes of one checkpoint: the params in model.dtype plus, as the trainer keeps them,
     the fp32 master copy (none for fp32 params) and Adam's two fp32 moments; one file per
-    tensor, each with its overhead; every rank's RNG states."""
+    tensor, each with its overhead; every rank's RNG states.
+
+    Per parameter: bfloat16 params 2 B + fp32 master 4 B + Adam's moments 8 B = 14 B, so
+    14 GB per billion parameters; float32 params (no master) 4 + 8 = 12 GB per billion (the
+    135M CPU demo: 1.6 GB a checkpoint, 3.2 GB for the two kept). The files' overhead is
+    ~2 KB per tensor, nothing at scale (a tiny-qwen3 run's checkpoint measured 14.0 / 12.0 B
+    of tensors per param, its DCP metadata read back)."""
     from handoff.trainer.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
 
     shape = plan.shape

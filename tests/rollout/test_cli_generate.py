@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from handoff.cli import app
@@ -11,13 +12,14 @@ from handoff.cli import app
 
 def test_generate_json_lists_every_sample(qwen3_dir, ref):
     args = ["generate", "--model", str(qwen3_dir), "--prompt", "abc", "--prompt", "hello world",
-            "--max-tokens", "6", "--temperature", "0", "--n", "2", "--json"]
+            "--max-tokens", "6", "--temperature", "0", "--n", "2", "--json", "--no-chat"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     samples = json.loads(result.stdout)
     assert [s["prompt"] for s in samples] == ["abc", "abc", "hello world", "hello world"]
     for s in samples:
-        assert set(s) == {"prompt", "token_ids", "text", "logprobs", "finish_reason"}
+        assert set(s) == {"prompt", "prompt_token_ids", "token_ids", "text", "logprobs",
+                          "finish_reason"}
         assert len(s["token_ids"]) == len(s["logprobs"]) <= 6
         assert s["finish_reason"] in ("stop", "length")
     prompt_ids = list("abc".encode())  # the byte-level tokenizer: ids are the bytes
@@ -31,3 +33,42 @@ def test_generate_plain_output_and_friendly_error(qwen3_dir, tmp_path):
     assert result.exit_code == 0 and "'hi' ->" in result.stdout
     result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path), "--prompt", "hi"])
     assert result.exit_code == 2 and "config.json" in result.output
+
+
+def _chat_ids(role_text: str) -> list[int]:
+    """The byte tokenizer's ids of one user turn in modelzoo's ChatML template, by hand."""
+    im_start, im_end = 258, 257
+    return ([im_start] + list(f"user\n{role_text}".encode()) + [im_end] + list(b"\n")
+            + [im_start] + list(b"assistant\n"))
+
+
+def test_prompts_go_through_the_chat_template_unless_no_chat(qwen3_dir, tmp_path):
+    import shutil
+
+    from handoff.rollout.cli_generate import generate_samples
+
+    kwargs = dict(max_tokens=2, temperature=0.0, device="cpu")
+    templated = generate_samples(str(qwen3_dir), ["hi"], **kwargs)
+    assert templated[0]["prompt_token_ids"] == _chat_ids("hi")
+    raw = generate_samples(str(qwen3_dir), ["hi"], chat=False, **kwargs)
+    assert raw[0]["prompt_token_ids"] == list(b"hi")
+    # A tokenizer without a template gets the raw text, chat or not.
+    plain = tmp_path / "plain"
+    shutil.copytree(qwen3_dir, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    assert generate_samples(str(plain), ["hi"], **kwargs)[0]["prompt_token_ids"] == list(b"hi")
+
+
+def test_a_prompt_file_gives_one_prompt_a_line(tmp_path):
+    from handoff.errors import HandoffError
+    from handoff.rollout.cli_generate import read_prompt_file
+
+    file = tmp_path / "prompts.txt"
+    file.write_text("2+2=\nhello world\n\n  \nWhat is 7*8?\n")
+    assert read_prompt_file(str(file)) == ["2+2=", "hello world", "What is 7*8?"]
+    file.write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(HandoffError, match="cannot be read .*: pass a UTF-8 text file"):
+        read_prompt_file(str(file))

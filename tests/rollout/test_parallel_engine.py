@@ -82,7 +82,8 @@ def test_generate_tp2_replicated_kv_head_untied_head_sampled(qwen3_dir, tmp_path
                         "--seed", "3")
     alone = generate_samples(str(model), PROMPTS, max_tokens=10, temperature=1.0, n=2, seed=3)
     assert [s["token_ids"] for s in ours] == [s["token_ids"] for s in alone]
-    greedy = generate_samples(str(model), PROMPTS[:1], max_tokens=8, temperature=0.0)
+    greedy = generate_samples(str(model), PROMPTS[:1], max_tokens=8, temperature=0.0,
+                              chat=False)   # raw bytes, as ref.greedy gets them
     prompt = list(PROMPTS[0].encode())
     assert greedy[0]["token_ids"] == ref.greedy(model, prompt, 8)  # the MQA model is right
 

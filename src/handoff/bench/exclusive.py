@@ -32,10 +32,10 @@ _RESERVE_BYTES = 1 << 30   # left free on an exclusive card (context, allocator 
 def run_exclusive(config: str, overrides: list[str], *, steps: int) -> dict:
     from transformers import AutoTokenizer
 
-    from handoff.demo_model import resolve_model_path
+    from handoff.model_source import resolve_model
 
     cfg = load_config(config, overrides)
-    cfg.model.path = resolve_model_path(cfg.model.path)
+    cfg.model.path = resolve_model(cfg.model.path)
     device = resolve_device(cfg.run.device)
     init_process_group(device)
     if device.type == "cuda":

@@ -1,4 +1,4 @@
-"""The `handoff` command line: plan | train | generate | bench | report | init-model.
+"""The `handoff` command line: plan | train | generate | bench | report | init-model | export.
 
 Each command parses its options and calls one function of the room that does the work;
 user errors (HandoffError) print one line and exit 2, never a traceback. What it prints of
@@ -8,7 +8,7 @@ under a second.
 
 This module holds the typer `app` (the console entry point `handoff.cli:app`), the consoles
 and what every command shares; one module per command group adds its commands: `plan`,
-`train` (train, report), `models` (init-model, generate) and `bench` (the bench sub-app).
+`train` (train, report), `models` (init-model, generate, export) and `bench` (the bench sub-app).
 """
 
 from __future__ import annotations

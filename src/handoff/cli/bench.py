@@ -151,7 +151,8 @@ def bench_sweep_cmd(
 @bench_app.command("trainer")
 @friendly_errors
 def bench_trainer_cmd(
-    model: str = typer.Option(..., "--model", help="HF checkpoint dir (handoff init-model)"),
+    model: str = typer.Option(..., "--model", help="HF checkpoint dir, a preset or a cached "
+                              "Hub id (handoff init-model)"),
     out: str = typer.Option("bench-trainer.json", "--out", help="where to write the JSON result"),
     device: str = typer.Option("cuda", help="cuda | cpu"),
     dtype: str = typer.Option("bfloat16", help="param dtype of actor and reference"),
@@ -163,17 +164,20 @@ def bench_trainer_cmd(
 ) -> None:
     """Actor/ref offload and onload per part, measured vs the ledger of `handoff plan`."""
     from handoff.bench.trainer import render, run_trainer_bench
+    from handoff.model_source import resolve_model
 
     positive(repeats=repeats, rows=rows, seq_len=seq_len)
-    result = run_trainer_bench(model, device=device, dtype=dtype, repeats=repeats, rows=rows,
-                               seq_len=seq_len, hardware=hardware, compare_fsdp=compare_fsdp)
+    result = run_trainer_bench(resolve_model(model, flag="--model"), device=device, dtype=dtype,
+                               repeats=repeats, rows=rows, seq_len=seq_len, hardware=hardware,
+                               compare_fsdp=compare_fsdp)
     _show_and_save(result, out, render)
 
 
 @bench_app.command("train-compute")
 @friendly_errors
 def bench_train_compute_cmd(
-    model: str = typer.Option(..., "--model", help="HF checkpoint dir (handoff init-model)"),
+    model: str = typer.Option(..., "--model", help="HF checkpoint dir, a preset or a cached "
+                              "Hub id (handoff init-model)"),
     out: str = typer.Option("bench-train-compute.json", "--out", help="where to write the JSON"),
     device: str = typer.Option("cuda", help="cuda | cpu (cpu: a smoke run with a tiny model)"),
     dtype: str = typer.Option("bfloat16", help="param dtype of actor and reference"),
@@ -204,9 +208,11 @@ def bench_train_compute_cmd(
     seconds, tokens/s, model TFLOP/s, MFU against a matmul timed in the same run, peak
     memory and a profile summary, for several micro-batching variants in one run."""
     from handoff.bench.train_compute import render, run_train_compute_bench
+    from handoff.model_source import resolve_model
 
     result = run_train_compute_bench(
-        model, device=device, dtype=dtype, rows=rows, prompt_len=prompt_len,
+        resolve_model(model, flag="--model"), device=device, dtype=dtype, rows=rows,
+        prompt_len=prompt_len,
         response_lens=response_lens, group=group, variants=variant,
         micro_batch_size=micro_batch_size, gradient_checkpointing=gradient_checkpointing,
         repeats=repeats, offload=offload, profile=profile, matmul_size=matmul_size,

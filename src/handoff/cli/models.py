@@ -1,6 +1,9 @@
-"""`handoff init-model` (write a checkpoint) and `handoff generate` (sample from one)."""
+"""`handoff init-model` (write a checkpoint), `handoff generate` (sample from one) and
+`handoff export` (a run's checkpoint out as one)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -32,8 +35,14 @@ def init_model_cmd(
 @app.command("generate")
 @friendly_errors
 def generate_cmd(
-    model: str = typer.Option(..., "--model", help="HF checkpoint directory"),
-    prompt: list[str] = typer.Option(..., "--prompt", help="prompt text (repeat for several)"),
+    model: str = typer.Option(..., "--model", help="HF checkpoint directory, a preset or a "
+                              "Hub id org/name in the local Hugging Face cache"),
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt",
+                                               help="prompt text (repeat for several)"),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="a text file, one "
+                                              "prompt a line (after any --prompt)"),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="send each prompt through the "
+                              "tokenizer's chat template when it has one (--no-chat: raw text)"),
     max_tokens: int = typer.Option(64, "--max-tokens", help="most new tokens per sample"),
     temperature: float = typer.Option(1.0, "--temperature", help="0: greedy"),
     n: int = typer.Option(1, "--n", "-n", help="samples per prompt (-n under torchrun, whose "
@@ -48,12 +57,15 @@ def generate_cmd(
     """Generate completions with the built-in rollout engine."""
     import json
 
-    from handoff.rollout.cli_generate import generate_samples, is_main_process
     from handoff.dist import end_distributed_run
+    from handoff.model_source import resolve_model
+    from handoff.rollout.cli_generate import generate_samples, is_main_process, read_prompt_file
 
-    samples = generate_samples(model, prompt, max_tokens=max_tokens, temperature=temperature,
-                               n=n, top_p=top_p, seed=None if seed < 0 else seed,
-                               device=None if device == "auto" else device, tp=tp)
+    prompts = list(prompt or []) + (read_prompt_file(prompt_file) if prompt_file else [])
+    samples = generate_samples(resolve_model(model, flag="--model"), prompts,
+                               max_tokens=max_tokens, temperature=temperature, n=n, top_p=top_p,
+                               seed=None if seed < 0 else seed,
+                               device=None if device == "auto" else device, tp=tp, chat=chat)
     if is_main_process() and as_json:
         typer.echo(json.dumps(samples))
     elif is_main_process():
@@ -62,3 +74,26 @@ def generate_cmd(
                           f"({len(s['token_ids'])} tokens, {s['finish_reason']})", highlight=False)
     if tp > 1:   # not after an error: another rank may still sit in a collective
         end_distributed_run()
+
+
+@app.command("export")
+@friendly_errors
+def export_cmd(
+    run_dir: str = typer.Argument(..., help="run.out_dir of a `handoff train` run"),
+    out: str = typer.Option(..., "--out", help="directory to write the Hugging Face model to"),
+    step: Optional[int] = typer.Option(None, "--step", help="the checkpoint of this step "
+                                       "(default: the latest complete one)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="write into a directory that "
+                                   "already holds files (an earlier export's are replaced)"),
+) -> None:
+    """A run's checkpoint as a Hugging Face model directory (safetensors in the trained dtype,
+    config, generation config, tokenizer): transformers' from_pretrained and `handoff
+    generate --model DIR` load it."""
+    import json
+
+    from handoff.export import export_model
+
+    path = export_model(run_dir, out, step=step, overwrite=overwrite)
+    done = json.loads((path / "handoff_export.json").read_text())
+    console.print(f"exported step {done['step']} of {run_dir} ({done['checkpoint']}) to {path}",
+                  highlight=False)

@@ -14,7 +14,8 @@ from handoff.cli import PLAN_DOES_NOT_FIT, app, console, err_console, friendly_e
 @friendly_errors
 def plan_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help="config overrides key.sub=value"),
-    model: Optional[str] = typer.Option(None, help="preset (qwen3-32b, ...) or HF config dir"),
+    model: Optional[str] = typer.Option(None, help="preset (qwen3-32b, ...), HF config dir or "
+                                        "a Hub id org/name in the local HF cache"),
     gpus: Optional[int] = typer.Option(None, help="total cards"),
     hardware: Optional[str] = typer.Option(None, help="h100-sxm | h200 | a100-80g | cpu"),
     shard_size: Optional[int] = typer.Option(None, help="FSDP group (default: all cards)"),
@@ -55,11 +56,14 @@ def plan_cmd(
     reason and a change that re-plans to a fit; the exit status is then 3."""
     import json
 
+    from handoff.model_source import resolve_model
     from handoff.plan.render import render_markdown, render_rich
     from handoff.plan.report import build_plan, plan_config
 
     flags = dict(locals())
     cfg, auto_tp = plan_config(config, overrides, flags)
+    # A Hub id is read from the local cache; a preset stays a shape (no weights written).
+    cfg.model.path = resolve_model(cfg.model.path, materialise_presets=False)
     report = build_plan(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp)
     if as_json:
         typer.echo(json.dumps(report, indent=2))

@@ -3,11 +3,13 @@
     handoff generate --model ckpt/ --prompt "2+2=" --prompt "Hello" --max-tokens 32 \
         --temperature 0.7 --n 2 --json
 
-Prompts are tokenized as raw text with the checkpoint's tokenizer (no chat template); one
-that is not UTF-8 text (a lone surrogate, from invalid bytes in the argument) is refused; every
-sample is printed, or with --json a list of {prompt, token_ids, text, logprobs, finish_reason}
-(token_ids are the generated ones, the stop token included; text is their decoding without
-special tokens).
+A prompt that is not UTF-8 text (a lone surrogate, from invalid bytes in the argument) is
+refused. Each prompt is sent as one user turn through the tokenizer's chat template when it has one
+(an instruct model answers nothing useful to raw text), or as raw text with --no-chat or
+without a template; --prompt-file FILE adds one prompt per line (blank lines skipped). Every
+sample is printed, or with --json a list of {prompt, prompt_token_ids, token_ids, text,
+logprobs, finish_reason} (prompt_token_ids are what the engine was given; token_ids the
+generated ones, the stop token included; text is their decoding without special tokens).
 
 Tensor parallel: `torchrun --nproc-per-node 2 -m handoff generate ... --tp 2`: the processes
 form one engine of TP 2 (gloo on CPU, NCCL on GPUs); every rank generates, rank 0 prints.
@@ -21,9 +23,9 @@ from handoff.errors import HandoffError
 def generate_samples(model: str, prompts: list[str], *, max_tokens: int, temperature: float,
                      n: int = 1, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                      device: str | None = None, max_model_len: int | None = None,
-                     tp: int = 1) -> list[dict]:
+                     tp: int = 1, chat: bool = True) -> list[dict]:
     """Run the engine on text prompts; one dict per sample, grouped by prompt (every rank
-    returns them all under TP)."""
+    returns them all under TP). `chat`: through the tokenizer's chat template, if it has one."""
     from handoff.config import RolloutConfig
     from handoff.model_files import check_model_dir, load_tokenizer
     from handoff.rollout.engine import Engine
@@ -32,13 +34,14 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     from handoff.dist import launch_env
 
     if not prompts:
-        raise HandoffError("no prompt given: pass --prompt TEXT (repeat it for several)")
+        raise HandoffError("no prompt given: pass --prompt TEXT (repeat it for several) or "
+                           "--prompt-file FILE (one prompt a line)")
     launch_env()   # torchrun's variables whole, or one line
     check_prompts(prompts)
     _check_launch(tp)
     check_model_dir(model)  # config, tokenizer and weights named before a loader complains
     tokenizer = load_tokenizer(model)
-    token_lists = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    token_lists = [encode_prompt(tokenizer, p, chat=chat) for p in prompts]
     longest = max(len(t) for t in token_lists) + max_tokens
     cfg = RolloutConfig(max_model_len=max_model_len or max(longest + 1, 2),
                         max_num_seqs=max(len(prompts) * n, 1), n=n, max_tokens=max_tokens)
@@ -46,10 +49,30 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
                             max_tokens=max_tokens)
     device, group = _join_tp_group(device, tp)
     outputs = Engine(model, cfg, device=device, tp=group).generate(token_lists, params)
-    return [{"prompt": text, "token_ids": s.token_ids,
+    return [{"prompt": text, "prompt_token_ids": ids, "token_ids": s.token_ids,
              "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
              "logprobs": s.logprobs, "finish_reason": s.finish_reason}
-            for text, out in zip(prompts, outputs) for s in out.outputs]
+            for text, ids, out in zip(prompts, token_lists, outputs) for s in out.outputs]
+
+
+def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
+    """Token ids of one prompt: a user turn of the chat template (which carries its own
+    special tokens) when `chat` and the tokenizer has one, else the raw text."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """The prompts of a text file, one a line (blank lines skipped); one line if unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise HandoffError(f"--prompt-file {path!r} cannot be read ({e.__class__.__name__}: "
+                           f"{e}): pass a UTF-8 text file with one prompt a line") from None
+    return [line for line in lines if line.strip()]
 
 
 def check_prompts(prompts: list[str]) -> None:

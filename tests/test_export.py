@@ -1,0 +1,221 @@
+"""`handoff export`: a tiny run's checkpoint out as a Hugging Face model (CPU).
+
+The exported directory must load in transformers, hold exactly the tensors the trainer
+saved, and give the engine's greedy completions; bad inputs get one line and lose nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import handoff.export
+import handoff.loop
+from handoff.api import train
+from handoff.config import load_config
+from handoff.errors import HandoffError
+from handoff.export import export_model
+from handoff.modelzoo import init_model
+from handoff.rollout.cli_generate import generate_samples
+
+PROMPTS = ["1+2=", "hello", "What is 7*8?", "abc", "The cat"]
+
+
+def _lively_model(out, *, tied: bool):
+    """tiny-qwen3 with unit-gain weights: init_model's std 0.02 repeats one token forever,
+    which any engine would match. Untied: an lm_head of its own in config and weights."""
+    init_model("tiny-qwen3", out, dtype="float32")
+    state = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    if not tied:
+        state["lm_head.weight"] = torch.empty_like(state["model.embed_tokens.weight"])
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    for name, value in state.items():
+        if value.dim() == 2:
+            state[name] = torch.randn(value.shape, generator=gen) * 1.5 / value.shape[1] ** 0.5
+    state["model.embed_tokens.weight"][256:260] *= 0.05   # EOS and friends rarely chosen
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _train(root, *, tied: bool) -> dict:
+    """A two-step run checkpointed at both steps, and the actor's params at each save."""
+    model_dir = _lively_model(root / "model", tied=tied)
+    saved = {}
+
+    def recording_save(ckpt_dir, actor, *, step, **kwargs):
+        saved[step] = {n: p.detach().full_tensor().clone()
+                       for n, p in actor.module.named_parameters()}
+        return plain_save(ckpt_dir, actor, step=step, **kwargs)
+
+    def varied_rewards(prompts, completions, **columns):
+        # A random model never solves the task: all-zero rewards would leave the weights as
+        # they were. Any reward that varies within a group makes the update move them.
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        return [float(sum(t.encode()) % 3) for t in texts]
+
+    plain_save = handoff.loop.save_checkpoint
+    cfg = load_config("examples/cpu-tiny.yaml", [f"model.path={model_dir}",
+                                                  f"run.out_dir={root / 'run'}",
+                                                  "run.save_every=1", "run.steps=2"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(handoff.loop, "save_checkpoint", recording_save)
+        train(cfg, reward_funcs=[varied_rewards])
+    return {"model": model_dir, "run": root / "run", "saved": saved, "tied": tied}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(tied) -> the trained run of that head layout, trained once per module."""
+    done = {}
+
+    def get(tied: bool) -> dict:
+        if tied not in done:
+            done[tied] = _train(tmp_path_factory.mktemp("export"), tied=tied)
+        return done[tied]
+
+    return get
+
+
+@pytest.fixture
+def trained(runs):
+    return runs(True)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_export_loads_in_transformers_and_gives_the_engines_greedy_completions(runs, tied,
+                                                                                  tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trained = runs(tied)
+
+    out = export_model(trained["run"], tmp_path / "hf")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "handoff_export.json"} <= names
+    assert json.loads((out / "handoff_export.json").read_text())["step"] == 2
+    weights = load_file(str(out / "model.safetensors"))
+    final = trained["saved"][2]
+    # The trained tensors exactly, the tied head left for transformers to tie.
+    assert ("lm_head.weight" in weights) == (not trained["tied"])
+    assert set(weights) == set(final)
+    assert all(torch.equal(weights[n], final[n]) for n in final)
+    start = load_file(str(trained["model"] / "model.safetensors"))
+    assert any(not torch.equal(weights[n], start[n]) for n in weights)   # training moved them
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.dtype == torch.float32
+    if trained["tied"]:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    engine = generate_samples(str(out), PROMPTS, max_tokens=12, temperature=0.0, chat=False,
+                              device="cpu")
+    assert len(engine) == len(PROMPTS)
+    for prompt, sample in zip(PROMPTS, engine):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        assert sample["prompt_token_ids"] == ids
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+        assert sample["token_ids"] == hf[0, len(ids):].tolist(), prompt
+    assert any(len(set(s["token_ids"])) > 2 for s in engine)   # not one token repeated
+
+
+def test_step_picks_an_earlier_checkpoint(trained, tmp_path):
+    out = export_model(trained["run"], tmp_path / "hf", step=1)
+    weights = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(weights[n], t) for n, t in trained["saved"][1].items())
+    assert any(not torch.equal(weights[n], t) for n, t in trained["saved"][2].items())
+    assert json.loads((out / "handoff_export.json").read_text())["step"] == 1
+
+
+def test_export_bad_inputs_are_one_line_and_lose_nothing(trained, tmp_path):
+    run = trained["run"]
+    with pytest.raises(HandoffError, match=r"no complete checkpoint of step 7: it keeps steps "
+                                           r"\[1, 2\]"):
+        export_model(run, tmp_path / "a", step=7)
+    with pytest.raises(HandoffError, match="--step -1 is negative"):
+        export_model(run, tmp_path / "a", step=-1)
+
+    empty_run = tmp_path / "empty-run"
+    empty_run.mkdir()
+    (empty_run / "config.json").write_text((run / "config.json").read_text())
+    with pytest.raises(HandoffError, match="has no complete checkpoint"):
+        export_model(empty_run, tmp_path / "a")
+    with pytest.raises(HandoffError, match="not a handoff run directory"):
+        export_model(tmp_path / "nowhere", tmp_path / "a")
+    assert not (tmp_path / "a").exists()   # refused before anything was written
+
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    with pytest.raises(HandoffError, match=r"already holds files \(notes.txt\): pass "
+                                           "--overwrite"):
+        export_model(run, used)
+    assert [p.name for p in used.iterdir()] == ["notes.txt"]   # nothing written, nothing lost
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(HandoffError, match="is a file, not a directory"):
+        export_model(run, tmp_path / "a-file")
+    (tmp_path / "link").symlink_to(used)
+    with pytest.raises(HandoffError, match="is a symbolic link"):
+        export_model(run, tmp_path / "link")
+
+
+def test_overwrite_replaces_the_export_and_never_writes_through_a_link(trained, tmp_path,
+                                                                        monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    # First a sharded export (HF's index beside the shards), loaded by transformers whole.
+    monkeypatch.setattr(handoff.export, "MAX_SHARD_BYTES", 60_000)
+    export_model(trained["run"], out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and sorted(p.name for p in out.glob("*.safetensors")) == shards
+    model = AutoModelForCausalLM.from_pretrained(out)
+    final = trained["saved"][2]
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in final.items())
+
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep me")
+    (out / "config.json").unlink()
+    (out / "config.json").symlink_to(outside)           # a planted link out of --out
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(handoff.export, "MAX_SHARD_BYTES", 5 * 10**9)
+    export_model(trained["run"], out, overwrite=True)
+    assert outside.read_text() == "keep me"
+    assert not (out / "config.json").is_symlink()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+    # The old shards and index are gone (a loader would read them beside the new file).
+    assert [p.name for p in out.glob("*.safetensors*")] == ["model.safetensors"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / ".handoff-export.tmp").exists()
+
+
+def test_handoff_export_then_generate_from_a_prompt_file(trained, tmp_path):
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    out = tmp_path / "hf"
+    result = CliRunner().invoke(app, ["export", str(trained["run"]), "--out", str(out),
+                                      "--step", "1"])
+    assert result.exit_code == 0, result.output
+    assert "step 1" in result.output and json.loads(
+        (out / "handoff_export.json").read_text())["step"] == 1
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(p + "\n" for p in PROMPTS))
+    result = CliRunner().invoke(app, ["generate", "--model", str(out), "--prompt-file",
+                                      str(prompts), "--max-tokens", "4", "--temperature", "0",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert [s["prompt"] for s in json.loads(result.stdout)] == PROMPTS
+    # A used --out: one line, exit 2, nothing touched.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = CliRunner().invoke(app, ["export", str(trained["run"]), "--out", str(out)])
+    assert result.exit_code == 2 and "pass --overwrite" in result.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
