@@ -10,7 +10,7 @@ an index beyond that; a tied lm_head is left out, as transformers saves it (the 
 tokenizer of the run's model (run_dir/config.json's model.path); handoff_export.json naming
 the run, the checkpoint and its step.
 
-The checkpoint is read as a resume reads it (train/checkpoint_files.py): every file against
+The checkpoint is read as a resume reads it (trainer/checkpoint_files.py): every file against
 meta.json's sha256 first, DCP's metadata through the allow-list, shards with weights_only.
 Everything is written into DIR/.handoff-export.tmp and then moved into DIR, so nothing is
 written outside DIR and an export cut short leaves no half model; DIR must not be a symbolic
