@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # import each other: the engine and the trainer know nothing of one another.
 FLOORS = {
     "handoff": 0, "errors": 0, "units": 0, "lengths": 0, "varlen": 0,
-    "config": 1, "demo_model": 1, "model_files": 1,
+    "config": 1, "demo_model": 1, "model_files": 1, "safe_files": 1,
     "plan": 2, "dist": 2, "tasks": 2,
     "memory": 3, "sync": 3,
     "rollout": 4, "train": 4, "modelzoo": 4,

@@ -280,7 +280,7 @@ class Run:
 
     def run(self) -> dict:
         cfg = self.cfg
-        if self.start_step >= cfg.run.steps:
+        if self.start_step > cfg.run.steps:   # at run.steps: a run killed before its summary
             raise HandoffError(f"the checkpoint in {self.ckpt_dir} is at step {self.start_step}, "
                                f"run.steps={cfg.run.steps}: raise run.steps to train further")
         if self.report is not None:
@@ -295,7 +295,8 @@ class Run:
                     if self.report is not None:
                         self.report.log_step(row)
                     if self.pending_checkpoint is not None:
-                        publish_checkpoint(self.pending_checkpoint)
+                        publish_checkpoint(self.pending_checkpoint,
+                                           keep=cfg.run.keep_checkpoints)
             self.worker.settle()   # the last step's copies to the host land (in no row)
         except BaseException:
             # Who held the card up to the failure (an out-of-memory point of a sweep says

@@ -32,6 +32,7 @@ from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
 from handoff.plan.shapes import load_shape
 from handoff.plan.trainer import exposed_behind_compute
 from handoff.run_dir import read_metrics
+from handoff.safe_files import append_line, failing_write_is_one_line, make_dirs, replace_file
 from handoff.units import fmt_bytes
 
 console = Console()
@@ -114,7 +115,10 @@ class RunReport:
 
             # Events of steps after first_step (an earlier run's, or a crashed step's that a
             # resume repeats) are purged, as the trimmed metrics.jsonl drops their rows.
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=first_step + 1)
+            with self._writing(self.out_dir / "tensorboard"):
+                make_dirs(self.out_dir / "tensorboard", self.out_dir)   # not through a link
+                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"),
+                                         purge_step=first_step + 1)
         except ImportError:  # tensorboard is optional: metrics.jsonl has everything
             console.print("[yellow]tensorboard is not installed: writing metrics.jsonl only[/]")
         self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -123,14 +127,20 @@ class RunReport:
         self._progress.start()
         self._task = self._progress.add_task("", total=self.cfg.run.steps, completed=first_step)
 
+    def _writing(self, path: Path):
+        """Where a write to `path` fails (a full disk, a read-only out_dir): one line."""
+        return failing_write_is_one_line(path, f"metrics.jsonl keeps its {len(self.rows)} "
+                                               "row(s) and the last checkpoint is intact")
+
     def log_step(self, row: dict) -> None:
+        with self._writing(self.metrics_path):   # the row whole or not at all
+            append_line(self.metrics_path, self.out_dir, (json.dumps(row) + "\n").encode())
         self.rows.append(row)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, row["step"])
+            with self._writing(self.out_dir / "tensorboard"):
+                for key, value in row.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        self._tb.add_scalar(key, value, row["step"])
         line = (f"step {row['step']:>3}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
                 f"len {row['response_length']:.1f}  kl {row.get('kl', 0.0):.4f}  "
                 f"gen {row['timing_s/gen']:.2f}s  step {row['timing_s/step']:.2f}s  "
@@ -156,12 +166,16 @@ class RunReport:
         if self._progress is not None:
             self._progress.stop()
         if self._tb is not None:
-            self._tb.close()
+            with self._writing(self.out_dir / "tensorboard"):
+                self._tb.close()
         meter = self.meter
-        meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
+        with self._writing(self.out_dir / "memory_timeline.jsonl"):
+            meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
         last_step = self.rows[-1]["step"] - 1 if self.rows else 0
-        plot_timeline(step_probes(meter.timeline, last_step), self.out_dir / "memory_timeline.png",
-                      title=f"memory by owner, step {last_step + 1}")
+        with self._writing(self.out_dir / "memory_timeline.png"):
+            plot_timeline(step_probes(meter.timeline, last_step),
+                          self.out_dir / "memory_timeline.png",
+                          title=f"memory by owner, step {last_step + 1}")
         measured = self._measured()
         rows = self.rows[1:] or self.rows
 
@@ -193,9 +207,11 @@ class RunReport:
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
         }
-        (self.out_dir / "summary.md").write_text(
-            summary_markdown(summary, self.cfg.model.path, str(self.meter.device)))
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        for name, text in (("summary.md", summary_markdown(summary, self.cfg.model.path,
+                                                             str(self.meter.device))),
+                           ("summary.json", json.dumps(summary, indent=1))):
+            with self._writing(self.out_dir / name):
+                replace_file(self.out_dir / name, text.encode(), self.out_dir)
         console.print(summary_table(summary))
         return summary
 
