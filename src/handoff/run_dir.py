@@ -29,7 +29,7 @@ from rich.console import Console
 
 from handoff.config import Config, to_dict
 from handoff.errors import HandoffError
-from handoff.safe_files import link_refused, open_fd, replace_file
+from handoff.safe_files import failing_write_is_one_line, link_refused, open_fd, replace_file
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
              "memory_timeline.jsonl", "memory_timeline.png", "tensorboard", "checkpoints")
@@ -69,7 +69,8 @@ class RunLock:
     def __init__(self, out_dir: Path):
         self._fd: int | None = None
         self.path = out_dir / LOCK_FILE
-        fd = open_fd(self.path, out_dir, os.O_RDWR | os.O_CREAT)   # a planted link refused
+        with failing_write_is_one_line(self.path, "nothing was written"):
+            fd = open_fd(self.path, out_dir, os.O_RDWR | os.O_CREAT)   # a planted link refused
         try:
             import fcntl
 
@@ -121,7 +122,8 @@ def claim_out_dir(cfg: Config) -> RunLock:
 def write_run_config(cfg: Config) -> None:
     """config.json of the run (atomic: a crash leaves the old one or the new one)."""
     out = Path(cfg.run.out_dir)
-    replace_file(out / "config.json", json.dumps(to_dict(cfg), indent=1).encode(), out)
+    with failing_write_is_one_line(out / "config.json", "the run's files are as they were"):
+        replace_file(out / "config.json", json.dumps(to_dict(cfg), indent=1).encode(), out)
 
 
 # ---------------------------------------------------------------- metrics.jsonl
@@ -170,7 +172,8 @@ def trim_metrics(out_dir: Path, start_step: int) -> None:
         console.print(f"[yellow]resume: dropping {len(rows) - len(kept)} metrics row(s) after "
                       f"step {start_step}, the last checkpoint (their steps are run again)[/]",
                       highlight=False, soft_wrap=True)
-    replace_file(path, "".join(json.dumps(row) + "\n" for row in kept).encode(), out_dir)
+    with failing_write_is_one_line(path, "metrics.jsonl is as it was"):
+        replace_file(path, "".join(json.dumps(row) + "\n" for row in kept).encode(), out_dir)
 
 
 # ---------------------------------------------------------------- an interrupted run

@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
-from handoff.safe_files import make_dirs, open_for_writing, replace_file
+from handoff.safe_files import (failing_write_is_one_line, make_dirs, open_for_writing,
+                                replace_file)
 from handoff.train.actor import Actor
 from handoff.train.checkpoint_files import (FILE_OVERHEAD_BYTES, FORMAT, META, RNG_FILE_BYTES,
                                             SafeReader, check_identity, file_hashes,
@@ -224,7 +225,8 @@ def publish_checkpoint(path: str | Path, *, keep: int = KEEP_LAST) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     root = path.parent
-    replace_file(root / LATEST, path.name.encode(), root)   # latest.tmp, fsync, rename
+    with failing_write_is_one_line(root / LATEST, "it still names the previous checkpoint"):
+        replace_file(root / LATEST, path.name.encode(), root)   # latest.tmp, fsync, rename
     _prune(root, keep, path.name)
 
 
