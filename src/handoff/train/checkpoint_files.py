@@ -16,9 +16,9 @@ refused before any is read: a damaged, truncated or swapped file is named in one
 a planted `__reduce__` payload is refused before it can run even if meta.json was rewritten
 to match; a shard may only be one of the hashed files. The only call the list allows
 besides constructors is `getattr(enum class, member name)` on DCP's own enum (how CPython
-3.11.0-3.11.3 pickle an enum member); 3.13's `pathlib._local` paths read as `pathlib`'s. What that does not cover: someone
-who can write the checkpoint can still change the weights (README: what a checkpoint may be
-trusted for).
+3.11.0-3.11.3 pickle an enum member); 3.13's `pathlib._local` paths read as `pathlib`'s.
+What that does not cover: someone who can write the checkpoint can still change the weights
+(README: what a checkpoint may be trusted for).
 """
 
 from __future__ import annotations
