@@ -15,8 +15,9 @@ renames an old checkpoint to `.trash_<name>` before deleting it, so a kill insid
 leaves no half-deleted `step_*`; leftover `.tmp_*` and `.trash_*` directories are removed by
 the next save, prune or load. A Ctrl-C inside DCP (which wraps it in a CheckpointException)
 comes out as the KeyboardInterrupt it was. Files are written without following a symbolic
-link (safe_files.py): a planted `latest.tmp` or a linked checkpoints directory is refused. Loading works on any world size for the weights and optimizer (DCP reshards);
-RNG states are restored when the world size matches.
+link (safe_files.py): a planted `latest.tmp` or a linked checkpoints directory is refused.
+Loading works on any world size for the weights and optimizer (DCP reshards); RNG states
+are restored when the world size matches.
 
 What a load trusts (checkpoint_files.py): `latest` must name a directory of its own root;
 meta.json (JSON) records the model's identity, checked before anything loads, and the sha256
