@@ -25,6 +25,7 @@ and after a resume.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -301,8 +302,9 @@ class Run:
         except BaseException:
             # Who held the card up to the failure (an out-of-memory point of a sweep says
             # which owner did not fit from it).
-            if self.rank == 0:
-                self.worker.meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
+            if self.rank == 0:   # unless the disk is full: the error being raised says so
+                with contextlib.suppress(OSError, HandoffError):
+                    self.worker.meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
             raise
         return self.report.finish() if self.report is not None else {}
 
