@@ -244,3 +244,37 @@ def test_an_out_dir_the_run_cannot_write_is_one_line_and_keeps_every_byte():
         assert (out / "memory_timeline.jsonl").read_bytes() == b"{}\n"
     finally:
         shutil.rmtree(base)
+
+
+def test_a_full_disk_mid_run_is_one_line_from_handoff_train(tmp_path, monkeypatch):
+    import handoff.safe_files as safe_files
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+    from handoff.modelzoo import init_model
+    from handoff.run_dir import read_metrics
+    from handoff.train.checkpoint import checkpoint_step, latest_checkpoint
+
+    model = init_model("tiny-qwen3", tmp_path / "model", dtype="float32")
+    appended = []
+    write = os.write
+
+    def full_at_the_second_row(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl"):
+            appended.append(1)
+        if len(appended) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(fd, data)
+
+    monkeypatch.setattr(safe_files.os, "write", full_at_the_second_row)
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model}",
+                                   f"run.out_dir={out}", "run.steps=3", "run.save_every=1"],
+                             terminal_width=400)
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in res.output
+    assert f"{out / 'metrics.jsonl'} could not be written (the disk is full" in errors[0]
+    assert "metrics.jsonl keeps its 1 row(s)" in errors[0]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")[0]] == [1]
+    assert checkpoint_step(latest_checkpoint(out / "checkpoints")) == 1   # step 2's unpublished

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -179,8 +180,17 @@ def trim_metrics(out_dir: Path, start_step: int) -> None:
 # ---------------------------------------------------------------- an interrupted run
 
 
+def resume_command(config: str, overrides: list[str]) -> str:
+    """`handoff train` as the user gave it, quoted for a shell: the config and every override,
+    less run.resume / run.overwrite (--resume is added; with --overwrite it is refused)."""
+    kept = [o for o in overrides
+            if o.partition("=")[0].strip() not in ("run.resume", "run.overwrite")]
+    return shlex.join(["handoff", "train", config, *kept])
+
+
 def interrupted_message(cfg: Config, command: str) -> str:
-    """What a run stopped by Ctrl-C can resume from, and how (one line)."""
+    """What a run stopped by Ctrl-C can resume from, and how (one line); `command` is
+    resume_command's."""
     from handoff.train.checkpoint import checkpoint_step, latest_checkpoint
 
     if not cfg.run.checkpoint:
