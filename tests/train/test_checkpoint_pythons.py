@@ -37,11 +37,13 @@ def _interpreters() -> dict[str, str]:
                   *sorted(glob("/usr/local/bin/python3.1[1-9]")),
                   *sorted(glob(os.path.expanduser("~/.pyenv/versions/3.1[1-9]*/bin/python3")))]
     for exe in filter(None, candidates):
-        probe = subprocess.run([exe, "-c", "import sys; print(sys.version.split()[0])"],
+        probe = subprocess.run([exe, "-c", "import sys; print(*sys.version_info[:3])"],
                                capture_output=True, text=True, timeout=60)
-        version = probe.stdout.strip()
-        if probe.returncode == 0 and version >= "3.11" and version not in found:
-            found[version] = exe
+        if probe.returncode != 0:
+            continue   # a pyenv shim of a version not selected here, say
+        version = tuple(int(x) for x in probe.stdout.split())
+        if version >= (3, 11) and ".".join(map(str, version)) not in found:
+            found[".".join(map(str, version))] = exe
     return found
 
 
