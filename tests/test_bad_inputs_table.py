@@ -35,5 +35,7 @@ def test_every_hardening_test_file_is_in_the_table():
     named = {row["test"].partition("::")[0] for row in _rows()}
     for file in ("tests/test_config_finite.py", "tests/test_cli_numbers.py",
                  "tests/test_run_dir.py", "tests/test_model_files.py",
-                 "tests/train/test_checkpoint_files.py", "tests/plan/test_plan_does_not_fit.py"):
+                 "tests/train/test_checkpoint_files.py", "tests/plan/test_plan_does_not_fit.py",
+                 "tests/test_model_sources.py", "tests/test_reading.py",
+                 "tests/test_start_checks.py", "tests/test_launch_env.py"):
         assert file in named, file

@@ -12,6 +12,7 @@ from handoff.config import load_config
 from handoff.loop import Run
 from handoff.memory.regions import RegionPool
 from handoff.modelzoo import init_model
+from handoff.runplan import RunPlan
 
 
 def test_remap_rates_on_cpu_are_positive_and_leave_the_region_asleep():
@@ -197,12 +198,12 @@ def test_the_measured_wake_leaves_the_margin_beside_the_held_weights(model_dir, 
     cfg = _cfg(model_dir, tmp_path)
     margin = 8 << 30
     pool = RegionPool(torch.device("cpu"), wake_margin_bytes=margin)
-    kv, weights, _ = calibrate_module._switch_sizes(cfg, pool)   # this host: room for all
+    kv, weights, _ = calibrate_module._switch_sizes(cfg, RunPlan.build(cfg), pool)   # this host: room for all
     # A card with room for the weights and half the pool beside the margin: the KV region
     # measured is what the wake can map while the weights are held (a large
     # memory.wake_margin_mb failed at start-up on the device before).
     free = margin + (1 << 30) + weights + kv // 2
     monkeypatch.setattr(calibrate_module, "host_memory", lambda: (0, free))
-    small_kv, small_weights, _ = calibrate_module._switch_sizes(cfg, pool)
+    small_kv, small_weights, _ = calibrate_module._switch_sizes(cfg, RunPlan.build(cfg), pool)
     assert small_weights == weights and small_kv <= kv // 2
     assert small_kv + small_weights + margin <= free

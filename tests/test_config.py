@@ -23,6 +23,17 @@ def test_yaml_and_overrides(tmp_path):
     assert cfg.parallel.shard_size is None
 
 
+def test_list_fields_take_a_yaml_list_or_one_item(tmp_path):
+    assert load_config().run.loggers == ["tensorboard"]
+    assert load_config(None, ["run.loggers=[tensorboard,wandb]"]).run.loggers == [
+        "tensorboard", "wandb"]
+    assert load_config(None, ["run.loggers=mlflow"]).run.loggers == ["mlflow"]
+    assert load_config(None, ["run.loggers=[]"]).run.loggers == []
+    p = tmp_path / "c.yaml"
+    p.write_text("run:\n  loggers: [wandb, mlflow]\n")
+    assert load_config(p).run.loggers == ["wandb", "mlflow"]
+
+
 @pytest.mark.parametrize("override, words", [
     (["rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization=1.5", "(0", "1]"]),
     (["rollout.gpu_memory_utilization=-0.1"], ["out of range"]),

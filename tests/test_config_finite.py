@@ -67,6 +67,10 @@ def test_a_non_finite_value_set_in_code_is_refused_by_validate():
     (["run.out_dir=null"], "run.out_dir is empty"),
     (["rollout.max_tokens=64", "rollout.max_model_len=64"], "leaves no room for a prompt"),
     (["run.resume=true", "run.overwrite=true"], "pick one"),
+    (["run.steps=2", "actor.updates_per_step=2", "actor.warmup_steps=5"],
+     r"actor.warmup_steps=5 is longer than the run's 4 optimizer steps"),
+    (["run.loggers=[tensorboard,neptune]"], "run.loggers\\[1\\]='neptune' is not accepted: choose one "
+     "of tensorboard, wandb, mlflow"),
 ])
 def test_cross_field_inputs_are_refused(override, words):
     with pytest.raises(ConfigError, match=words):

@@ -84,3 +84,61 @@ def test_preset_name_as_model_path_reuses_the_cached_conversion(smollm2_dir, mon
     assert demo_model.resolve_model_path("smollm2-135m-instruct") == str(smollm2_dir)
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
     assert demo_model.resolve_model_path("/some/dir") == "/some/dir"
+
+
+def _fake_conversion(monkeypatch, tmp_path):
+    """convert_smollm2 without the 25 s de-quantization: writes a checkpoint's file names."""
+    def write(gguf, tmp, dtype):
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (tmp / name).write_text(f"new {name}")
+        (tmp / demo_model.MARKER).write_text(json.dumps({"dtype": dtype}))
+
+    monkeypatch.setattr(demo_model, "find_smollm2_gguf", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(demo_model, "_write_conversion", write)
+
+
+def test_init_model_smollm2_never_removes_a_users_files(tmp_path, monkeypatch):
+    _fake_conversion(monkeypatch, tmp_path)
+    out = tmp_path / "smol"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (tmp_path / "smol.converting").mkdir()   # the old fixed temp name: a user's directory
+    (tmp_path / "smol.converting" / "keep").write_text("mine too")
+    cli = CliRunner()
+    base = ["init-model", "--preset", demo_model.SMOLLM2_PRESET, "--out", str(out)]
+    res = cli.invoke(app, base, terminal_width=400)
+    assert res.exit_code == 2 and "not an earlier" in res.output and "--overwrite" in res.output
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    res = cli.invoke(app, [*base, "--overwrite"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "model.safetensors").read_text() == "new model.safetensors"
+    # An earlier conversion of another dtype holding a user's file: refused, then kept.
+    res = cli.invoke(app, [*base, "--dtype", "bfloat16"], terminal_width=400)
+    assert res.exit_code == 2 and "an earlier smollm2-135m-instruct conversion in float32" \
+        in " ".join(res.output.split())
+    assert json.loads((out / demo_model.MARKER).read_text())["dtype"] == "float32"
+    res = cli.invoke(app, [*base, "--dtype", "bfloat16", "--overwrite"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / demo_model.MARKER).read_text())["dtype"] == "bfloat16"
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "smol.converting" / "keep").read_text() == "mine too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smol", "smol.converting"]
+    # The same dtype again: returned as it is, nothing written.
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert cli.invoke(app, [*base, "--dtype", "bfloat16"]).exit_code == 0
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_failed_conversion_leaves_the_directory_and_no_temp_dir(tmp_path, monkeypatch):
+    _fake_conversion(monkeypatch, tmp_path)
+
+    def fail(gguf, tmp, dtype):
+        (tmp / "config.json").write_text("half")
+        raise HandoffError("reading the GGUF needs the `gguf` package")
+
+    monkeypatch.setattr(demo_model, "_write_conversion", fail)
+    out = tmp_path / "smol"
+    with pytest.raises(HandoffError, match="gguf"):
+        demo_model.convert_smollm2(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

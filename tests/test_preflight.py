@@ -11,6 +11,7 @@ from handoff.config import load_config
 from handoff.errors import HandoffError
 from handoff.plan.shapes import PRESETS, load_shape
 from handoff.preflight import checkpoint_bytes, preflight
+from handoff.runplan import RunPlan
 
 
 @pytest.fixture
@@ -47,9 +48,9 @@ def test_resume_of_a_finished_run_fails_before_loading(cfg):
 
 
 def test_resume_with_steps_left_or_nothing_to_resume_passes(cfg):
-    assert preflight(cfg) is None  # no checkpoint yet: a fresh start
+    assert isinstance(preflight(cfg), RunPlan)  # no checkpoint yet: a fresh start
     _checkpoint(cfg, 2)
-    assert preflight(cfg) is None
+    assert isinstance(preflight(cfg), RunPlan)
 
 
 Usage = namedtuple("Usage", "total used free")
@@ -78,35 +79,48 @@ def test_checkpoint_bytes_are_params_master_and_adam(cfg):
     shape = load_shape(cfg.model.path)
     n, files = shape.num_params, shape.num_tensors
     # cpu-tiny is fp32: its params are their own master; a file per tensor and moment.
-    assert checkpoint_bytes(cfg) == 12 * n + 3 * files * FILE_OVERHEAD_BYTES + RNG_FILE_BYTES
+    assert checkpoint_bytes(RunPlan.build(cfg)) == 12 * n + 3 * files * FILE_OVERHEAD_BYTES + RNG_FILE_BYTES
     # bf16 params 2 + fp32 master 4 + Adam 8: a 4B model's checkpoint is ~56 GB.
-    assert checkpoint_bytes(_with(cfg, "model.dtype=bfloat16")) == (
+    assert checkpoint_bytes(RunPlan.build(_with(cfg, "model.dtype=bfloat16"))) == (
         14 * n + 4 * files * FILE_OVERHEAD_BYTES + RNG_FILE_BYTES)
 
 
 def test_a_run_whose_checkpoints_cannot_fit_the_disk_is_refused(cfg, monkeypatch):
     # run.steps=3 saving every step: the third save is written while the last two are kept.
     saving = _with(cfg, "run.steps=3", "run.save_every=1", "run.resume=false")
-    one = checkpoint_bytes(saving)
+    one = checkpoint_bytes(RunPlan.build(saving))
     seen = _free_disk(monkeypatch, 3 * one - 1)
     with pytest.raises(HandoffError, match=r"checkpoints need .* MB on the filesystem of "
                                            r"run.out_dir.*run.checkpoint=false"):
         preflight(saving)
     assert seen and seen[0].exists()  # out_dir does not exist yet: its nearest parent is asked
     _free_disk(monkeypatch, 3 * one)
-    assert preflight(saving) is None
+    assert isinstance(preflight(saving), RunPlan)
     _free_disk(monkeypatch, 0)
     off = _with(cfg, "run.checkpoint=false")
-    assert preflight(off) is None  # nothing to write, nothing to check
+    assert isinstance(preflight(off), RunPlan)  # nothing to write, nothing to check
 
 
 def test_checkpoints_already_on_disk_make_room_as_they_are_replaced(cfg, monkeypatch):
     _checkpoint(cfg, 1)
     _checkpoint(cfg, 2)
     resumed = _with(cfg, "run.steps=6", "run.save_every=1")
-    one = checkpoint_bytes(resumed)
+    one = checkpoint_bytes(RunPlan.build(resumed))
     _free_disk(monkeypatch, one)      # the two kept ones leave as new ones arrive: one more
-    assert preflight(resumed) is None
+    assert isinstance(preflight(resumed), RunPlan)
     _free_disk(monkeypatch, one - 1)
     with pytest.raises(HandoffError, match="checkpoints need"):
         preflight(resumed)
+
+
+def test_a_logger_whose_package_is_missing_fails_before_loading(cfg, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mlflow" else real(name, *a))
+    cfg.run.loggers = ["tensorboard", "mlflow"]
+    with pytest.raises(HandoffError, match=r"pip install 'handoff\[mlflow\]'"):
+        preflight(cfg)
+    cfg.run.loggers = ["tensorboard"]
+    preflight(cfg)

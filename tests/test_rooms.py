@@ -12,15 +12,16 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # import each other: the engine and the trainer know nothing of one another.
 FLOORS = {
     "handoff": 0, "errors": 0, "units": 0, "lengths": 0, "varlen": 0,
+    "reading": 0.5,   # bounded JSON/YAML reading: above errors, below everything that reads
     "config": 1, "demo_model": 1, "model_files": 1, "safe_files": 1,
     "plan": 2, "dist": 2, "tasks": 2,
-    "memory": 3, "sync": 3,
+    "memory": 3, "sync": 3, "runplan": 3, "rewards": 3,
     "rollout": 4, "train": 4, "modelzoo": 4,
-    "calibrate": 5, "run_dir": 5,
-    "worker": 6, "run_report": 6, "preflight": 6,
+    "calibrate": 5, "run_dir": 5, "loggers": 5,
+    "switch": 6, "run_report": 6, "preflight": 6,
     "startup": 7,
     "loop": 8,
-    "bench": 9,
+    "bench": 9, "api": 9,
     "cli": 10,
     "__main__": 11,
 }

@@ -201,21 +201,30 @@ def test_the_gemm_shapes_are_launched_before_the_copies_back(model_dir, tmp_path
 def test_queueing_the_copies_back_is_exposed_not_the_forwards_work(model_dir, tmp_path,
                                                                     monkeypatch):
     # On CUDA queueing them allocates their storages, which waits for the driver to clear
-    # memory the engine just freed, while no compute is queued yet: here a sleep stands in.
-    trainer = _run(model_dir, tmp_path, "run.steps=2")
-    worker = trainer.worker
-    real = worker._stream_back
+    # memory the engine just freed, while the compute stream sits idle: the clock reads that
+    # idle time (dist.ComputeGap) once the stream drains and counts it as the switch's
+    # queueing. A gap of a fixed 0.25 s stands in for it.
+    import handoff.switch.clock as clock_module
 
-    def slow(record, part, **kwargs):
-        time.sleep(0.5 if part == "params" else 0.0)
-        return real(record, part, **kwargs)
+    class Gap:
+        def __init__(self, device):
+            self.closed = False
 
-    monkeypatch.setattr(worker, "_stream_back", slow)
+        def close(self):
+            self.closed = True
+
+        def seconds(self):
+            assert self.closed
+            return 0.25
+
+    monkeypatch.setattr(clock_module, "ComputeGap", Gap)
+    trainer = _run(model_dir, tmp_path, "run.steps=2", "memory.warm_gemms=false")
     for step in range(2):
-        row = trainer.step(step)
-        assert row["work_s/ref_forward"] < 0.5 <= row["switch/queue_s"]
-        assert row["switch/queue_s"] < row["switch/exposed_s"]
-        assert row["switch/copy_wait_s"] < 0.5
+        row = trainer.step(step)   # one pass queues the copies back: one gap a step
+        assert row["switch/queue_s"] == 0.25
+        assert row["switch/exposed_s"] >= 0.25 - 1e-9 * 0   # queueing is exposed time
+    off = _run(model_dir, tmp_path / "off", "memory.overlap=false")
+    assert off.step(0)["switch/queue_s"] == 0.0   # nothing is queued beside a pass
 
 
 def test_overlap_changes_no_number_of_the_training(model_dir, tmp_path):
@@ -236,7 +245,7 @@ def test_the_ref_comes_back_from_its_first_host_copy_every_step(model_dir, tmp_p
     worker = trainer.worker
     trainer.task.reward = lambda problem, text: float(len(text) % 3)
     problems, ids, indices, params = step_prompts(trainer.cfg, trainer.task, trainer.tokenizer, 0)
-    batch = trainer._score(problems, ids, indices, worker.generate(ids, params)).batch
+    batch = trainer._score(problems, ids, indices, worker.generate(ids, params).outputs).batch
     seen = []
     for step in range(2):
         worker.begin_step(step)
@@ -393,11 +402,11 @@ def test_a_fixed_pool_says_once_why_it_waits(model_dir, tmp_path, capsys):
 
 def test_a_card_too_full_for_the_early_copies_back_falls_back_and_says_so(
         model_dir, tmp_path, monkeypatch, capsys):
-    import handoff.worker as worker_module
+    import handoff.switch.copies as copies_module
 
     trainer = _run(model_dir, tmp_path)
     log = _event_log(trainer.worker, monkeypatch)
-    monkeypatch.setattr(worker_module, "device_free_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(copies_module, "device_free_bytes", lambda device: 1 << 20)
     for step in range(2):
         trainer.step(step)
     onloads = [e for e in _compact(log) if e.startswith(("onload", "forward", "drop"))]

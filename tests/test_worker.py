@@ -12,7 +12,7 @@ from handoff.modelzoo import init_model
 from handoff.plan.ledger import SWITCH_ACTIONS
 from handoff.rollout.engine import Engine
 from handoff.rollout.sampling import SamplingParams
-from handoff.worker import PROBES_TO_ROLLOUT, PROBES_TO_TRAIN
+from handoff.switch.worker import PROBES_TO_ROLLOUT, PROBES_TO_TRAIN
 
 PROMPTS = [[256, 51, 43, 52, 61], [256, 49, 55, 43, 50, 53, 61], [256, 72, 105]]
 
@@ -224,7 +224,8 @@ def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path,
     optimizer D2H and waiting for it would serialise the copy with the weights wake and sync
     (and free none of the optimizer's memory, released at the wait): to_rollout empties
     only after the wait."""
-    import handoff.worker as worker_module
+    import handoff.switch.clock as clock_module
+    import handoff.switch.worker as worker_module
 
     trainer = Run(tiny_cfg(model_dir, tmp_path))
     worker = trainer.worker
@@ -234,8 +235,9 @@ def test_cache_is_not_emptied_while_the_optimizer_copy_runs(model_dir, tmp_path,
     log = []
     real_empty = worker_module.aggressive_empty_cache
     _log_optimizer_copy(worker, log, monkeypatch)
-    monkeypatch.setattr(worker_module, "aggressive_empty_cache",
-                        lambda **kw: (log.append("empty cache"), real_empty(**kw))[1])
+    for module in (clock_module, worker_module):   # the clock's flushes, the activations'
+        monkeypatch.setattr(module, "aggressive_empty_cache",
+                            lambda **kw: (log.append("empty cache"), real_empty(**kw))[1])
     worker.to_rollout()
     started = log.index("optimizer copy started")
     waited = log.index("optimizer copy waited")

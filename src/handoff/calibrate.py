@@ -1,6 +1,6 @@
 """Every rate a run's ledger is priced with, measured once on the run's own card.
 
-    rates = calibrate(cfg, actor, pool)   # trainer state where the rollout phase keeps it,
+    rates = calibrate(cfg, plan, actor, pool)   # trainer state where the rollout phase keeps it,
                                           # the engine not built yet
     hw = rates.profile(hardware_profile("h200"))
 
@@ -21,7 +21,6 @@ The measurements behind these choices are in docs/PERF.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -32,15 +31,16 @@ import torch
 from handoff.config import Config
 from handoff.dist import wait_for_device
 from handoff.errors import HandoffError
+from handoff.reading import expect, read_json
 from handoff.memory.allocator import aggressive_empty_cache, host_memory
 from handoff.memory.host_copy import copy_from_host
 from handoff.memory.regions import RegionPool
-from handoff.plan.hardware import HardwareProfile, hardware_profile
+from handoff.plan.hardware import HardwareProfile
 from handoff.plan.kvpool import engine_weight_bytes, kv_bytes_per_token_per_card
-from handoff.plan.ledger import Dtypes, shard_size, trainer_bytes
-from handoff.plan.shapes import load_shape
+from handoff.plan.ledger import trainer_bytes
 from handoff.rollout.kv_sizing import kv_pool_blocks
 from handoff.rollout.weight_copy import copy_in_batches
+from handoff.runplan import RunPlan
 from handoff.sync.weights import WeightIter, sync_weights
 
 # rates key -> the hardware profile field it replaces in the ledger
@@ -68,14 +68,16 @@ class Rates:
         """The rates of an earlier run: its summary.json (or a JSON of the rates alone)."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise HandoffError(f"run.rates_file={str(path)!r} cannot be read as JSON ({e}): "
-                               "pass the summary.json of a finished run on this card") from None
-        values = data.get("rates", data) if isinstance(data, dict) else None
+            data = read_json(path, max_bytes=16 << 20)
+        except HandoffError as e:
+            raise HandoffError(f"run.rates_file: {e}; pass the summary.json of a finished run "
+                               "on this card") from None
+        values = data.get("rates", data)
         if not isinstance(values, dict) or "d2h_bps" not in values:
             raise HandoffError(f"run.rates_file={str(path)!r} holds no measured rates: pass the "
                                "summary.json of a finished `handoff train` run")
+        for key in values:   # every rate prices the ledger: a number, and not below 0
+            expect(values, key, (int, float), source=f"run.rates_file={str(path)!r}", lo=0)
         return cls(values)
 
     def profile(self, hw: HardwareProfile) -> HardwareProfile:
@@ -84,7 +86,7 @@ class Rates:
                                           in _PROFILE_FIELDS.items() if key in self.values})
 
 
-def calibrate(cfg: Config, actor, pool: RegionPool) -> Rates:
+def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     """Measure every rate (module docstring) on `pool`'s device. Call it with the trainer's
     state where the rollout phase keeps it and before the engine takes its KV pool; the
     actor's params are brought to the card for the sync's measurement and sent back."""
@@ -98,7 +100,7 @@ def calibrate(cfg: Config, actor, pool: RegionPool) -> Rates:
     if borrow:
         actor.to("host", params=True).wait()
         aggressive_empty_cache()
-    kv_bytes, weight_bytes, freed = _switch_sizes(cfg, pool)
+    kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool)
     on_cuda = device.type == "cuda"
     # Four pairs: one pair's times vary by a quarter from step to step.
     values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
@@ -112,17 +114,15 @@ def calibrate(cfg: Config, actor, pool: RegionPool) -> Rates:
     return Rates(values)
 
 
-def _switch_sizes(cfg: Config, pool: RegionPool) -> tuple[int, int, list]:
+def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, int, list]:
     """(KV pool, engine weights) bytes the engine is about to take, each at most what is free
     now less the wake margin and 1 GiB; and [(bytes, seconds before the KV wake)] that
     to_rollout hands back to the driver: the optimizer once its copy ends (the params' copy
     still to go), then the params and the sync's two buckets right before the wake. The pool
     is sized by the engine's own rule, with the planner's activation peak and graph pool for
     the ones the engine profiles."""
-    shape = load_shape(cfg.model.path)
-    dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
+    shape, dtypes, hw = plan.shape, plan.dtypes, plan.hardware
     ro, tp = cfg.rollout, cfg.parallel.tp
-    hw = hardware_profile(cfg.hardware.name, cfg.hardware)
     weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
     block = int(kv_bytes_per_token_per_card(shape, tp, dtypes.kv_bytes)) * ro.block_size
     on_cuda = pool.device.type == "cuda"
@@ -133,7 +133,7 @@ def _switch_sizes(cfg: Config, pool: RegionPool) -> tuple[int, int, list]:
                             overhead_bytes=int(hw.activation_peak_bytes + hw.graph_pool_bytes))
     room = free - pool.wake_margin_bytes - (1 << 30)
     weights = int(max(min(weights, room), 1))
-    owners = trainer_bytes(shape, shard_size(cfg.parallel), dtypes, ref=False)
+    owners = trainer_bytes(shape, plan.shard, dtypes, ref=False)
     params = owners["params"] if cfg.memory.param_offload else 0
     late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)
     early = owners["optimizer"] if cfg.memory.optimizer_offload else 0

@@ -10,6 +10,7 @@ accepted range. This module imports no torch: `handoff plan` uses it on a laptop
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -21,6 +22,7 @@ import yaml
 
 from handoff.errors import ConfigError
 from handoff.lengths import ResponseLengths
+from handoff.reading import read_yaml
 
 
 def F(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None,
@@ -152,6 +154,20 @@ class ActorConfig:
         "recompute activations in backward (auto: only when a micro-batch of "
         "handoff.plan.trainer.MIN_TOKENS_WITHOUT_RECOMPUTE tokens would not fit without it)"))
     updates_per_step: int = F(1, help="optimizer steps per rollout batch", ge=1)
+    loss_agg: str = F("token_mean", choices=("token_mean", "seq_mean", "seq_mean_token_sum_norm"),
+                      help=(
+        "how a step's per-token losses become one: token_mean, over all its response tokens "
+        "(DAPO); seq_mean, each sequence's token mean averaged over sequences (the GRPO paper); "
+        "seq_mean_token_sum_norm, each sequence's token sum / rollout.max_tokens averaged over "
+        "sequences (Dr. GRPO)"))
+    scale_advantages: bool = F(True, help=(
+        "divide each group's centred rewards by the group's std (false: Dr. GRPO's unscaled "
+        "advantages)"))
+    lr_schedule: str = F("constant", choices=("constant", "cosine", "linear"), help=(
+        "learning rate over the run's optimizer steps (run.steps * updates_per_step): after "
+        "the warm-up, constant, or a cosine or linear fall towards 0 at the last step"))
+    warmup_steps: int = F(0, ge=0, help=(
+        "optimizer steps of linear warm-up from actor.lr / warmup_steps to actor.lr"))
     compile: bool = F(False, help=(
         "torch.compile each decoder layer's forward (actor and reference): norms, RoPE and "
         "SwiGLU fused; the first micro-batches pay for the compile (handoff.train.compiled)"))
@@ -166,9 +182,12 @@ class SyncConfig:
 @dataclass
 class DataConfig:
     task: str = F("arithmetic", help="arithmetic | gsm8k | file", choices=("arithmetic", "gsm8k", "file"))
-    path: str | None = F(None, help="JSONL or Parquet file for task=file (or gsm8k)")
+    path: str | None = F(None, help="for task=file (or gsm8k): a JSONL or Parquet file, a "
+                         "`datasets` save_to_disk directory, or a Hub dataset id already in the "
+                         "local Hugging Face cache (never downloaded)")
     prompt_field: str = F("prompt", help="field that holds the prompt")
-    answer_field: str = F("answer", help="field that holds the reference answer")
+    answer_field: str = F("answer", help="field that holds the reference answer (a dotted name "
+                          "reads a nested field: reward_model.ground_truth in verl's files)")
     difficulty: int = F(1, help="arithmetic: digits per operand", ge=1, le=9)
     ops: str = F("+-", help="arithmetic: operators to draw from, a mix of + - *")
     context_chars: int = F(0, help="arithmetic: a filler passage of about this many characters "
@@ -177,6 +196,14 @@ class DataConfig:
                            ge=0)
     prompts_per_step: int = F(8, help="prompts per step (each sampled rollout.n times)", ge=1)
     chat_template: bool = F(True, help="apply the tokenizer's chat template when it has one")
+    split: str = F("train", help="the split of a `datasets` directory (save_to_disk) or of a Hub "
+                   "dataset id in data.path (read from the local Hugging Face cache only)")
+    subset: str | None = F(None, help="the configuration of a Hub dataset id (e.g. main for "
+                           "openai/gsm8k; None: its only or default one)")
+    eval_path: str | None = F(None, help="an evaluation set, read as data.path is (JSONL, "
+                              "Parquet, a save_to_disk directory or a cached Hub id; None: none)")
+    eval_split: str = F("test", help="the split of data.eval_path when it is a `datasets` "
+                        "directory or a Hub id")
 
 
 @dataclass
@@ -191,9 +218,13 @@ class WorkloadConfig:
 
 @dataclass
 class RunConfig:
-    steps: int = F(10, help="training steps", ge=1)
+    # Bounded so that a typo (1e12) is refused at once, not a preflight that counts saves
+    # for hours: 10**7 steps is years of training at the fastest step handoff takes.
+    steps: int = F(10, help="training steps (at most 10**7)", ge=1, le=10**7)
     out_dir: str = F("runs/default", help="output directory (metrics, timeline, checkpoints)")
-    seed: int = F(0, help="global seed", ge=0)
+    # torch.manual_seed and numpy's generators take a non-negative 64-bit integer.
+    seed: int = F(0, help="global seed (0 .. 2**63-1: torch's and numpy's seed range)", ge=0,
+                  le=2**63 - 1)
     device: str = F("auto", help="auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
     save_every: int = F(0, help="checkpoint every N steps (0: only at the end)", ge=0)
     checkpoint: bool = F(True, help="write checkpoints (false: a benchmark run that keeps none)")
@@ -205,6 +236,41 @@ class RunConfig:
     rates_file: str | None = F(None, help="price the ledger with the rates an earlier run on "
                                "this card measured (its summary.json) instead of measuring them "
                                "at start (handoff bench sweep's points)")
+    loggers: list[str] = F(default_factory=lambda: ["tensorboard"],
+                           choices=("tensorboard", "wandb", "mlflow"), help=(
+        "where each step's metrics also go (metrics.jsonl always): tensorboard (out_dir/"
+        "tensorboard), wandb (pip install 'handoff[wandb]'; WANDB_MODE=offline keeps it in "
+        "out_dir/wandb), mlflow (pip install 'handoff[mlflow]'; out_dir/mlruns unless "
+        "MLFLOW_TRACKING_URI is set); e.g. run.loggers=[tensorboard,wandb]"))
+    wandb_project: str | None = F(None, help="wandb project (None: 'handoff'); the run is "
+                                  "named after run.out_dir")
+    log_samples: int = F(4, ge=0, help="completions per step written to out_dir/samples.jsonl "
+                         "(prompt, completion, reward) and logged as text (0: none)")
+    eval_every: int = F(0, help="score the evaluation set (data.eval_path) every N steps "
+                        "(0: never)", ge=0)
+
+
+@dataclass
+class RewardConfig:
+    functions: list[str] = F(default_factory=list, help=(
+        "rewards to score with, each FILE.py:NAME (a path relative to the current directory, "
+        "as data.path), module.path:NAME, or a built-in handoff:task | handoff:numeric | "
+        "handoff:exact; TRL- and verl-style functions are told apart by their parameters "
+        "(handoff/rewards); empty: the task's own grader. The named code runs: it is yours"))
+    weights: list[float] | None = F(None, help="one weight per reward function, in order "
+                                    "(None: all 1.0); the reward is the weighted sum, a None "
+                                    "value skipped as TRL does")
+    workers: int = F(0, ge=0, help="score FILE.py / module rewards in a pool of this many "
+                     "processes, each loading the functions itself (0: in this process; "
+                     "built-ins and functions passed from Python always run in process)")
+
+
+@dataclass
+class EvalConfig:
+    n: int = F(0, ge=0, help="problems of data.eval_path scored per evaluation, the first n in "
+               "file order (0: all of them); task=arithmetic without data.eval_path: n problems "
+               "of a stream no run trains on (0: no evaluation)")
+    temperature: float = F(0.0, ge=0, help="sampling temperature of an evaluation (0: greedy)")
 
 
 @dataclass
@@ -219,6 +285,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -231,11 +299,16 @@ def _field_types(cls: type) -> dict[str, Any]:
 def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
     """Turn a YAML/CLI value into the field's declared type, or raise naming the field."""
     origin = typing.get_origin(tp)
+    if origin is list:   # a YAML list, or one item alone (run.loggers=wandb)
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(item, typing.get_args(tp)[0], key, meta) for item in items]
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         tp = args[0]
+    if typing.get_origin(tp) is list:
+        return _coerce_list(value, typing.get_args(tp)[0], key, meta)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -245,6 +318,8 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4")
+        if isinstance(value, int):   # exact: a float would round a seed above 2**53
+            return value
         try:
             as_float = float(value)
         except ValueError:
@@ -273,6 +348,14 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
     return value
 
 
+def _coerce_list(value: Any, item_tp: Any, key: str, meta: dict) -> list:
+    """A list field from YAML or `key=[a,b]` (a single value is a list of one)."""
+    if value is None:
+        raise ConfigError(f"{key} is empty (YAML null): give a list such as [a, b] or []")
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [_coerce(item, item_tp, f"{key}[{i}]", meta) for i, item in enumerate(items)]
+
+
 def _apply(obj: Any, data: dict, prefix: str) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping of keys, got {data!r}")
@@ -296,7 +379,7 @@ def set_key(cfg: Config, dotted: str, raw: str) -> None:
     parts = dotted.split(".")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):   # then the text as typed
         value = raw
     nested: Any = value
     for part in reversed(parts):
@@ -312,11 +395,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} not found: pass the path of a YAML file "
                               "such as examples/cpu-demo.yaml")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML ({e}): fix the syntax") from None
-        _apply(cfg, data, "")
+        _apply(cfg, read_yaml(p) or {}, "")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value: write e.g. rollout.n=8")
@@ -328,6 +407,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def _check_field(key: str, value: Any, meta: dict) -> None:
     if value is None or (meta.get("auto") and value == "auto"):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_field(f"{key}[{i}]", item, meta)
         return
     choices = meta.get("choices")
     if choices is not None and value not in choices:
@@ -385,6 +468,12 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError(f"rollout.max_tokens={ro.max_tokens} leaves no room for a prompt in "
                           f"rollout.max_model_len={ro.max_model_len}: lower max_tokens or raise "
                           "max_model_len above it")
+    a = cfg.actor
+    optimizer_steps = cfg.run.steps * a.updates_per_step
+    if a.warmup_steps > optimizer_steps:
+        raise ConfigError(f"actor.warmup_steps={a.warmup_steps} is longer than the run's "
+                          f"{optimizer_steps} optimizer steps (run.steps * actor.updates_per_step):"
+                          " the learning rate would never reach actor.lr; lower warmup_steps")
     run = cfg.run
     if not run.out_dir.strip():
         raise ConfigError("run.out_dir is empty (it would mean the current directory): name "
@@ -396,3 +485,23 @@ def _check_cross_fields(cfg: Config) -> None:
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def reference(cfg: Any = None, prefix: str = "") -> list[dict[str, str]]:
+    """Every key of the config tree, in order: {"key", "default", "range", "help"} (the
+    `handoff config` listing, generated from the fields' own metadata)."""
+    cfg = Config() if cfg is None else cfg
+    rows = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += reference(value, f"{prefix}{f.name}.")
+        else:
+            meta = dict(f.metadata)
+            bounded = any(meta.get(k) is not None for k in ("ge", "gt", "le", "lt"))
+            accepted = (" | ".join(map(str, meta["choices"])) if meta.get("choices")
+                        else _range_text(meta) if bounded else "")
+            rows.append({"key": f"{prefix}{f.name}", "default": json.dumps(value),
+                         "range": accepted + (" or auto" if meta.get("auto") else ""),
+                         "help": meta.get("help", "")})
+    return rows

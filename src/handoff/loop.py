@@ -26,9 +26,11 @@ and after a resume.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -37,20 +39,19 @@ from handoff.config import Config
 from handoff.dist import mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
-from handoff.memory.allocator import alloc_retries, frozen_gc_heap
+from handoff.memory.allocator import frozen_gc_heap
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_dir import claim_out_dir, trim_metrics, write_run_config
 from handoff.run_report import RunReport, console
+from handoff.rewards import RewardSet, Sample
+from handoff.runplan import RunPlan
 from handoff.startup import start_worker
-from handoff.tasks import build_task
+from handoff.tasks import build_eval_problems, build_task
 from handoff.train.batch import RolloutBatch
 from handoff.train.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
                                      save_checkpoint)
-from handoff.worker import SwitchRecord
+from handoff.switch import Generation, StepTimes, SwitchRecord
 
-
-# Engine counters a step row reports as this step's share (stats() gives them since start).
-_ENGINE_COUNTERS = ("preemptions", "decode_steps", "decode_seconds", "prefill_seconds")
 
 
 def _prompt_seed(seed: int, step: int, index: int) -> int:
@@ -91,38 +92,46 @@ class Scored:
     rewards: list[float]
     lengths: list[int]
     prompt_lengths: list[int]
+    reward_metrics: dict[str, float]   # RewardSet's: reward/<name>, accuracy, format_rate, ...
+    texts: list[tuple[str, str]]       # (prompt, completion) of every sample, in order
 
 
-def step_row(step: int, scored: Scored, update: dict[str, float], switch: SwitchRecord,
-             engine: dict, *, world: int, gen_s: float, train_s: float, checkpoint_s: float,
-             step_s: float, work: dict[str, float], host_s: float = 0.0,
-             flush_s: float = 0.0, copy_wait_s: float = 0.0, queue_s: float = 0.0,
-             gemms_warmed: int = 0, alloc_retries: int = 0) -> dict:
-    """The step's metrics row (rewards and lengths averaged over every rank; the engine's
-    numbers, `engine` = its stats after the step's generate with this step's preemptions,
-    are this rank's, and so are `work`, its generation and trainer compute seconds by phase
-    (HybridWorker.work), `copy_wait_s`, the compute's waits for copies, `host_s`, the step's
-    host work outside the worker (its prompts and their scoring: part of the exposed time),
-    `flush_s`, the switch's cache flushes (HybridWorker.flush_seconds: exposed too),
-    `queue_s`, the compute's idle time while the host queues the copies back inside it, and
-    `gemms_warmed`, the GEMM shapes launched before them (HybridWorker: exposed too), and
-    train_tokens, the prompt + response tokens it trained on)."""
+@dataclass(frozen=True)
+class HostTimes:
+    """The loop's own clock of a step: its wall seconds, the part spent saving a checkpoint,
+    the trainer's wall seconds (log-probs and update), and its host work outside the worker
+    (sampling the prompts, scoring the responses: exposed, no device works meanwhile)."""
+
+    step_s: float
+    checkpoint_s: float
+    train_s: float
+    host_s: float
+
+
+def step_row(step: int, scored: Scored, update: dict[str, float], gen: Generation,
+             switch: SwitchRecord, times: StepTimes, host: HostTimes, *, world: int) -> dict:
+    """The step's metrics row: rewards and lengths averaged over every rank; the engine's
+    numbers (`gen.engine`: its stats after the step's generation, this step's share of its
+    counters), `times` (the worker's clock) and train_tokens (the prompt + response tokens
+    trained on) are this rank's."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
     length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
     tokens, _, _ = mean_over_ranks([float(sum(scored.lengths))])
     prompt_mean, _, _ = mean_over_ranks([float(n) for n in scored.prompt_lengths])
-    sync = switch.sync
+    sync, engine = switch.sync, gen.engine
     row = {
         "step": step + 1, "reward_mean": reward_mean, "reward_std": reward_std,
         "response_length": length_mean, **{k: float(v) for k, v in update.items()},
-        "timing_s/gen": gen_s, "timing_s/train": train_s, "timing_s/step": step_s,
-        "timing_s/checkpoint": checkpoint_s, "timing_s/host": host_s,
-        "tokens_per_s": tokens * world / gen_s,
-        "switch/exposed_s": step_s - checkpoint_s - sum(work.values()),
-        "switch/copy_wait_s": copy_wait_s, "switch/flush_s": flush_s,
-        "switch/queue_s": queue_s, "switch/gemms_warmed": gemms_warmed,
-        **{f"work_s/{phase}": seconds for phase, seconds in work.items()},
-        "switch/raw_s": sum(a.seconds for a in switch.actions.values()),
+        **scored.reward_metrics,
+        "timing_s/gen": gen.seconds, "timing_s/train": host.train_s,
+        "timing_s/step": host.step_s, "timing_s/checkpoint": host.checkpoint_s,
+        "timing_s/host": host.host_s,
+        "tokens_per_s": tokens * world / gen.seconds,
+        "switch/exposed_s": host.step_s - host.checkpoint_s - times.work_s,
+        "switch/copy_wait_s": times.copy_wait_s, "switch/flush_s": times.flush_s,
+        "switch/queue_s": times.queue_s, "switch/gemms_warmed": times.gemms_warmed,
+        **{f"work_s/{phase}": seconds for phase, seconds in times.work.items()},
+        "switch/raw_s": switch.raw_seconds,
         "train_tokens": sum(scored.prompt_lengths) + sum(scored.lengths),
         "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
         "sync/bound_extra_bytes": sync.bound_extra_bytes,
@@ -137,7 +146,7 @@ def step_row(step: int, scored: Scored, update: dict[str, float], switch: Switch
         "engine/decode_s": engine["decode_seconds"],
         "engine/prefill_s": engine["prefill_seconds"],
         # Allocations that flushed torch's cache (a device sync each): the step ran short.
-        "memory/alloc_retries": alloc_retries,
+        "memory/alloc_retries": times.alloc_retries,
     }
     if sync.verified_buckets:   # sync.verify: every bucket's checksum matched on both sides
         row["sync/verified_buckets"] = sync.verified_buckets
@@ -163,7 +172,8 @@ def check_finite_update(update: dict, step: int) -> None:
 class Run:
     """One training run: the worker, the task, the tokenizer and the output files."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, plan: RunPlan | None = None, *,
+                 reward_funcs: Sequence[Callable] = ()):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -178,9 +188,13 @@ class Run:
 
             hf_logging.disable_progress_bar()
         torch.manual_seed(cfg.run.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
         self.task = build_task(cfg.data, seed=cfg.run.seed)
-        self.worker, self.rates = start_worker(cfg)
+        self.rewards = RewardSet.from_config(cfg.reward, self.task, callables=reward_funcs)
+        self.eval_set = build_eval_problems(cfg.data, cfg.eval, seed=cfg.run.seed)
+        self.samples: list[tuple[str, str, float]] = []   # the last step's, for the report
+        self.plan = plan or RunPlan.build(cfg)
+        self.worker, self.rates = start_worker(cfg, self.plan)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
         self.start_step = 0
@@ -189,8 +203,8 @@ class Run:
             self._resume()
         if self.rank == 0:
             trim_metrics(self.out_dir, self.start_step)
-        self.report = (RunReport(cfg, self.out_dir, rates=self.rates, meter=self.worker.meter,
-                                 kv_pool_bytes=self.worker.pool.region_bytes("kv_cache"))
+        self.report = (RunReport(self.plan, self.out_dir, rates=self.rates, meter=self.worker.meter,
+                                 kv_pool_bytes=self.worker.kv_pool_bytes)
                        if self.rank == 0 else None)
 
     # ---------------------------------------------------------------- checkpoints
@@ -212,50 +226,48 @@ class Run:
 
     def _save(self, step: int) -> Path:
         """Write checkpoint `step` unpublished: it counts once its metrics row is written."""
-        self.worker.settle()   # no copy of the trainer's state may still be on its way
-        return save_checkpoint(self.ckpt_dir, self.worker.actor, step=step,
-                               extra={"task": self.task.state_dict()}, publish=False)
+        return self.worker.save_trainer_state(lambda actor: save_checkpoint(
+            self.ckpt_dir, actor, step=step, extra={"task": self.task.state_dict()},
+            publish=False))
 
     # ---------------------------------------------------------------- one step
 
-    def _score(self, problems: list, prompt_ids: list[list[int]], indices: list[int],
-               outs: list) -> Scored:
-        """Reward every sample this rank trains on; the batch on the worker's device."""
-        prompts_rep, responses, rewards, lengths = [], [], [], []
+    def _score(self, step: int, problems: list, prompt_ids: list[list[int]],
+               indices: list[int], outs: list) -> Scored:
+        """Reward every sample this rank trains on (RewardSet); the batch on the worker's
+        device. A reward function that fails stops the step here, before any training: the
+        last checkpoint is the run's state."""
+        chat = self.cfg.data.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
+        prompts_rep, responses, samples, texts = [], [], [], []
         for problem, ids, out, index in zip(problems, prompt_ids, outs, indices):
             if index % self.world != self.rank:
                 continue  # generated for another rank of this TP group, which trains on it
+            prompt = list(problem.messages) if chat else problem.prompt
             for sample in out.outputs:
                 text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
                 prompts_rep.append(ids)
                 responses.append(sample.token_ids)
-                rewards.append(float(self.task.reward(problem, text)))
-                lengths.append(len(sample.token_ids))
+                samples.append(Sample(problem, prompt, text, sample.token_ids))
+                texts.append((problem.prompt, text))
+        scored = self.rewards.score(samples, step=step, max_steps=self.cfg.run.steps)
+        rewards = list(scored.totals)
         batch = RolloutBatch.from_tokens(prompts_rep, responses, rewards,
                                          group_size=self.cfg.rollout.n, pad_id=self.pad_id)
-        return Scored(batch.to(self.worker.device), rewards, lengths,
-                      [len(ids) for ids in prompts_rep])
+        return Scored(batch.to(self.worker.device), rewards, [len(r) for r in responses],
+                      [len(ids) for ids in prompts_rep], scored.metrics_row(), texts)
 
     def step(self, step: int, *, save: bool = False) -> dict:
         """One GRPO step; with `save`, checkpoint after the update (trainer state on device)."""
         worker = self.worker
         worker.begin_step(step)
         t_step = time.perf_counter()
-        host_s = 0.0   # the step's own host work outside the worker: prompts, then scoring
         problems, prompt_ids, indices, params = step_prompts(
             self.cfg, self.task, self.tokenizer, step, rank=self.rank, world=self.world,
-            tp=worker.engine.tp.size)
-        host_s += time.perf_counter() - t_step
-        before = worker.engine.stats()
-        retries = alloc_retries(worker.device)
+            tp=worker.tp_size)
+        host_s = time.perf_counter() - t_step
+        gen = worker.generate(prompt_ids, params)
         t0 = time.perf_counter()
-        outs = worker.generate(prompt_ids, params)
-        gen_s = time.perf_counter() - t0
-        engine = worker.engine.stats()
-        for counter in _ENGINE_COUNTERS:   # this step's share of the engine's counters
-            engine[counter] -= before[counter]
-        t0 = time.perf_counter()
-        scored = self._score(problems, prompt_ids, indices, outs)
+        scored = self._score(step, problems, prompt_ids, indices, gen.outputs)
         host_s += time.perf_counter() - t0
         to_train = worker.to_train()
         t0 = time.perf_counter()
@@ -268,14 +280,42 @@ class Run:
         self.pending_checkpoint = self._save(step + 1) if save else None
         checkpoint_s = time.perf_counter() - t0 if save else 0.0
         to_rollout = worker.to_rollout()
-        switch = SwitchRecord.merged([to_train, ref_moves, optimizer_moves, to_rollout,
-                                      worker.take_landed()])
-        return step_row(step, scored, update, switch, engine, world=self.world, gen_s=gen_s,
-                        train_s=train_s, checkpoint_s=checkpoint_s, host_s=host_s,
-                        step_s=time.perf_counter() - t_step, work=worker.work,
-                        flush_s=worker.flush_seconds, copy_wait_s=worker.copy_wait_seconds,
-                        queue_s=worker.queue_seconds, gemms_warmed=worker.gemms_warmed,
-                        alloc_retries=alloc_retries(worker.device) - retries)
+        switch, times = worker.end_step([to_train, ref_moves, optimizer_moves, to_rollout])
+        host = HostTimes(step_s=time.perf_counter() - t_step, checkpoint_s=checkpoint_s,
+                         train_s=train_s, host_s=host_s)
+        self.samples = [(p, c, r) for (p, c), r in zip(scored.texts, scored.rewards)]
+        return step_row(step, scored, update, gen, switch, times, host, world=self.world)
+
+    def evaluate(self) -> dict[str, float]:
+        """The evaluation set (data.eval_path, or arithmetic's held-out stream), one sample
+        each at eval.temperature (0: greedy), scored by the run's rewards: eval/reward_mean,
+        eval/accuracy and eval/format_rate where a grader gives them, averaged over ranks.
+        Runs in the rollout phase, between two steps."""
+        task, problems = self.eval_set
+        cfg = self.cfg
+        params = SamplingParams.from_config(cfg.rollout, seed=cfg.run.seed)
+        params = dataclasses.replace(params, n=1, temperature=cfg.eval.temperature,
+                                     sample_max_tokens=())
+        tp = self.worker.tp_size
+        mine = [i for i in range(len(problems)) if i % self.world // tp == self.rank // tp]
+        ids = [task.encode_prompt(problems[i], self.tokenizer, chat=cfg.data.chat_template)
+               for i in mine]
+        outs = self.worker.generate(ids, [params] * len(ids)).outputs
+        self.worker.reset_prefix_cache()
+        chat = cfg.data.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
+        samples = [Sample(problems[i], list(problems[i].messages) if chat else problems[i].prompt,
+                          self.tokenizer.decode(out.outputs[0].token_ids,
+                                                skip_special_tokens=True),
+                          out.outputs[0].token_ids)
+                   for i, out in zip(mine, outs) if i % self.world == self.rank]
+        scored = self.rewards.score(samples) if samples else None
+        row = {"eval/reward_mean": mean_over_ranks(list(scored.totals) if scored else [])[0]}
+        for key, flags in (("accuracy", "correct"), ("format_rate", "formatted")):
+            known = [float(f) for f in getattr(scored, flags, ()) if f is not None]
+            value, _, count = mean_over_ranks(known)
+            if count:
+                row[f"eval/{key}"] = value
+        return row
 
     # ---------------------------------------------------------------- the run
 
@@ -293,8 +333,12 @@ class Run:
                     save = cfg.run.checkpoint and (done == cfg.run.steps or bool(
                         cfg.run.save_every and done % cfg.run.save_every == 0))
                     row = self.step(step, save=save)
+                    if self.eval_set and cfg.run.eval_every and (
+                            done % cfg.run.eval_every == 0 or done == cfg.run.steps):
+                        row.update(self.evaluate())
                     if self.report is not None:
                         self.report.log_step(row)
+                        self.report.log_samples(done, self.samples)
                     if self.pending_checkpoint is not None:
                         publish_checkpoint(self.pending_checkpoint,
                                            keep=cfg.run.keep_checkpoints)
@@ -309,13 +353,17 @@ class Run:
         return self.report.finish() if self.report is not None else {}
 
 
-def train(cfg: Config) -> dict:
-    """Run `cfg` to the end; returns the summary (rank 0; {} elsewhere)."""
-    run = Run(cfg)
+def train(cfg: Config, *, plan: RunPlan | None = None,
+          reward_funcs: Sequence[Callable] = ()) -> dict:
+    """Run `cfg` to the end; returns the summary (rank 0; {} elsewhere). `plan`: the run's
+    plan when the preflight built it already; `reward_funcs`: reward functions from Python
+    (after those reward.functions names, weighted by reward.weights)."""
+    run = Run(cfg, plan, reward_funcs=reward_funcs)
     try:
         if run.rank == 0:   # after the resume: a failed one leaves the run's config as it was
             write_run_config(cfg)
         return run.run()
     finally:
+        run.rewards.close()
         if run.run_lock is not None:   # the run is over: out_dir is free for the next
             run.run_lock.release()

@@ -1,25 +1,40 @@
 """Checks of an HF checkpoint directory before anything loads it (no torch here).
 
-    check_model_dir("ckpt/", flag="model.path")    # config.json, tokenizer, complete weights
+    check_model_dir("ckpt/", flag="model.path")    # config, architecture, tokenizer, weights
+    files = weight_files("ckpt/")                  # the safetensors both sides load
     cap_context(cfg)                               # max_model_len within the model's positions
+    tokenizer = load_tokenizer("ckpt/")            # transformers', never custom code
     check_loading_info("ckpt/", info)              # after transformers' from_pretrained
 
 A weights file cut short (a copy that stopped, a full disk) or a config.json that does not
 describe the weights should be one line naming the file, not a loader's traceback, and
 never a model that trains from a random tensor: transformers fills a missing tensor with a
 fresh init and carries on, so the trainer checks what it reports.
+
+A model directory is data, never code: only safetensors are read (a pickle weight file,
+`pytorch_model.bin`, is never opened), and a config naming custom code (`auto_map`) or an
+architecture the engine does not run is refused before transformers could offer to run it.
+The trainer and the engine read the one list `weight_files` returns, the files transformers
+loads with use_safetensors=True, in its order: model.safetensors, else the index's shards.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from handoff.errors import HandoffError
+from handoff.reading import expect, parse_json, read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")   # the engine's decoders (rollout/models)
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit on its JSON header
+_MAX_CONFIG_BYTES = 4 << 20     # a config.json is a few kB
+_CONVERT = ("convert it once on a machine you trust with transformers: "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, "
+            "safe_serialization=True)")
 
 
 def read_model_config(path: str | Path, *, flag: str = "--model") -> dict:
@@ -29,37 +44,150 @@ def read_model_config(path: str | Path, *, flag: str = "--model") -> dict:
         raise HandoffError(f"{flag}={str(path)!r} is not an HF checkpoint directory (no "
                            "config.json): create one with `handoff init-model --preset "
                            "tiny-qwen3 --out DIR` or point it at a downloaded model")
-    try:
-        config = json.loads(file.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HandoffError(f"{file} is not valid JSON ({e.__class__.__name__}): restore the "
-                           "checkpoint's config.json") from None
-    if not isinstance(config, dict):
-        raise HandoffError(f"{file} is not a JSON object: restore the checkpoint's config.json")
-    return config
+    return read_json(file, max_bytes=_MAX_CONFIG_BYTES)
+
+
+def check_architecture(path: str | Path, config: dict) -> None:
+    """Refuse custom model code (`auto_map`) and any architecture the engine does not run,
+    before transformers sees the directory (it would ask whether to run the code)."""
+    model = Path(path)
+    fix = (f"handoff runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints with its own code "
+           "and never runs a model's code: point it at a supported checkpoint")
+    for name in ("config.json", "tokenizer_config.json"):
+        file = model / name
+        data = config if name == "config.json" else (
+            read_json(file, max_bytes=_MAX_CONFIG_BYTES << 4) if file.is_file() else {})
+        if "auto_map" in data:
+            raise HandoffError(f"{file} names custom code (auto_map): that architecture is not "
+                               f"supported; {fix}")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HandoffError(f"{model / 'config.json'}: architecture model_type={model_type!r} is "
+                           f"not supported; {fix}")
+    archs = expect(config, "architectures", list, source=str(model / "config.json"), default=[])
+    bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if bad:
+        raise HandoffError(f"{model / 'config.json'}: architecture {bad[0]!r} is not "
+                           f"supported; {fix}")
+
+
+def check_shape(path: str | Path, config: dict) -> None:
+    """The sizes config.json gives are whole positive numbers and the heads divide."""
+    src = str(Path(path) / "config.json")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+        expect(config, key, int, source=src, lo=1)
+    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        expect(config, key, int, source=src, lo=1, default=None)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise HandoffError(f"{src}: num_attention_heads={heads} is not a multiple of "
+                           f"num_key_value_heads={kv_heads} (each KV head serves a whole group "
+                           "of query heads): restore the checkpoint's config.json")
+    if config.get("head_dim") is None and config["hidden_size"] % heads:
+        raise HandoffError(f"{src}: hidden_size={config['hidden_size']} does not divide into "
+                           f"num_attention_heads={heads} heads and no head_dim is given: restore "
+                           "the checkpoint's config.json")
+
+
+def _tokenizer_ids(model: Path) -> tuple[int, str]:
+    """(largest token id, where it is) of tokenizer.json and tokenizer_config.json."""
+    best = (-1, "")
+    file = model / "tokenizer.json"
+    if file.is_file():
+        data = read_json(file)
+        vocab = data.get("model", {}).get("vocab") if isinstance(data.get("model"), dict) else None
+        if isinstance(vocab, dict):       # BPE, WordPiece: {token: id}
+            ids = [v for v in vocab.values() if isinstance(v, int)]
+        elif isinstance(vocab, list):     # Unigram: [[token, score], ...] by id
+            ids = [len(vocab) - 1]
+        else:
+            ids = []
+        best = max(best, (max(ids, default=-1), f"{file} (model.vocab)"))
+        added = [t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+        best = max(best, (max((i for i in added if isinstance(i, int)), default=-1),
+                          f"{file} (added_tokens)"))
+    file = model / "tokenizer_config.json"
+    if file.is_file():
+        decoder = read_json(file, max_bytes=_MAX_CONFIG_BYTES << 4).get("added_tokens_decoder")
+        if isinstance(decoder, dict):
+            ids = [int(k) for k in decoder if str(k).isdigit() and len(str(k)) < 12]
+            best = max(best, (max(ids, default=-1), f"{file} (added_tokens_decoder)"))
+    return best
+
+
+def check_tokenizer_ids(path: str | Path, config: dict) -> None:
+    """Every id the tokenizer can produce, and the special ids config.json and
+    generation_config.json name, index a row of the model's embedding (vocab_size)."""
+    model = Path(path)
+    vocab = config["vocab_size"]
+    fix = "the tokenizer is not this model's: save the model's own tokenizer next to it"
+    top, where = _tokenizer_ids(model)
+    if top >= vocab:
+        raise HandoffError(f"{where} has token id {top}, past the model's vocab_size={vocab} "
+                           f"(config.json): {fix}")
+    gen = model / "generation_config.json"
+    sources = [(model / "config.json", config)] + (
+        [(gen, read_json(gen, max_bytes=_MAX_CONFIG_BYTES))] if gen.is_file() else [])
+    for file, data in sources:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = data.get(key)
+            for i in value if isinstance(value, list) else [value]:
+                if i is None:
+                    continue
+                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+                    raise HandoffError(f"{file}: {key}={i!r} is not a token id of the model's "
+                                       f"vocab_size={vocab}: {fix}")
+
+
+def special_token_ids(path: str | Path, config: dict, key: str) -> frozenset[int]:
+    """The ids config.json and generation_config.json give `key` (e.g. eos_token_id; chat
+    models list several), checked as check_tokenizer_ids checks them."""
+    model = Path(path)
+    gen = model / "generation_config.json"
+    ids: set[int] = set()
+    for data in [config] + ([read_json(gen, max_bytes=_MAX_CONFIG_BYTES)] if gen.is_file() else []):
+        value = data.get(key)
+        ids |= {i for i in (value if isinstance(value, list) else [value])
+                if isinstance(i, int) and not isinstance(i, bool)}
+    return frozenset(ids)
 
 
 def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: its index's shards, or every *.safetensors."""
+    """The safetensors files of a checkpoint, as transformers loads them with
+    use_safetensors=True: model.safetensors, else the shards of model.safetensors.index.json.
+    Pickle weights are never opened; other names are refused rather than guessed at."""
     model = Path(path)
-    index = model / "model.safetensors.index.json"
+    single, index = model / "model.safetensors", model / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_bytes())["weight_map"].values()))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise HandoffError(f"{index} is not a safetensors index (truncated or edited): "
-                               "restore it from the checkpoint") from None
-        files = [model / name for name in shards]
-        for f in files:
-            if not f.is_file():
-                raise HandoffError(f"{f} is missing (listed in {index.name}): copy the whole "
-                                   "checkpoint")
+        weight_map = expect(read_json(index), "weight_map", dict, source=str(index))
+        files = []
+        for name in sorted(set(weight_map.values())):
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+                raise HandoffError(f"{index} lists {name!r}, not a file name in {model}: "
+                                   "restore the index from the checkpoint")
+            if not (model / name).is_file():
+                raise HandoffError(f"{model / name} is missing (listed in {index.name}): copy "
+                                   "the whole checkpoint")
+            files.append(model / name)
+        if not files:
+            raise HandoffError(f"{index} lists no weights: restore it from the checkpoint")
         return files
-    files = sorted(model.glob("*.safetensors"))
-    if not files:
-        raise HandoffError(f"{model} has no *.safetensors weights: handoff loads safetensors "
-                           "checkpoints only (save with safe_serialization=True)")
-    return files
+    others = sorted(model.glob("*.safetensors"))
+    if others:
+        raise HandoffError(f"{others[0]} is not a name transformers loads (model.safetensors or "
+                           "the shards of model.safetensors.index.json): rename it to "
+                           "model.safetensors (one file) or write the index")
+    pickles = sorted(p.name for p in model.iterdir() if p.suffix in PICKLE_SUFFIXES) \
+        if model.is_dir() else []
+    if pickles:
+        raise HandoffError(f"{model} holds pickle weights only ({pickles[0]}), which handoff "
+                           f"never opens (unpickling can run code): {_CONVERT}")
+    raise HandoffError(f"{model} has no *.safetensors weights: handoff loads safetensors "
+                       "checkpoints only (save with safe_serialization=True)")
 
 
 def check_safetensors(file: Path) -> None:
@@ -73,11 +201,10 @@ def check_safetensors(file: Path) -> None:
             raise HandoffError(f"{file} is truncated or not a safetensors file ({size} bytes, "
                                f"no complete header): {fix}")
         try:
-            header = json.loads(f.read(n))
+            header = parse_json(f.read(n), source=f"{file}'s header")
             end = max((int(v["data_offsets"][1]) for k, v in header.items()
                        if k != "__metadata__"), default=0)
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
-                AttributeError, IndexError):
+        except (HandoffError, KeyError, TypeError, ValueError, AttributeError, IndexError):
             raise HandoffError(f"{file} has a damaged safetensors header: {fix}") from None
     if 8 + n + end > size:
         raise HandoffError(f"{file} is truncated: its header describes {8 + n + end} bytes, the "
@@ -85,15 +212,33 @@ def check_safetensors(file: Path) -> None:
 
 
 def check_model_dir(path: str | Path, *, flag: str = "--model", tokenizer: bool = True) -> None:
-    """config.json readable, the tokenizer's files present, every weights file complete."""
-    read_model_config(path, flag=flag)
+    """config.json readable and of a supported architecture whose heads divide, the
+    tokenizer's files present with ids inside the vocabulary, every weights file complete."""
+    config = read_model_config(path, flag=flag)
+    check_architecture(path, config)
+    check_shape(path, config)
     model = Path(path)
     if tokenizer and not any((model / name).is_file() for name in TOKENIZER_FILES):
         raise HandoffError(f"{model} has no tokenizer files ({' or '.join(TOKENIZER_FILES)}): "
                            "save the tokenizer next to the weights "
                            "(tokenizer.save_pretrained(DIR))")
+    check_tokenizer_ids(path, config)
     for file in weight_files(model):
         check_safetensors(file)
+
+
+def load_tokenizer(path: str | Path):
+    """transformers' tokenizer of a checked model directory; custom tokenizer code is never
+    run (trust_remote_code=False, and check_architecture refused an auto_map before)."""
+    from transformers import AutoTokenizer
+
+    check_architecture(path, read_model_config(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        said = " ".join(str(e).split())[:200]   # transformers' messages span lines
+        raise HandoffError(f"cannot load a tokenizer from {str(path)!r} ({said}): pass an HF "
+                           "checkpoint directory with tokenizer files") from None
 
 
 def cap_context(cfg) -> None:

@@ -96,10 +96,9 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
     from handoff.demo_model import SMOLLM2_PRESET, convert_smollm2
 
     if preset == SMOLLM2_PRESET:
-        # A file is refused here; a directory convert_smollm2 judges itself (an earlier
-        # conversion is returned as it is, anything else refused).
-        check_out(Path(out), overwrite=True)
-        return convert_smollm2(out, dtype=dtype or "float32")
+        # An earlier conversion of the same dtype is returned as it is; any other directory
+        # holding files is refused without `overwrite`, as for every preset.
+        return convert_smollm2(out, dtype=dtype or "float32", overwrite=overwrite)
     if preset not in PRESETS:
         raise HandoffError(f"unknown preset {preset!r}: choose one of "
                            f"{', '.join([*PRESETS, SMOLLM2_PRESET])}")

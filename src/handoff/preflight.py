@@ -1,8 +1,10 @@
-"""Checks `handoff train` makes before any work: is the model there, does the plan fit.
+"""Checks `handoff train` makes before any work: is the launch whole, is the model there and
+of one piece with its tokenizer, does every data record fit, does the plan fit.
 
 A run that cannot fit should fail in a second with the planner's reasons, not after minutes
 of loading with an out-of-memory error on the first wake; nor should a run train for an
-hour and then die writing a checkpoint its disk cannot hold.
+hour and then die writing a checkpoint its disk cannot hold, or at step 40 on the one data
+record too long for rollout.max_model_len.
 """
 
 from __future__ import annotations
@@ -11,27 +13,36 @@ import shutil
 from pathlib import Path
 
 from handoff.config import Config
+from handoff.dist import launch_env
 from handoff.errors import HandoffError
-from handoff.model_files import cap_context, check_model_dir
+from handoff.loggers import check_loggers
+from handoff.model_files import cap_context, check_model_dir, load_tokenizer
 from handoff.run_dir import check_out_dir
+from handoff.runplan import RunPlan
+from handoff.tasks import DatasetTask, build_task
 
 
-def preflight(cfg: Config) -> dict | None:
-    """Raise HandoffError naming cause and fix when `cfg` cannot run; returns the plan on GPUs.
+def preflight(cfg: Config) -> RunPlan:
+    """Raise HandoffError naming cause and fix when `cfg` cannot run; returns the run's plan
+    (built once here, after the model's files are checked).
 
     May lower rollout.max_model_len to the model's context length (with a warning)."""
+    launch_env()   # torchrun's variables whole and in range, or one line
     check_model_dir(cfg.model.path, flag="model.path")
     cap_context(cfg)
+    check_prompt_lengths(cfg)
     check_out_dir(cfg)
+    check_loggers(cfg.run.loggers)
+    run_plan = RunPlan.build(cfg)
     if cfg.data.prompts_per_step % cfg.parallel.gpus:
         raise HandoffError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not split "
                            f"over parallel.gpus={cfg.parallel.gpus} ranks: use a multiple of it")
     if cfg.run.resume:
         _check_resume(cfg)
     if cfg.run.checkpoint:
-        _check_checkpoint_room(cfg)
+        _check_checkpoint_room(cfg, run_plan)
     if cfg.hardware.name == "cpu":
-        return None
+        return run_plan
     from handoff.plan.advice import advice_text
     from handoff.plan.report import build_plan
 
@@ -42,7 +53,20 @@ def preflight(cfg: Config) -> dict | None:
         raise HandoffError(f"the planner says this run cannot fit: {reasons}; "
                            f"{advice_text(verdict['advice'])}. Run `handoff plan --config "
                            "CONFIG` for the full ledger")
-    return plan
+    return run_plan
+
+
+def check_prompt_lengths(cfg: Config) -> None:
+    """Every record of a data file leaves rollout.max_tokens of rollout.max_model_len free
+    (the engine would refuse the first batch holding a longer one, mid-run)."""
+    task = build_task(cfg.data, seed=cfg.run.seed)
+    if not isinstance(task, DatasetTask):   # generated problems: the engine checks each
+        return
+    ro = cfg.rollout
+    task.check_prompt_lengths(load_tokenizer(cfg.model.path),
+                              limit=ro.max_model_len - ro.max_tokens, chat=cfg.data.chat_template,
+                              setting=f"rollout.max_model_len={ro.max_model_len} minus "
+                                      f"rollout.max_tokens={ro.max_tokens}")
 
 
 def _check_resume(cfg: Config) -> None:
@@ -64,22 +88,28 @@ def _start_step(ckpt_dir: Path) -> int:
     return checkpoint_step(latest) if latest else 0
 
 
-def checkpoint_bytes(cfg: Config) -> int:
+def count_saves(start: int, steps: int, every: int) -> int:
+    """Checkpoints a run from step `start` to `steps` writes: each `every` steps (0: none)
+    and one at the end; counted, not walked (run.steps may be 10**7)."""
+    if steps <= start:
+        return 0
+    periodic = steps // every - start // every if every else 0
+    return periodic + (0 if every and steps % every == 0 else 1)
+
+
+def checkpoint_bytes(plan: RunPlan) -> int:
     """Bytes of one checkpoint: the params in model.dtype plus, as the trainer keeps them,
     the fp32 master copy (none for fp32 params) and Adam's two fp32 moments; one file per
     tensor, each with its overhead; every rank's RNG states."""
-    from handoff.plan.ledger import Dtypes
-    from handoff.plan.shapes import load_shape
     from handoff.train.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
 
-    d = Dtypes.for_model(cfg.model.dtype)
-    shape = load_shape(cfg.model.path)
-    files = shape.num_tensors * (1 + (1 if d.master_bytes else 0) + 2)
-    return (shape.num_params * (d.param_bytes + d.master_bytes + d.optimizer_bytes)
-            + files * FILE_OVERHEAD_BYTES + cfg.parallel.gpus * RNG_FILE_BYTES)
+    shape = plan.shape
+    files = shape.num_tensors * (1 + (1 if plan.dtypes.master_bytes else 0) + 2)
+    return (shape.num_params * plan.checkpoint_param_bytes()
+            + files * FILE_OVERHEAD_BYTES + plan.cfg.parallel.gpus * RNG_FILE_BYTES)
 
 
-def _check_checkpoint_room(cfg: Config) -> None:
+def _check_checkpoint_room(cfg: Config, plan: RunPlan) -> None:
     """Refuse a run whose checkpoints cannot fit on out_dir's filesystem.
 
     A save writes a new checkpoint next to those kept (run.keep_checkpoints after each
@@ -90,14 +120,13 @@ def _check_checkpoint_room(cfg: Config) -> None:
     keep = run.keep_checkpoints
     ckpt_dir = Path(run.out_dir) / "checkpoints"
     start = _start_step(ckpt_dir) if run.resume else 0
-    saves = sum(1 for done in range(start + 1, run.steps + 1)
-                if done == run.steps or (run.save_every and done % run.save_every == 0))
+    saves = count_saves(start, run.steps, run.save_every)
     if saves == 0:
         return
     kept = sum(1 for p in ckpt_dir.glob("step_*") if (p / "meta.json").is_file())
     # During save i the disk holds what the last publish kept plus the one being written.
     peak = max(kept + 1, min(kept + saves - 1, keep) + 1)
-    one = checkpoint_bytes(cfg)
+    one = checkpoint_bytes(plan)
     need = (peak - kept) * one
     where = ckpt_dir
     while not where.exists():

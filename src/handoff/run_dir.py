@@ -33,11 +33,12 @@ from handoff.errors import HandoffError
 from handoff.safe_files import failing_write_is_one_line, link_refused, open_fd, replace_file
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
-             "memory_timeline.jsonl", "memory_timeline.png", "tensorboard", "checkpoints")
+             "memory_timeline.jsonl", "memory_timeline.png", "tensorboard", "checkpoints",
+             "samples.jsonl", "wandb", "mlruns")
 LOCK_FILE = ".handoff.lock"
 # Every name a run writes in out_dir (and its temporary files): none may be a link.
 WRITTEN = (*RUN_FILES, LOCK_FILE, *(f"{name}.tmp" for name in RUN_FILES[:6]),
-           "checkpoints/latest", "checkpoints/latest.tmp")
+           "samples.jsonl.tmp", "checkpoints/latest", "checkpoints/latest.tmp")
 
 console = Console(stderr=True)
 

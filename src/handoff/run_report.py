@@ -1,8 +1,9 @@
 """What a training run writes and prints: metrics, progress, planned vs measured, timeline.
 
-    report = RunReport(cfg, out_dir, rates=rates, meter=meter, kv_pool_bytes=pool_bytes)
+    report = RunReport(plan, out_dir, rates=rates, meter=meter, kv_pool_bytes=pool_bytes)
     report.start(first_step)
-    report.log_step(row)           # metrics.jsonl + TensorBoard + one console line
+    report.log_step(row)           # metrics.jsonl + run.loggers + one console line
+    report.log_samples(step, [(prompt, completion, reward), ...])   # samples.jsonl + loggers
     summary = report.finish()      # summary.md, memory_timeline.{jsonl,png}, a rich table
 
 The planned column is the ledger (handoff.plan.ledger) for this model and these offloads,
@@ -25,55 +26,48 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from handoff.calibrate import Rates
-from handoff.config import Config
+from handoff.config import Config, to_dict
+from handoff.loggers import Loggers, open_loggers
 from handoff.memory.meter import MemoryMeter, plot_timeline
-from handoff.plan.hardware import HardwareProfile, hardware_profile
-from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, switch_actions
-from handoff.plan.shapes import load_shape
+from handoff.plan.ledger import SWITCH_ACTIONS, switch_actions
 from handoff.plan.trainer import exposed_behind_compute
+from handoff.reading import expect, read_json
 from handoff.run_dir import read_metrics
-from handoff.safe_files import append_line, failing_write_is_one_line, make_dirs, replace_file
+from handoff.runplan import RunPlan
+from handoff.safe_files import append_line, failing_write_is_one_line, replace_file
 from handoff.units import fmt_bytes
 
 console = Console()
 
 
-def _run_profile(cfg: Config, rates: Rates) -> HardwareProfile:
-    """The hardware profile with the rates this run measured (a rate it could not measure
-    keeps the profile's)."""
-    base = cfg.hardware.name if cfg.hardware.name else "cpu"
-    return rates.profile(hardware_profile(base, cfg.hardware))
-
-
-def planned_actions(cfg: Config, rates: Rates, kv_pool_bytes: int) -> dict[str, dict]:
-    """The ledger's nine actions for this run, priced with the rates measured in it. The
-    worker's sync is in-process on every rank (no IPC), whatever the shard group."""
-    shape = load_shape(cfg.model.path)
-    hw = _run_profile(cfg, rates)
-    dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
+def planned_actions(plan: RunPlan, rates: Rates, kv_pool_bytes: int) -> dict[str, dict]:
+    """The ledger's nine actions for this run, priced with the rates measured in it (a rate
+    it could not measure keeps the profile's). The worker's sync is in-process on every rank
+    (no IPC), whatever the shard group."""
+    cfg = plan.cfg
     parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
-    actions = switch_actions(shape, parallel, cfg.memory, hw, kv_pool_bytes=kv_pool_bytes,
-                             dtypes=dtypes, ref=cfg.actor.kl_coef > 0,
+    actions = switch_actions(plan.shape, parallel, cfg.memory, rates.profile(plan.hardware),
+                             kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes, ref=plan.ref,
                              bucket_bytes=cfg.sync.bucket_mb << 20, in_process=True,
                              weights_map_bps=rates.get("weights_map_bps"),
-                             h2d_bps=rates.get("h2d_bps"),
-                             elastic_pool=cfg.rollout.kv_pool == "elastic",
+                             h2d_bps=rates.get("h2d_bps"), elastic_pool=plan.elastic_pool,
                              updates_per_step=cfg.actor.updates_per_step)
     return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
             for a in actions}
 
 
-def planned_exposure(cfg: Config, rates: Rates, planned: dict[str, dict], *,
+def planned_exposure(plan: RunPlan, rates: Rates, planned: dict[str, dict], *,
                      train_tokens: float, generation_seconds: float) -> dict[str, float]:
     """Each planned action's exposed seconds (plan.ledger.exposed_seconds) in this run: the
     copies back hide behind the trainer's forwards plan.trainer models for `train_tokens`
     (a step's prompt + response tokens on this card), the copies to the host (elastic pool)
     behind `generation_seconds`, a step's measured generation."""
+    cfg = plan.cfg
     return exposed_behind_compute(
-        {a: p["seconds"] for a, p in planned.items()}, cfg.memory, load_shape(cfg.model.path),
-        train_tokens, _run_profile(cfg, rates), ref=cfg.actor.kl_coef > 0,
+        {a: p["seconds"] for a, p in planned.items()}, cfg.memory, plan.shape, train_tokens,
+        rates.profile(plan.hardware), ref=plan.ref,
         updates_per_step=cfg.actor.updates_per_step, generation_seconds=generation_seconds,
-        elastic_pool=cfg.rollout.kv_pool == "elastic")[1]
+        elastic_pool=plan.elastic_pool)[1]
 
 
 def step_probes(timeline: list[dict], step: int) -> list[dict]:
@@ -91,18 +85,19 @@ def step_probes(timeline: list[dict], step: int) -> list[dict]:
 class RunReport:
     """Rank 0's view of a run: files under out_dir and the console."""
 
-    def __init__(self, cfg: Config, out_dir: Path, *, rates: Rates, meter: MemoryMeter,
+    def __init__(self, plan: RunPlan, out_dir: Path, *, rates: Rates, meter: MemoryMeter,
                  kv_pool_bytes: int):
-        self.cfg = cfg
+        self.cfg = cfg = plan.cfg
         self.out_dir = out_dir
         self.meter = meter
         self.rows: list[dict] = []
         self.rates = rates.values
         # The pool as its wake maps it: CUDA maps whole allocator segments (2 MiB-rounded),
         # a little more than the pool's tensors.
-        self.planned = planned_actions(cfg, rates, kv_pool_bytes)
+        self.plan = plan
+        self.planned = planned_actions(plan, rates, kv_pool_bytes)
         self.metrics_path = out_dir / "metrics.jsonl"
-        self._tb = None
+        self._loggers: Loggers | None = None
         self._progress: Progress | None = None
 
     def start(self, first_step: int) -> None:
@@ -110,22 +105,18 @@ class RunReport:
         # metrics.jsonl to the steps before first_step.
         if first_step > 0 and self.metrics_path.is_file():
             self.rows = read_metrics(self.metrics_path)[0]
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # Events of steps after first_step (an earlier run's, or a crashed step's that a
-            # resume repeats) are purged, as the trimmed metrics.jsonl drops their rows.
-            with self._writing(self.out_dir / "tensorboard"):
-                make_dirs(self.out_dir / "tensorboard", self.out_dir)   # not through a link
-                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"),
-                                         purge_step=first_step + 1)
-        except ImportError:  # tensorboard is optional: metrics.jsonl has everything
-            console.print("[yellow]tensorboard is not installed: writing metrics.jsonl only[/]")
+        with self._writing(self._loggers_path()):
+            self._loggers = open_loggers(self.cfg, self.out_dir, first_step=first_step)
+            self._loggers.log_config(to_dict(self.cfg))
         self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), TextColumn("{task.description}"),
                                   console=console, transient=False)
         self._progress.start()
         self._task = self._progress.add_task("", total=self.cfg.run.steps, completed=first_step)
+
+    def _loggers_path(self) -> Path:
+        """What the loggers write, for a failed write's line (an OSError names its own file)."""
+        return self.out_dir / ("tensorboard" if self.cfg.run.loggers == ["tensorboard"] else "")
 
     def _writing(self, path: Path):
         """Where a write to `path` fails (a full disk, a read-only out_dir): one line."""
@@ -136,11 +127,9 @@ class RunReport:
         with self._writing(self.metrics_path):   # the row whole or not at all
             append_line(self.metrics_path, self.out_dir, (json.dumps(row) + "\n").encode())
         self.rows.append(row)
-        if self._tb is not None:
-            with self._writing(self.out_dir / "tensorboard"):
-                for key, value in row.items():
-                    if key != "step" and isinstance(value, (int, float)):
-                        self._tb.add_scalar(key, value, row["step"])
+        if self._loggers is not None:
+            with self._writing(self._loggers_path()):
+                self._loggers.log_metrics(row, row["step"])
         line = (f"step {row['step']:>3}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
                 f"len {row['response_length']:.1f}  kl {row.get('kl', 0.0):.4f}  "
                 f"gen {row['timing_s/gen']:.2f}s  step {row['timing_s/step']:.2f}s  "
@@ -149,6 +138,13 @@ class RunReport:
             self._progress.console.print(line, highlight=False)
             self._progress.update(self._task, completed=row["step"],
                                   description=f"reward {row['reward_mean']:.3f}")
+
+    def log_samples(self, step: int, samples: list[tuple[str, str, float]]) -> None:
+        """A few of step `step`'s (prompt, completion, reward), counted from 1 like the rows:
+        samples.jsonl and the loggers' text (run.log_samples of them)."""
+        if self._loggers is not None:
+            with self._writing(self._loggers_path()):
+                self._loggers.log_samples(step, samples)
 
     # ---------------------------------------------------------------- the end
 
@@ -165,9 +161,9 @@ class RunReport:
     def finish(self) -> dict:
         if self._progress is not None:
             self._progress.stop()
-        if self._tb is not None:
-            with self._writing(self.out_dir / "tensorboard"):
-                self._tb.close()
+        if self._loggers is not None:
+            with self._writing(self._loggers_path()):
+                self._loggers.close()
         meter = self.meter
         with self._writing(self.out_dir / "memory_timeline.jsonl"):
             meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
@@ -185,7 +181,7 @@ class RunReport:
         step_s, host_s = median("timing_s/step"), median("timing_s/host")
         flush_s, queue_s = median("switch/flush_s"), median("switch/queue_s")
         switch_s = sum(m["seconds"] for m in measured.values())
-        exposure = planned_exposure(self.cfg, Rates(self.rates), self.planned,
+        exposure = planned_exposure(self.plan, Rates(self.rates), self.planned,
                                     train_tokens=median("train_tokens"),
                                     generation_seconds=median("timing_s/gen"))
         for action, seconds in exposure.items():
@@ -349,6 +345,10 @@ def show_run(run_dir: str | Path) -> dict:
         raise HandoffError(f"{run_dir} holds no metrics.jsonl: pass the run.out_dir of a "
                            "`handoff train` run")
     rows, problem = read_metrics(metrics_path, required=SHOWN_KEYS)
+    for row in rows:   # a row edited by hand: one line naming the step and the field
+        for key in (*SHOWN_KEYS, "kl"):
+            expect(row, key, (int, float), source=f"{metrics_path} (step {row['step']})",
+                   default=0.0 if key == "kl" else ...)
     if problem:
         console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
     t = Table(title=f"{run_dir}: {len(rows)} steps")
@@ -363,10 +363,14 @@ def show_run(run_dir: str | Path) -> dict:
         console.print("[yellow]no summary.json: the run did not finish[/]")
         return {}
     try:
-        summary = json.loads(summary_path.read_text())
+        summary = read_json(summary_path, max_bytes=16 << 20)
         console.print(summary_table(summary))
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        console.print(f"[yellow]{summary_path} is damaged (not the summary of a finished run): "
-                      "its table is not shown[/]", highlight=False)
+    except HandoffError as e:
+        console.print(f"{e}: its table is not shown", style="yellow", highlight=False,
+                      markup=False, soft_wrap=True)
+        return {}
+    except (KeyError, TypeError, ValueError) as e:   # a field missing or of another type
+        console.print(f"[yellow]{summary_path} is damaged (field {e}: not the summary of a "
+                      "finished run): its table is not shown[/]", highlight=False)
         return {}
     return summary

@@ -51,11 +51,12 @@ def write_failed(path: Path, error: OSError, intact: str) -> HandoffError:
 
 @contextlib.contextmanager
 def failing_write_is_one_line(path: Path, intact: str) -> Iterator[None]:
-    """An OSError inside the block becomes write_failed's one line."""
+    """An OSError inside the block becomes write_failed's one line (naming the error's own
+    file where it names one)."""
     try:
         yield
     except OSError as e:
-        raise write_failed(path, e, intact) from None
+        raise write_failed(Path(e.filename) if e.filename else path, e, intact) from None
 
 
 def _relative(path: Path, root: Path) -> list[str]:

@@ -1,6 +1,6 @@
 """What a run does before its first step, in the order the card needs it.
 
-    worker, rates = start_worker(cfg)
+    worker, rates = start_worker(cfg, plan)          # plan: runplan.RunPlan.build(cfg)
 
 1. the device, the process group (torchrun's ranks, or a 1-process group), the memory room
    (pinned arena, region pool, meter);
@@ -25,11 +25,12 @@ from handoff.memory.regions import RegionPool
 from handoff.memory.staging import PinnedArena
 from handoff.rollout.engine import Engine
 from handoff.rollout.parallel import init_tp_group
+from handoff.runplan import RunPlan
 from handoff.train.actor import build_actor, build_reference
-from handoff.worker import HybridWorker
+from handoff.switch.worker import HybridWorker
 
 
-def start_worker(cfg: Config, *, device: str | torch.device | None = None
+def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | None = None
                  ) -> tuple[HybridWorker, Rates]:
     """This process's worker, in the rollout phase, and the rates measured on its card."""
     device = resolve_device(device or cfg.run.device)
@@ -39,15 +40,15 @@ def start_worker(cfg: Config, *, device: str | torch.device | None = None
     pool = RegionPool(device, wake_margin_bytes=cfg.memory.wake_margin_mb << 20)
     meter = MemoryMeter(device, pool=pool, arena=arena)
     pool.meter = meter
-    actor = build_actor(cfg, device=device, arena=arena)
-    ref = build_reference(cfg, device=device, arena=arena)
+    actor = build_actor(cfg, plan, device=device, arena=arena)
+    ref = build_reference(cfg, plan, device=device, arena=arena)
     mem = cfg.memory
     if ref is not None and mem.ref_offload:
         ref.to("host", params=True).wait()
     if mem.param_offload or mem.optimizer_offload:
         actor.to("host", params=mem.param_offload, optimizer=mem.optimizer_offload).wait()
     aggressive_empty_cache()
-    rates = Rates.load(cfg.run.rates_file) if cfg.run.rates_file else calibrate(cfg, actor, pool)
+    rates = Rates.load(cfg.run.rates_file) if cfg.run.rates_file else calibrate(cfg, plan, actor, pool)
     engine = Engine(cfg.model.path, cfg.rollout, device=device, dtype=cfg.model.dtype, pool=pool,
                     tp=init_tp_group(cfg.parallel.tp))
     if device.type == "cuda" and not cfg.run.rates_file:

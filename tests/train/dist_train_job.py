@@ -93,6 +93,16 @@ def main(ckpt: str, out: str) -> None:
     res["info"] = load_checkpoint(root, actor)
     res["metrics3_resumed"] = actor.update(local(global_batch(3), rank))
     res["noise3_resumed"] = torch.rand(3)
+
+    # step 1 again under loss_agg=seq_mean: each sequence's token mean averaged over all six
+    # sequences, though rank 0 holds four of them and rank 1 two
+    seq_mean = Actor(ckpt, actor=ActorConfig(**ACTOR, loss_agg="seq_mean"), dtype="float32")
+    b1 = local(global_batch(1), rank)
+    b1.old_logprobs = None
+    b1.advantages = group_advantages(b1.rewards, b1.group_size)
+    seq_mean.accumulate(b1)
+    res["grads1_seq_mean"] = {n: p.grad.full_tensor()
+                              for n, p in seq_mean.module.named_parameters()}
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
 
 

@@ -11,6 +11,7 @@ from handoff.plan.shapes import PRESETS, count_params
 from handoff.train.actor import Actor, build_reference
 from handoff.train.batch import RolloutBatch
 from handoff.train.grpo import group_advantages
+from handoff.runplan import RunPlan
 
 N_TINY = count_params(PRESETS["tiny-qwen3"])
 
@@ -149,9 +150,9 @@ def test_full_params_are_the_checkpoint_tensors(ckpt):
 
 def test_kl_needs_ref_logprobs_and_the_reference_only_exists_with_kl(ckpt):
     cfg = load_config(None, [f"model.path={ckpt}", "model.dtype=float32"])
-    assert build_reference(cfg, device="cpu") is None
+    assert build_reference(cfg, RunPlan.build(cfg), device="cpu") is None
     cfg.actor.kl_coef = 0.1
-    ref = build_reference(cfg, device="cpu")
+    ref = build_reference(cfg, RunPlan.build(cfg), device="cpu")
     assert ref.memory_parts() == {"params": N_TINY * 4}
     with pytest.raises(HandoffError, match="no part 'optimizer'"):
         ref.to("host", optimizer=True)
@@ -176,7 +177,7 @@ def test_fsdp_offload_mode_trains_identically_and_moves_nothing(ckpt):
 
 def test_a_frozen_reference_is_dropped_without_a_copy_the_actor_is_not(ckpt):
     cfg = load_config(None, [f"model.path={ckpt}", "model.dtype=float32", "actor.kl_coef=0.1"])
-    ref = build_reference(cfg, device="cpu")
+    ref = build_reference(cfg, RunPlan.build(cfg), device="cpu")
     batch = make_batch(seed=3)
     want, _ = ref.log_probs(batch, with_entropy=False)
     assert ref.to("host", params=True).wait()["params"]["bytes"] > 0   # the one real copy

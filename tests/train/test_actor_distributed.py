@@ -55,8 +55,9 @@ def run(tmp_path_factory):
     return ckpt, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-def _grpo_reference_step(model, opt, batch, old_logprobs):
-    """Token-mean GRPO loss over the whole batch, backward, clip, AdamW; returns metrics."""
+def _grpo_reference_step(model, opt, batch, old_logprobs, loss_agg="token_mean"):
+    """Token-mean (or seq_mean: each sequence's token mean, averaged over sequences) GRPO loss
+    over the whole batch, backward, clip, AdamW; returns metrics."""
     cfg = job.ACTOR
     ids, mask = batch.input_ids, batch.response_mask[:, 1:]
     logits = model(input_ids=ids).logits[:, :-1]
@@ -73,7 +74,11 @@ def _grpo_reference_step(model, opt, batch, old_logprobs):
     d = batch.ref_logprobs[:, 1:] - logp
     kl = torch.exp(d) - d - 1
     n = mask.sum()
-    loss = ((pg + cfg["kl_coef"] * kl - cfg["entropy_coef"] * ent) * mask).sum() / n
+    loss_BT = pg + cfg["kl_coef"] * kl - cfg["entropy_coef"] * ent
+    if loss_agg == "seq_mean":
+        loss = ((loss_BT * mask).sum(1) / mask.sum(1)).mean()
+    else:
+        loss = (loss_BT * mask).sum() / n
     opt.zero_grad()
     loss.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
@@ -119,6 +124,21 @@ def test_loss_and_gradients_match_the_single_process_reference(run, reference):
     assert reference["m1"]["grad_norm"] > job.ACTOR["grad_clip"]   # clipping was exercised
     for name, g in reference["grads1"].items():
         assert torch.allclose(ranks[0]["grads1"][name], g, atol=ATOL), name
+
+
+def test_seq_mean_gradients_are_the_whole_batchs_across_uneven_ranks(run):
+    from transformers import AutoModelForCausalLM
+
+    ckpt, ranks = run
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=job.ACTOR["lr"])
+    _, want, _ = _grpo_reference_step(model, opt, job.global_batch(1), None, loss_agg="seq_mean")
+    for name, g in want.items():
+        assert torch.allclose(ranks[0]["grads1_seq_mean"][name], g, atol=ATOL), name
+        assert torch.equal(ranks[0]["grads1_seq_mean"][name], ranks[1]["grads1_seq_mean"][name])
+    name = "model.embed_tokens.weight"   # and it is not the token mean's gradient
+    assert not torch.allclose(ranks[0]["grads1_seq_mean"][name], ranks[0]["grads1"][name],
+                              atol=ATOL)
 
 
 def test_updated_weights_and_metrics_match_the_reference(run, reference):

@@ -24,6 +24,7 @@ from handoff.modelzoo import init_model
 from handoff.train.actor import Actor
 from handoff.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from handoff.train.checkpoint import checkpoint_bytes
+from handoff.runplan import RunPlan
 
 
 class Plant:
@@ -208,5 +209,5 @@ def test_the_size_estimates_cover_what_a_save_writes(actor, saved, model):
     from handoff.preflight import checkpoint_bytes as planned
 
     cfg = load_config("examples/cpu-tiny.yaml", [f"model.path={model}"])
-    for estimate in (checkpoint_bytes(actor), planned(cfg)):
+    for estimate in (checkpoint_bytes(actor), planned(RunPlan.build(cfg))):
         assert written <= estimate <= 1.05 * written, (written, estimate)

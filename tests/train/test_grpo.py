@@ -89,3 +89,58 @@ def test_zero_advantage_and_identical_policies_give_zero_loss_and_gradient():
                             clip_low=0.2, clip_high=0.2, ref_logp_BT=logp.detach(), kl_coef=0.5)
     s.loss.backward()
     assert s.loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros(2, 4))
+
+
+def test_unscaled_advantages_are_the_centred_rewards():
+    # Dr. GRPO: [1, 0, 1, 0] has mean 0.5 -> +-0.5, not divided by the std (0.577)
+    adv = grpo.group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), group_size=4, scale=False)
+    assert torch.equal(adv, torch.tensor([0.5, -0.5, 0.5, -0.5]))
+    adv = grpo.group_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0]), group_size=2, scale=False)
+    assert torch.equal(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0]))
+
+
+def _aggregated(loss_agg, *, max_response_len=None):
+    # logp == old: ratio 1, so a token's loss is -A_b - entropy_bt (entropy_coef = 1).
+    # Sequence 0: A = -2, entropies 1, 0, 0 -> losses 1, 2, 2 (sum 5 over 3 tokens);
+    # sequence 1: A = -6, entropy 3 -> loss 3 (sum 3 over 1 token). The 5s are padding.
+    logp = torch.zeros(2, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    ent = torch.tensor([[1.0, 0.0, 0.0, 5.0], [3.0, 5.0, 5.0, 5.0]])
+    s = grpo.grpo_loss_sums(logp, logp, torch.tensor([-2.0, -6.0]), mask, clip_low=0.2,
+                            clip_high=0.2, entropy_BT=ent, entropy_coef=1.0,
+                            weight_BT=grpo.aggregation_weights(mask, loss_agg))
+    denominator = grpo.aggregation_denominator(loss_agg, num_tokens=4.0, num_sequences=2.0,
+                                               max_response_len=max_response_len)
+    return s.objective.item() / denominator, s.loss.item()
+
+
+def test_loss_aggregations_by_hand():
+    # token_mean (DAPO): (5 + 3) / 4 tokens = 2
+    assert _aggregated("token_mean")[0] == pytest.approx(2.0)
+    # seq_mean (GRPO): (5/3 + 3/1) / 2 sequences = 7/3
+    assert _aggregated("seq_mean")[0] == pytest.approx(7 / 3)
+    # seq_mean_token_sum_norm (Dr. GRPO), L = 4: (5/4 + 3/4) / 2 sequences = 1
+    assert _aggregated("seq_mean_token_sum_norm", max_response_len=4)[0] == pytest.approx(1.0)
+    # the loss sum (the `loss` metric's numerator) is the same under every aggregation
+    assert _aggregated("seq_mean")[1] == _aggregated("token_mean")[1] == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="max_response_len"):
+        _aggregated("seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="token_mean, seq_mean"):
+        grpo.aggregation_weights(torch.ones(1, 1), "sum")
+
+
+def test_default_aggregation_is_the_previous_token_mean_bit_for_bit():
+    # The previous code: backward on (loss_BT * mask).sum() * world / max(tokens, 1).
+    g = torch.Generator().manual_seed(0)
+    logp, old, ref, ent = (torch.randn(6, 9, generator=g) * 0.3 for _ in range(4))
+    adv, mask = torch.randn(6, generator=g), (torch.rand(6, 9, generator=g) > 0.4).float()
+    world = 2
+    pg, _ = grpo.clipped_surrogate(logp, old, adv, 0.2, 0.28)
+    loss_BT = pg + 0.05 * grpo.kl_k3(logp, ref) - 0.01 * ent
+    previous = (loss_BT * mask).sum() * (world / max(float(mask.sum()), 1.0))
+    s = grpo.grpo_loss_sums(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, ref_logp_BT=ref,
+                            kl_coef=0.05, entropy_BT=ent, entropy_coef=0.01,
+                            weight_BT=grpo.aggregation_weights(mask, "token_mean"))
+    now = s.objective * (world / grpo.aggregation_denominator(
+        "token_mean", num_tokens=float(mask.sum()), num_sequences=6.0))
+    assert torch.equal(now, previous)

@@ -17,6 +17,7 @@ from handoff.train.attention import backend_for
 from handoff.train.grpo import group_advantages
 from handoff.train.logprobs import chunked_token_logprobs
 from handoff.train.packing import PackedMicroBatch, micro_batch_rows, pack_rows
+from handoff.runplan import RunPlan
 
 ATOL = 2e-5
 
@@ -162,10 +163,10 @@ def test_auto_micro_batching_resolves_to_numbers_and_explicit_values_stay():
     cfg = load_config(None, ["model.path=tiny-qwen3", "hardware.name=cpu",
                              "actor.micro_batch_tokens=auto", "actor.gradient_checkpointing=auto",
                              "rollout.max_model_len=256"])
-    actor_cfg, choice = resolve_actor_config(cfg, "cpu")
+    actor_cfg, choice = resolve_actor_config(RunPlan.build(cfg), "cpu")
     assert actor_cfg.micro_batch_tokens == choice.tokens >= 256
     assert actor_cfg.gradient_checkpointing is False and "recompute off" in choice.reason
     explicit = load_config(None, ["model.path=tiny-qwen3", "actor.micro_batch_tokens=512"])
-    assert resolve_actor_config(explicit, "cpu") == (explicit.actor, None)
+    assert resolve_actor_config(RunPlan.build(explicit), "cpu") == (explicit.actor, None)
     with pytest.raises(HandoffError, match="build_actor"):
         Actor("unused", actor=cfg.actor)

@@ -59,7 +59,8 @@ def transformers_ms_per_step(path: Path, batches: list[int], *, prompt_len: int,
 
     from handoff.modelzoo import PAD_ID
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True,
+                                                 trust_remote_code=False).to(device).eval()
     gen = torch.Generator().manual_seed(seed)
 
     def timed(ids: torch.Tensor, num: int) -> float:

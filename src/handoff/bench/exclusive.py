@@ -42,7 +42,7 @@ def run_exclusive(config: str, overrides: list[str], *, steps: int) -> dict:
         free, total = torch.cuda.mem_get_info(device)
         cfg.rollout.gpu_memory_utilization = (free - _RESERVE_BYTES) / total
     engine = Engine(cfg.model.path, cfg.rollout, device=device, dtype=cfg.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
     task = build_task(cfg.data, seed=cfg.run.seed)
     rows = []
     for step in range(steps):

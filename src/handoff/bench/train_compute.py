@@ -42,6 +42,7 @@ from handoff.plan.ledger import Dtypes
 from handoff.plan.shapes import load_shape
 from handoff.plan.trainer import (activation_bytes_per_token, fixed_activation_bytes,
                                   matmul_params)
+from handoff.runplan import RunPlan
 from handoff.train.actor import Actor, resolve_actor_config
 from handoff.train.attention import backend_for
 from handoff.train.batch import RolloutBatch
@@ -204,7 +205,7 @@ def _restore(actor: Actor, ref: ShardedModel, offload: bool) -> None:
 
 
 def _run_variant(actor, ref, batch, cfg: Config, lengths, *, repeats, offload, profile) -> dict:
-    resolved, choice = resolve_actor_config(cfg, actor.device)
+    resolved, choice = resolve_actor_config(RunPlan.build(cfg), actor.device)
     _apply(actor, ref, resolved)
     groups = micro_batch_rows(lengths, micro_batch_tokens=resolved.micro_batch_tokens,
                               micro_batch_size=resolved.micro_batch_size)

@@ -22,6 +22,7 @@ import torch
 
 from handoff.config import Config
 from handoff.memory.staging import PinnedArena
+from handoff.runplan import RunPlan
 from handoff.train.actor import build_actor, build_reference
 from handoff.train.batch import RolloutBatch
 
@@ -96,8 +97,10 @@ def run_trainer_bench(model: str, *, device: str = "cuda", dtype: str = "bfloat1
     cfg.model.path, cfg.model.dtype = model, dtype
     cfg.actor.kl_coef, cfg.actor.micro_batch_size = 0.001, micro_batch   # kl > 0: a ref model
     arena = PinnedArena()
-    (actor, ref), init_s = _timed(lambda: (build_actor(cfg, device=device, arena=arena),
-                                           build_reference(cfg, device=device, arena=arena)),
+    plan = RunPlan.build(cfg)
+    (actor, ref), init_s = _timed(lambda: (build_actor(cfg, plan, device=device, arena=arena),
+                                           build_reference(cfg, plan, device=device,
+                                                           arena=arena)),
                                   torch.device("cpu"))
     dev = actor.device
     vocab = actor.module.config.vocab_size
@@ -150,7 +153,7 @@ def run_trainer_bench(model: str, *, device: str = "cuda", dtype: str = "bfloat1
 def _fsdp_mode_update(cfg: Config, device: str, batch: RolloutBatch) -> dict:
     """The same update with FSDP2's CPUOffloadPolicy: nothing to move, slower steps."""
     cfg.memory.offload_mode = "fsdp"
-    actor = build_actor(cfg, device=device)
+    actor = build_actor(cfg, RunPlan.build(cfg), device=device)
     dev = actor.device
     _timed(lambda: actor.update(batch), dev)             # first step: warm-up
     _, update_s = _timed(lambda: actor.update(batch), dev)

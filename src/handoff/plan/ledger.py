@@ -16,17 +16,15 @@ unmaps weights and pool ((weights + pool) / unmap_bps); weight_sync_seconds pric
 
 `SWITCH_ACTIONS` is a contract with the runtime: the hybrid worker times its actions under
 exactly these names, and a run's metrics and summary list them in this order (the switch to
-generation's moves, then the switch to training's). The worker runs them in the order of
-docs/ARCHITECTURE.md ("The switch"): ref_d2h, for one, runs inside training, right after the
-ref's forward. An action whose offload is off stays in the list with 0 bytes and 0 seconds.
+generation's moves, then the switch to training's). Where each runs, and whether the step
+waits for it, is `plan.order.switch_order`: the one place the switch order is written. An
+action whose offload is off stays in the list with 0 bytes and 0 seconds.
 
 Exposed seconds (`exposed_seconds`): the part of each action's own seconds that the step
-waits for. Without memory.overlap that is all of it. With it (the streamed switch) ref_d2h
-moves nothing (the ref never changes: its device copy is dropped, the host copy of its first
-offload kept), the params' and the optimizer's H2D run behind the forwards before the update
-(the ref's, the old policy's) or, with none, the update's compute, and with an elastic KV
-pool the two D2H copies (one after the other on one stream) behind generation: each exposed
-only by what it outlasts the work it hides behind.
+waits for: all of it, except for the moves the order runs `behind` work (the copies back
+behind the forwards before the update, or the update's compute; with an elastic KV pool the
+copies to the host behind generation), each exposed only by what it outlasts that work, in
+turn with the moves before it behind the same work.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from dataclasses import asdict, dataclass
 from handoff.config import MemoryConfig, ParallelConfig
 from handoff.plan.hardware import GB, HardwareProfile
 from handoff.plan.kvpool import engine_weight_bytes
+from handoff.plan.order import switch_order
 from handoff.plan.shapes import ModelShape
 
 SWITCH_ACTIONS = ("optimizer_d2h", "params_d2h", "ref_d2h", "engine_weights_sync",
@@ -160,14 +159,18 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     runs on the copy engines under it, at the H2D rate."""
     owners = trainer_bytes(shape, shard_size(parallel), dtypes, ref=ref)
     opt = owners["optimizer"] + (owners["grads"] if grad_offload else 0)
+    order = switch_order(memory, ref=ref, elastic_pool=elastic_pool,
+                         updates_per_step=updates_per_step)
     opt_on = memory.optimizer_offload
     param_on = memory.param_offload
     ref_on = ref and memory.ref_offload
-    ref_copied = ref_on and not memory.overlap
+    ref_copy = order.get("ref_d2h")
+    ref_copied = ref_copy is not None and ref_copy.how != "drop"
     pcie = hw.pinned_pcie_bps
     h2d = h2d_bps or pcie
     by_kernel = hw.kernel_h2d_bps or h2d
-    params_rate = h2d if memory.overlap and ref and updates_per_step == 1 else by_kernel
+    params_back = order.get("params_h2d")
+    params_rate = by_kernel if params_back is None or params_back.by_kernel else h2d
     seconds = {"params_h2d": owners["params"] / params_rate,
                "ref_h2d": owners["reference"] / by_kernel, "optimizer_h2d": opt / h2d}
 
@@ -181,9 +184,11 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
     grads_note = "grads move with the optimizer" if grad_offload else "grads are freed, not moved"
     weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
     pool = max(int(kv_pool_bytes), 0)
+    # The copies to the host that run under generation still hold their memory at the wake.
+    beside = {m.action for m in order.behind("generation")}
     beside_copies = elastic_pool and memory.overlap
-    if beside_copies:
-        pool = max(pool - (opt if opt_on else 0) - (owners["params"] if param_on else 0), 0)
+    pool = max(pool - (opt if "optimizer_d2h" in beside else 0)
+               - (owners["params"] if "params_d2h" in beside else 0), 0)
     full_gb = shape.num_params * dtypes.param_bytes / GB
     gathered = shard_size(parallel) > 1
     local = is_in_process(parallel, in_process)
@@ -226,35 +231,26 @@ def exposed_seconds(seconds: dict[str, float], memory: MemoryConfig, *, compute_
                     elastic_pool: bool, ref: bool = True,
                     updates_per_step: int = 1) -> dict[str, float]:
     """Each action's seconds the step waits for (the module docstring), from its own
-    `seconds` by name. The copies back are queued at the step's first forward: with the
-    ref's first (a ref, one update per step) the params' and then the optimizer's, in turn
-    behind the forwards before the update (`forward_seconds` each: the ref's, and the old
-    policy's with more updates); with the actor's first the params come back by kernel
-    before it (all exposed) and the optimizer behind those forwards, or with none behind the
-    update (`compute_seconds`, the trainer's whole compute, plan.trainer). The D2H copies
-    hide behind `generation_seconds` when the pool is elastic (a fixed pool is mapped whole
-    at its wake, after them)."""
-    exposed = dict(seconds)
-    if not memory.overlap:
-        return exposed
+    `seconds` by name. The moves `plan.order` runs behind the first trainer pass hide behind
+    the forwards before the update (`forward_seconds` each: the ref's, and the old policy's
+    with more updates), or with none behind the update (`compute_seconds`, the trainer's
+    whole compute, plan.trainer); those behind generation behind `generation_seconds` (none
+    known: all exposed). Moves behind the same work run in turn."""
+    order = switch_order(memory, ref=ref, elastic_pool=elastic_pool,
+                         updates_per_step=updates_per_step)
     before_update = forward_seconds * (int(ref) + int(updates_per_step > 1))
-    behind = before_update if before_update > 0 else compute_seconds
-    if ref and updates_per_step == 1:
-        exposed["params_h2d"], exposed["optimizer_h2d"] = _late_in_turn(
-            seconds["params_h2d"], seconds["optimizer_h2d"], behind)
-    else:
-        exposed["optimizer_h2d"] = max(0.0, seconds["optimizer_h2d"] - behind)
-    if elastic_pool and generation_seconds is not None:
-        exposed["optimizer_d2h"], exposed["params_d2h"] = _late_in_turn(
-            seconds["optimizer_d2h"], seconds["params_d2h"], generation_seconds)
+    work = {"first_pass": before_update if before_update > 0 else compute_seconds,
+            "generation": generation_seconds}
+    exposed = dict(seconds)
+    for phase, behind in work.items():
+        if behind is None:
+            continue
+        queued = 0.0   # the seconds of the moves queued so far behind this work
+        for move in order.behind(phase):
+            late_before = max(0.0, queued - behind)
+            queued += seconds[move.action]
+            exposed[move.action] = max(0.0, queued - behind) - late_before
     return exposed
-
-
-def _late_in_turn(first: float, second: float, behind: float) -> tuple[float, float]:
-    """Two copies in turn on one stream behind `behind` seconds of work: the seconds of each
-    that outlast the work."""
-    first_late = max(0.0, first - behind)
-    return first_late, max(0.0, first + second - behind) - first_late
 
 
 def switch_summary(actions: list[SwitchAction], step_seconds: float | None = None, *,

@@ -23,22 +23,19 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
                      tp: int = 1) -> list[dict]:
     """Run the engine on text prompts; one dict per sample, grouped by prompt (every rank
     returns them all under TP)."""
-    from transformers import AutoTokenizer
-
     from handoff.config import RolloutConfig
-    from handoff.model_files import check_model_dir
+    from handoff.model_files import check_model_dir, load_tokenizer
     from handoff.rollout.engine import Engine
     from handoff.rollout.sampling import SamplingParams
 
+    from handoff.dist import launch_env
+
     if not prompts:
         raise HandoffError("no prompt given: pass --prompt TEXT (repeat it for several)")
+    launch_env()   # torchrun's variables whole, or one line
     _check_launch(tp)
     check_model_dir(model)  # config, tokenizer and weights named before a loader complains
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise HandoffError(f"cannot load a tokenizer from {model!r} ({e}): pass an HF checkpoint "
-                           "directory with tokenizer files") from None
+    tokenizer = load_tokenizer(model)
     token_lists = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     longest = max(len(t) for t in token_lists) + max_tokens
     cfg = RolloutConfig(max_model_len=max_model_len or max(longest + 1, 2),

@@ -10,9 +10,9 @@ One step is `scheduler.schedule()` -> `runner.launch()` -> `runner.collect()` ->
 `scheduler.postprocess()`; in a run of decode steps the next one is launched before the
 current one is collected (`step`). Memory lives in two `handoff.memory` regions:
 "weights" (parameters, and the RoPE table, which a wake copies back from pinned host memory)
-and "kv_cache" (the paged pool and fp8 scales). Sleep levels: 0 pauses generation only; 1
-backs the weights up to pinned host memory and drops the KV; 2 drops both (the trainer sends
-new weights anyway): generation is refused until `load_weights` has refilled every parameter.
+and "kv_cache" (the paged pool and fp8 scales). This module builds the engine and runs
+generation; two parts of `Engine` live beside it: kv_pool.py (the KV pool's size, and an
+elastic pool's growth) and sleep_wake.py (sleep levels, wake_up, load_weights).
 
 Tensor parallelism (`tp=N`, one process per rank, see parallel.py): each rank builds its
 shard of the model and a KV pool for its own KV heads, loads its part of every full tensor,
@@ -23,22 +23,19 @@ gathered in full, so all ranks sample the same tokens and return the same output
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import time
-import warnings
-from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
 from handoff.dist import with_index
 from handoff.errors import HandoffError
-from handoff.memory.elastic import ElasticArena, SimulatedDevice
+from handoff.memory.elastic import SimulatedDevice
 from handoff.memory.regions import RegionPool
 from handoff.rollout.attention import FP8_DTYPE
 from handoff.rollout.blocks import BlockManager
-from handoff.rollout.kv_sizing import blocks_for_one_sequence, kv_pool_blocks, kv_pool_budget_bytes
+from handoff.rollout.kv_pool import EngineKVPool
 from handoff.rollout.layers import inverse_frequencies, rope_table
 from handoff.rollout.models import (build_model, eos_token_ids, iter_checkpoint, read_hf_config,
                                     spec_from_hf_config)
@@ -47,9 +44,8 @@ from handoff.rollout.runner import ModelRunner
 from handoff.rollout.sampling import SamplingParams, sample_key
 from handoff.rollout.scheduler import Scheduler
 from handoff.rollout.sequence import RequestOutput, SampleOutput, Sequence, Status
-from handoff.units import GiB, fmt_bytes
+from handoff.rollout.sleep_wake import TAGS, EngineSleepWake
 
-TAGS = ("weights", "kv_cache")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,7 +59,7 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-class Engine:
+class Engine(EngineKVPool, EngineSleepWake):
     """Paged-KV generation engine for one device (see the module docstring)."""
 
     def __init__(self, model_path: str, cfg, *, device=None, dtype=None, pool=None,
@@ -147,110 +143,6 @@ class Engine:
         self._decode_wait_seconds = 0.0
         self._prefill_seconds = 0.0
         self.decoding = False   # generate: a decode step has been launched (its prefills are)
-
-    # ---------------------------------------------------------------- sizing
-
-    def _overhead_bytes(self) -> int:
-        """CUDA: the activation peak (profiled) and the decode graphs' pool, which stay
-        outside the KV pool; 0 on CPU."""
-        if self.device.type != "cuda":
-            return 0
-        cfg, runner = self.cfg, self.runner
-        self.activation_peak_bytes = runner.profile_peak_bytes(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs)
-        self.graph_reserve_bytes = runner.graph_reserve_bytes(cfg.max_num_seqs)
-        return self.activation_peak_bytes + self.graph_reserve_bytes
-
-    def _elastic_kv_cache(self, simulated: SimulatedDevice | None) -> int:
-        """Reserve the largest pool the card could hold (every byte but the weights and the
-        overhead), map what is free now, and adopt it as the KV pool; returns its blocks."""
-        cfg, runner = self.cfg, self.runner
-        if self.tp.size > 1:
-            raise HandoffError("rollout.kv_pool=elastic runs one engine per card for now: use "
-                               "rollout.kv_pool=fixed with parallel.tp > 1")
-        layers = self.spec.num_layers
-        slab_block = runner.kv_block_bytes() // (2 * layers)   # one layer's K of one block
-        granule = ElasticArena.granule_bytes(self.device, simulated)
-        per_granule = granule // math.gcd(granule, slab_block)  # blocks per whole granules
-        overhead = self._overhead_bytes()
-        if cfg.num_blocks is not None:
-            capacity = cfg.num_blocks
-        elif self.device.type == "cuda":
-            total = torch.cuda.mem_get_info(self.device)[1]
-            room = total - self.pool.region_bytes("weights") - overhead
-            capacity = room // runner.kv_block_bytes()
-        else:
-            capacity = kv_pool_blocks(cfg, block_bytes=runner.kv_block_bytes(), on_cuda=False,
-                                      max_model_len=self.max_model_len)
-        capacity = max(-(-capacity // per_granule) * per_granule, per_granule)
-        self._slab_block_bytes = slab_block
-        self.kv_arena = ElasticArena(self.device, slabs=2 * layers,
-                                     slab_bytes=capacity * slab_block, simulated=simulated)
-        needed = blocks_for_one_sequence(self.max_model_len, cfg.block_size)
-        self.pool.elastic("kv_cache", self.kv_arena, min_per_slab=needed * slab_block,
-                          keep_free_bytes=overhead)
-        storage = self.kv_arena.view(runner.kv_dtype, runner.kv_shape(capacity))
-        runner.allocate_kv_cache(capacity, storage=storage)
-        runner.reset_kv_cache(0, self._mapped_blocks())
-        self._wake_blocks = self._mapped_blocks()
-        return capacity
-
-    def _mapped_blocks(self) -> int:
-        """Blocks of the elastic pool backed by memory now."""
-        return self.kv_arena.mapped_per_slab // self._slab_block_bytes
-
-    def _after_elastic_wake(self) -> None:
-        usable, last = self._mapped_blocks(), self._wake_blocks
-        self.runner.reset_kv_cache(0, usable)
-        self.blocks.reset_usable(usable)
-        if usable < last:
-            warnings.warn(f"the elastic KV pool mapped {usable} blocks at this wake, {last} at "
-                          f"the last: {fmt_bytes((last - usable) * self.runner.kv_block_bytes())} "
-                          "less was free (another owner, or memory still being copied off the "
-                          "card); generation runs on less, and the pool grows if it is freed",
-                          stacklevel=2)
-        self._wake_blocks = usable
-
-    def _num_blocks(self) -> int:
-        cfg, runner = self.cfg, self.runner
-        block_bytes = runner.kv_block_bytes()
-        needed = blocks_for_one_sequence(self.max_model_len, cfg.block_size)
-        sized_from_util = cfg.num_blocks is None and self.device.type == "cuda"
-        total = free = own = overhead = 0
-        if sized_from_util:
-            overhead = self._overhead_bytes()
-            free, total = torch.cuda.mem_get_info(self.device)
-            own = self.pool.region_bytes("weights")
-        num_blocks = kv_pool_blocks(cfg, block_bytes=block_bytes, on_cuda=self.device.type == "cuda",
-                                    max_model_len=self.max_model_len, hbm_bytes=total,
-                                    weights_bytes=own, overhead_bytes=overhead)
-        if sized_from_util:
-            budget = kv_pool_budget_bytes(cfg.gpu_memory_utilization, hbm_bytes=total,
-                                          weights_bytes=own, overhead_bytes=overhead)
-            if num_blocks < needed:
-                raise HandoffError(
-                    f"KV pool would be {budget / GiB:.2f} GiB at gpu_memory_utilization="
-                    f"{cfg.gpu_memory_utilization}: engine weights take {own / GiB:.2f} GiB, the "
-                    f"activation peak and decode graphs {overhead / GiB:.2f} GiB of "
-                    f"{total / GiB:.1f} GiB; raise "
-                    "rollout.gpu_memory_utilization or lower rollout.max_model_len / max_num_seqs")
-            if num_blocks * block_bytes + overhead > free:
-                raise HandoffError(
-                    f"KV pool of {num_blocks * block_bytes / GiB:.2f} GiB plus "
-                    f"{overhead / GiB:.2f} GiB of activation peak and decode graphs does not "
-                    f"fit in the {free / GiB:.2f} GiB free now "
-                    f"({(total - free - own) / GiB:.2f} GiB held by others): build the engine "
-                    "before the trainer fills the card, offload it first, or lower "
-                    "rollout.gpu_memory_utilization")
-        # Every TP rank must schedule alike, hence hold the same number of blocks.
-        num_blocks = self.tp.min_int(num_blocks, self.device)
-        if num_blocks < needed:
-            raise HandoffError(f"rollout.num_blocks={num_blocks} cannot hold one sequence of "
-                               f"max_model_len={self.max_model_len} tokens ({needed} blocks of "
-                               f"{cfg.block_size} incl. the null block): raise num_blocks or "
-                               "lower rollout.max_model_len")
-        return num_blocks
 
     # ---------------------------------------------------------------- generation
 
@@ -362,93 +254,6 @@ class Engine:
             raise HandoffError("the engine's weights were discarded by sleep(2) and not all were "
                                f"loaded again ({len(self._missing_weights)} missing): call "
                                "load_weights with the full model before generate")
-
-    # ---------------------------------------------------------------- the handoff
-
-    def sleep(self, level: int) -> None:
-        """0: pause; 1: weights -> pinned host, KV dropped; 2: weights and KV dropped."""
-        if level not in (0, 1, 2):
-            raise HandoffError(f"sleep level={level} is not supported: use 0, 1 or 2")
-        self._paused = True
-        if level == 0:
-            return
-        if self.pool.is_awake("kv_cache"):
-            self.blocks.reset_prefix_cache()
-        self.pool.sleep(["weights"], level=level)
-        self.pool.sleep(["kv_cache"], level=2)
-        if level == 2:
-            self._missing_weights = self.model.weight_keys()
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Map the regions of `tags` again (default both)."""
-        tags = list(TAGS) if tags is None else list(tags)
-        unknown = [t for t in tags if t not in TAGS]
-        if unknown:
-            raise HandoffError(f"unknown engine tags {unknown}: use {list(TAGS)}")
-        self.pool.wake_up([t for t in TAGS if t in tags])
-        if "kv_cache" in tags:
-            self.blocks.reset_prefix_cache()
-        self._paused = not all(self.pool.is_awake(t) for t in TAGS)
-
-    @property
-    def kv_mapped_bytes(self) -> int:
-        """Device bytes of the KV pool backed by memory now (0 while it sleeps)."""
-        if not self.pool.is_awake("kv_cache"):
-            return 0
-        return self.pool.region_bytes("kv_cache") if self.elastic else self.runner.kv_cache_bytes
-
-    @property
-    def kv_short(self) -> bool:
-        """The pool has held generation back since this generate began or the pool last
-        grew: a sequence could not be admitted, or a step found no block for a token."""
-        return self.scheduler.blocks_short
-
-    def grow_kv(self) -> int:
-        """Back more of the KV pool with memory freed since the wake; returns the mapped
-        bytes. A fixed pool (rollout.kv_pool=fixed) is mapped whole at its wake: no-op."""
-        if self.elastic and self.pool.is_awake("kv_cache"):
-            before = self.blocks.usable
-            self.pool.grow("kv_cache")
-            usable = self._mapped_blocks()
-            if usable > before:
-                self.runner.reset_kv_cache(before, usable)
-                self.blocks.grow(usable)
-                self.scheduler.blocks_short = False
-        return self.kv_mapped_bytes
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy (HF name, full tensor) pairs into the engine layout.
-
-        weights_version grows by one per update: consecutive calls between two `generate`s
-        (the buckets of one sync) count as a single update.
-        """
-        if not self.pool.is_awake("weights"):
-            raise HandoffError("load_weights while the weights region sleeps: call "
-                               "wake_up(['weights']) first")
-        self._missing_weights -= self.model.load_weights(weights)
-        if not self._updating_weights:  # the buckets of one sync make one new version
-            self.weights_version += 1
-            self._updating_weights = True
-        if self.pool.is_awake("kv_cache"):
-            self.blocks.reset_prefix_cache()  # cached KV was computed by the old weights
-
-    def export_weight(self, hf_name: str) -> torch.Tensor:
-        """The engine's copy of HF tensor `hf_name` (a view: fused rows, or the tied embedding);
-        under TP, this rank's part of it (compare with `weight_shard` of the full tensor)."""
-        return self.model.export(self._tied(hf_name))
-
-    def weight_shard(self, hf_name: str, full: torch.Tensor) -> torch.Tensor:
-        """The part of the full tensor `hf_name` this rank keeps (all of it at TP = 1)."""
-        return self.model.select(self._tied(hf_name), full)
-
-    def _tied(self, hf_name: str) -> str:
-        if hf_name == "lm_head.weight" and self.model.lm_head is None:
-            return "model.embed_tokens.weight"
-        return hf_name
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (call after weights change)."""
-        self.blocks.reset_prefix_cache()
 
     def stats(self) -> dict:
         b = self.blocks

@@ -1,10 +1,13 @@
-"""User data: prompts and reference answers from a JSONL or Parquet file (`data.task=file`).
+"""User data: prompts and reference answers from a JSONL or Parquet file (`data.task=file`),
+a `datasets` save_to_disk directory or a cached Hub dataset id (saved_datasets.py).
 
     {"prompt": "What is the capital of France?", "answer": "Paris"}
     {"prompt": "What is 6 x 7?", "answer": 42}
 
-The field names are `data.prompt_field` / `data.answer_field`. A prompt is a string (the
-user turn) or a list of chat messages ({"role", "content"}). Answers that read as a number
+The field names are `data.prompt_field` / `data.answer_field` (a dotted name reads a nested
+field: `reward_model.ground_truth` for verl's parquet files). A prompt is a string (the
+user turn) or a list of chat messages ({"role", "content"}). Every other field of a record
+reaches the rewards: `Problem.metadata["columns"]` (handoff/rewards). Answers that read as a number
 are graded numerically (see answers.py: `#### N`, `\\boxed{N}`, or the last number);
 others by normalised exact match of the marked answer or the last line. Records are visited
 in a fresh seeded permutation each epoch; record order on disk does not matter.
@@ -12,6 +15,7 @@ in a fresh seeded permutation each epoch; record order on disk does not matter.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,8 @@ import numpy as np
 
 from handoff.errors import HandoffError
 from handoff.tasks.answers import normalize_number, score_numeric, score_text
-from handoff.tasks.base import Problem, Score, Task
+from handoff.tasks.base import Problem, Score, Task, encode_prompt
+from handoff.tasks.saved_datasets import load_dataset_rows, looks_like_hub_id
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
 
@@ -63,9 +68,18 @@ def _read_parquet(path: Path) -> list[dict]:
                            "re-export it") from None
 
 
-def load_records(path: str | Path) -> list[dict]:
-    """Every record of a JSONL / JSON / Parquet file, as dicts; HandoffError if none."""
+def load_records(path: str | Path, *, split: str = "train",
+                 subset: str | None = None) -> list[dict]:
+    """Every record of a JSONL / JSON / Parquet file, a save_to_disk directory or a cached Hub
+    dataset (`split`, `subset`), as dicts; HandoffError if none."""
     p = Path(path)
+    if p.is_dir() or (not p.exists() and p.suffix.lower() not in SUFFIXES
+                      and looks_like_hub_id(str(path))):
+        rows = load_dataset_rows(path, split=split, subset=subset)
+        if not rows:
+            raise HandoffError(f"dataset {str(path)!r} (split {split!r}) holds no records: "
+                               "pick another data.split or add rows")
+        return rows
     if not p.is_file():
         raise HandoffError(f"data file {str(p)!r} not found: set data.path to an existing "
                            "JSONL or Parquet file")
@@ -80,9 +94,19 @@ def load_records(path: str | Path) -> list[dict]:
     return rows
 
 
+def _field(row: dict, key: str) -> Any:
+    """row[key], or a nested field by a dotted name (reward_model.ground_truth); None if absent."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
 def _check_field(rows: list[dict], path: Path, key: str, setting: str) -> None:
     for i, row in enumerate(rows):
-        if row.get(key) is None:
+        if _field(row, key) is None:
             fields = ", ".join(sorted(row)) or "none"
             where = f"{path}" if i == 0 else f"record {i} of {path}"
             raise HandoffError(f"{setting}={key!r} is not a field of {where} (its fields: "
@@ -106,14 +130,18 @@ class DatasetTask(Task):
     instruction: str | None = None  # appended to the last user turn of every prompt
 
     def __init__(self, path: str | Path, *, prompt_field: str = "prompt",
-                 answer_field: str = "answer", seed: int = 0) -> None:
+                 answer_field: str = "answer", seed: int = 0, split: str = "train",
+                 subset: str | None = None, shuffle: bool = True) -> None:
         super().__init__(seed=seed)
         self.path = Path(path)
-        rows = load_records(self.path)
+        self.shuffle = shuffle  # False: records in file order (an evaluation set)
+        rows = load_records(self.path, split=split, subset=subset)
         _check_field(rows, self.path, prompt_field, "data.prompt_field")
         _check_field(rows, self.path, answer_field, "data.answer_field")
         self._messages = [_messages(r[prompt_field], i, self.path) for i, r in enumerate(rows)]
-        self._answers = [self.make_answer(str(r[answer_field]), i) for i, r in enumerate(rows)]
+        self._answers = [self.make_answer(str(_field(r, answer_field)), i)
+                         for i, r in enumerate(rows)]
+        self._columns = [{k: v for k, v in r.items() if k != prompt_field} for r in rows]
         self._order: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
@@ -125,6 +153,8 @@ class DatasetTask(Task):
 
     def _record(self, index: int) -> int:
         epoch, pos = divmod(index, len(self))
+        if not self.shuffle:
+            return pos
         if self._order is None or self._order[0] != epoch:
             perm = np.random.default_rng([self.seed, epoch]).permutation(len(self))
             self._order = (epoch, perm)
@@ -132,11 +162,38 @@ class DatasetTask(Task):
 
     def get(self, index: int) -> Problem:
         row = self._record(index)
+        return Problem(messages=self._prompt(row), answer=self._answers[row], index=index,
+                       metadata={"row": row, "path": str(self.path),
+                                 "columns": dict(self._columns[row])})
+
+    def _prompt(self, row: int) -> tuple[dict[str, str], ...]:
         messages = [dict(m) for m in self._messages[row]]
         if self.instruction:
             messages[-1]["content"] = f"{messages[-1]['content']}\n\n{self.instruction}"
-        return Problem(messages=tuple(messages), answer=self._answers[row], index=index,
-                       metadata={"row": row, "path": str(self.path)})
+        return tuple(messages)
+
+    def check_prompt_lengths(self, tokenizer: Any, *, limit: int, chat: bool,
+                             setting: str) -> None:
+        """Refuse, at start, a record whose prompt takes more than `limit` tokens, naming it
+        by its place in the data file (a JSONL file's line), not by a batch position."""
+        for row in range(len(self)):
+            problem = Problem(messages=self._prompt(row), answer="", index=row)
+            n = len(encode_prompt(problem, tokenizer, chat=chat))
+            if n > limit:
+                raise HandoffError(f"record {row} of {self.path}{self._line_text(row)} has a "
+                                   f"prompt of {n} tokens, more than the {limit} {setting} "
+                                   "leaves for it: shorten or drop that record, or raise the "
+                                   "limit")
+
+    def _line_text(self, row: int) -> str:
+        """' (line N)' for a JSON-lines file (its blank lines hold no record), else ''."""
+        suffix = self.path.suffix.lower()
+        if suffix in (".parquet", ".pq") or (suffix == ".json" and self.path.read_text(
+                encoding="utf-8").lstrip().startswith("[")):
+            return ""
+        with open(self.path, encoding="utf-8") as f:
+            filled = (n for n, line in enumerate(f, 1) if line.strip())
+            return f" (line {next(itertools.islice(filled, row, None))})"
 
     def score(self, problem: Problem, response: str) -> Score:
         if normalize_number(problem.answer) == problem.answer:

@@ -1,8 +1,8 @@
 """The actor: an FSDP2 policy with fp32-master AdamW and the GRPO update.
 
-    actor = build_actor(cfg, device="cuda", arena=arena)
+    actor = build_actor(cfg, RunPlan.build(cfg), device="cuda", arena=arena)
     batch.old_logprobs, _ = actor.log_probs(batch)
-    metrics = actor.update(batch)      # loss, pg_loss, clip_frac, kl, entropy, grad_norm, lr
+    metrics = actor.update(batch)      # loss, pg_loss, clip_frac, kl, entropy, grad_norm, actor/lr
     actor.to("host", optimizer=True).wait()
 
 Memory parts per rank (bytes, exact; N_r = this rank's share of the N params, which FSDP2
@@ -14,14 +14,16 @@ pads so that dim 0 splits evenly across ranks; at world size 1 N_r = N):
              params (no separate master); N counts unpadded local elements.
 So a bf16 model costs the source's 16 bytes/param while training.
 
-Loss aggregation is a token-level mean over the whole batch on every rank: each micro-batch
-contributes sum(token loss) * world / (global response tokens), and FSDP's gradient average
-over ranks divides the world back out.
+Loss aggregation (actor.loss_agg, grpo.py) is over the whole batch of one optimizer step on
+every rank: each micro-batch contributes its weighted token sum * world / the denominator of
+all ranks' counts (token_mean: the response tokens), and FSDP's gradient average over ranks
+divides the world back out. The `loss` metric is the token mean of the per-token loss under
+every aggregation. The learning rate follows actor.lr_schedule (optim.LrSchedule), a
+function of the optimizer's step count, which every checkpoint keeps.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable
 
@@ -31,12 +33,13 @@ from handoff.config import ActorConfig, Config
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena
 from handoff.plan.trainer import MicroBatchChoice
+from handoff.runplan import RunPlan
 from handoff.train import grpo
 from handoff.train.batch import RolloutBatch
 from handoff.dist import all_reduce_
 from handoff.train.forward import token_forward
 from handoff.train.model import PassHooks, ShardedModel
-from handoff.train.optim import MixedPrecisionAdamW, local_shard
+from handoff.train.optim import LrSchedule, MixedPrecisionAdamW, local_shard
 
 
 class Actor(ShardedModel):
@@ -45,18 +48,29 @@ class Actor(ShardedModel):
 
     def __init__(self, path: str, *, actor: ActorConfig, device: str | torch.device = "cpu",
                  dtype: str = "bfloat16", offload_mode: str = "arena",
-                 arena: PinnedArena | None = None, role: str = "actor"):
+                 arena: PinnedArena | None = None, role: str = "actor",
+                 max_response_len: int | None = None, total_updates: int | None = None):
+        """`max_response_len` (rollout.max_tokens): loss_agg=seq_mean_token_sum_norm's
+        constant; `total_updates` (run.steps * updates_per_step): where a cosine or linear
+        lr_schedule reaches 0 (build_actor passes both from the run's config)."""
         self.cfg = actor
         if not isinstance(actor.micro_batch_tokens, int) or not isinstance(
                 actor.gradient_checkpointing, bool):
             raise HandoffError("actor.micro_batch_tokens / gradient_checkpointing are 'auto': "
-                               "build the actor with build_actor(cfg, ...), which resolves them")
+                               "build the actor with build_actor(cfg, plan, ...), which resolves them")
         super().__init__(path, role=role, device=device, dtype=dtype,
                          micro_batch_size=actor.micro_batch_size, offload_mode=offload_mode,
                          arena=arena, gradient_checkpointing=actor.gradient_checkpointing,
                          micro_batch_tokens=actor.micro_batch_tokens,
                          logprob_chunk_tokens=actor.logprob_chunk_tokens,
                          compile_layers=actor.compile)
+        if actor.loss_agg == "seq_mean_token_sum_norm" and not max_response_len:
+            raise HandoffError("actor.loss_agg=seq_mean_token_sum_norm needs the longest "
+                               "response: build the actor with build_actor(cfg, ...) or pass "
+                               "max_response_len")
+        self.max_response_len = max_response_len
+        self.schedule = LrSchedule(actor.lr, kind=actor.lr_schedule,
+                                   warmup_steps=actor.warmup_steps, total_steps=total_updates)
         self.optimizer = MixedPrecisionAdamW(self.module.named_parameters(), lr=actor.lr,
                                              weight_decay=actor.weight_decay)
         self._parts["grads"] = self._grad_tensors
@@ -87,7 +101,8 @@ class Actor(ShardedModel):
             raise HandoffError(f"{len(batch)} rows cannot feed actor.updates_per_step="
                                f"{cfg.updates_per_step}: lower it or sample more rows")
         self._check_on_device("params")
-        batch.advantages = grpo.group_advantages(batch.rewards, batch.group_size)
+        batch.advantages = grpo.group_advantages(batch.rewards, batch.group_size,
+                                                 scale=cfg.scale_advantages)
         if batch.old_logprobs is None and cfg.updates_per_step > 1:
             # Later slices see a moved policy, so the ratio needs the sampling policy's log-probs.
             batch.old_logprobs, _ = self.log_probs(batch, with_entropy=False)
@@ -115,8 +130,8 @@ class Actor(ShardedModel):
         grad_norm = self.step()
         n = max(values.pop("num_tokens"), 1.0)
         metrics = {k: v / n for k, v in values.items()}
-        metrics.update(num_tokens=n, grad_norm=grad_norm, lr=self.optimizer.lr,
-                       skipped_step=float(not math.isfinite(grad_norm)))
+        metrics.update({"num_tokens": n, "grad_norm": grad_norm, "actor/lr": self.optimizer.lr,
+                        "skipped_step": float(not math.isfinite(grad_norm))})
         return metrics
 
     def accumulate(self, batch: RolloutBatch, micro_batches: list | None = None, *,
@@ -129,8 +144,13 @@ class Actor(ShardedModel):
         assert batch.advantages is not None, "set batch.advantages (grpo.group_advantages) first"
         self.require_on_device("params", "grads")
         self.module.train()
-        tokens = all_reduce_(batch.response_mask.sum().to(self.device, torch.float32))
-        scale = self.world_size / max(float(tokens.item()), 1.0)
+        mask = batch.response_mask.float()
+        num_tokens, num_sequences = all_reduce_(torch.stack(
+            [mask.sum(), (mask.sum(dim=1) > 0).float().sum()]).to(self.device)).tolist()
+        scale = self.world_size / grpo.aggregation_denominator(
+            cfg.loss_agg, num_tokens=num_tokens, num_sequences=num_sequences,
+            max_response_len=self.max_response_len)
+        weights = grpo.aggregation_weights(mask, cfg.loss_agg)
         sums = torch.zeros(len(grpo.LossSums.NAMES), device=self.device)
         for i, (mb, real) in enumerate(micro_batches or self._micro_batches(batch)):
             logp, ent = token_forward(self.module, mb, chunk_tokens=self.logprob_chunk_tokens,
@@ -140,9 +160,10 @@ class Actor(ShardedModel):
                 logp, old if old is not None else logp.detach(), mb.advantages(batch.advantages),
                 mb.gather(batch.response_mask), clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                 ref_logp_BT=mb.gather(batch.ref_logprobs) if cfg.kl_coef > 0 else None,
-                kl_coef=cfg.kl_coef, entropy_BT=ent, entropy_coef=cfg.entropy_coef)
+                kl_coef=cfg.kl_coef, entropy_BT=ent, entropy_coef=cfg.entropy_coef,
+                weight_BT=mb.gather(weights))
             # A dummy micro-batch only keeps FSDP's collectives paired across ranks.
-            (s.loss * (scale if real else 0.0)).backward()
+            (s.objective * (scale if real else 0.0)).backward()
             if real:
                 sums += s.stacked()
             del logp, ent, s
@@ -160,6 +181,7 @@ class Actor(ShardedModel):
         self.require_on_device("params", "grads")
         grad_norm = self._grad_norm()
         self.require_on_device("optimizer")
+        self.optimizer.lr = self.schedule.lr_at(self.optimizer.step_count + 1)
         if math.isfinite(grad_norm):
             clip = self.cfg.grad_clip / (grad_norm + 1e-6) if self.cfg.grad_clip > 0 else 1.0
             self.optimizer.step(grad_scale=min(1.0, clip))
@@ -176,58 +198,37 @@ class Actor(ShardedModel):
         return math.sqrt(float(all_reduce_(sq).item()))
 
 
-def resolve_actor_config(cfg: Config, device: str | torch.device
+def resolve_actor_config(plan: RunPlan, device: str | torch.device
                          ) -> tuple[ActorConfig, MicroBatchChoice | None]:
-    """cfg.actor with 'auto' micro_batch_tokens / gradient_checkpointing decided from the
-    memory the card has in the training phase (handoff.plan.trainer.pick_micro_batch: the
-    hardware profile's HBM, or the device's if smaller, less the trainer state and the
-    resident bytes); the choice is returned with its reason (None when nothing was auto)."""
-    a = cfg.actor
-    if a.micro_batch_tokens != "auto" and a.gradient_checkpointing != "auto":
-        return a, None
-    from handoff.plan.hardware import hardware_profile
-    from handoff.plan.ledger import Dtypes, shard_size
-    from handoff.plan.shapes import load_shape
-    from handoff.plan.trainer import pick_micro_batch
-
-    hw = hardware_profile(cfg.hardware.name, cfg.hardware)
+    """The run's actor config with 'auto' resolved for `device` (RunPlan.actor_config: a
+    CUDA card smaller than the profile's HBM sizes the budget)."""
     dev = torch.device(device) if str(device) != "auto" else None
+    total = None
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(dev).total_memory
-        hw = dataclasses.replace(hw, hbm_bytes=min(hw.hbm_bytes, total))
-    # Padded rows: the micro-batch is micro_batch_size rows of up to max_model_len tokens.
-    tokens = a.micro_batch_tokens if a.micro_batch_tokens != 0 else (
-        a.micro_batch_size * cfg.rollout.max_model_len)
-    choice = pick_micro_batch(load_shape(cfg.model.path), hw,
-                              dtypes=Dtypes.for_model(cfg.model.dtype),
-                              shard=shard_size(cfg.parallel),
-                              checkpointing=a.gradient_checkpointing,
-                              logprob_chunk_tokens=a.logprob_chunk_tokens,
-                              longest_sequence=cfg.rollout.max_model_len, tokens=tokens)
-    resolved = dataclasses.replace(
-        a, gradient_checkpointing=choice.checkpointing,
-        micro_batch_tokens=choice.tokens if a.micro_batch_tokens == "auto" else a.micro_batch_tokens)
-    return resolved, choice
+    return plan.actor_config(total)
 
 
-def build_actor(cfg: Config, *, device: str | torch.device,
+def build_actor(cfg: Config, plan: RunPlan, *, device: str | torch.device,
                 arena: PinnedArena | None = None) -> Actor:
     """The actor from a run config: model.path / model.dtype, actor.* ('auto' resolved by
     resolve_actor_config, the choice kept as actor.micro_batch_choice), memory.offload_mode."""
-    actor_cfg, choice = resolve_actor_config(cfg, device)
+    actor_cfg, choice = resolve_actor_config(plan, device)
     actor = Actor(cfg.model.path, actor=actor_cfg, device=device, dtype=cfg.model.dtype,
-                  offload_mode=cfg.memory.offload_mode, arena=arena)
+                  offload_mode=cfg.memory.offload_mode, arena=arena,
+                  max_response_len=cfg.rollout.max_tokens,
+                  total_updates=cfg.run.steps * actor_cfg.updates_per_step)
     actor.micro_batch_choice = choice
     return actor
 
 
-def build_reference(cfg: Config, *, device: str | torch.device,
+def build_reference(cfg: Config, plan: RunPlan, *, device: str | torch.device,
                     arena: PinnedArena | None = None) -> ShardedModel | None:
     """The frozen reference model, or None when actor.kl_coef == 0 (no KL term at all); its
     forwards use the actor's micro-batches, log-prob head and compiled layers."""
     if cfg.actor.kl_coef == 0:
         return None
-    actor_cfg, _ = resolve_actor_config(cfg, device)
+    actor_cfg, _ = resolve_actor_config(plan, device)
     return ShardedModel(cfg.model.path, role="ref", device=device, dtype=cfg.model.dtype,
                         micro_batch_size=actor_cfg.micro_batch_size,
                         micro_batch_tokens=actor_cfg.micro_batch_tokens,

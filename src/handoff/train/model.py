@@ -45,7 +45,8 @@ from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena, Transfer
-from handoff.model_files import check_loading_info
+from handoff.model_files import (check_architecture, check_loading_info, check_shape,
+                                 read_model_config, weight_files)
 from handoff.train import attention
 from handoff.train.batch import RolloutBatch
 from handoff.train.compiled import set_compiled_layers
@@ -75,20 +76,23 @@ class Move:
 
 
 def load_hf_model(path: str, dtype: torch.dtype, gradient_checkpointing: bool) -> torch.nn.Module:
-    """A transformers AutoModelForCausalLM on CPU in `dtype`, ready to shard."""
-    from pathlib import Path
+    """A transformers AutoModelForCausalLM on CPU in `dtype`, ready to shard.
 
+    It loads the safetensors files the engine loads (model_files.weight_files, checked
+    first), never a pickle, and never a model's own code."""
     from transformers import AutoModelForCausalLM
 
-    if not (Path(path) / "config.json").is_file():
-        raise HandoffError(f"{path!r} is not an HF checkpoint directory (no config.json): pass a "
-                           "directory written by save_pretrained or `handoff init-model`")
+    config = read_model_config(path)
+    check_architecture(path, config)
+    check_shape(path, config)
+    weight_files(path)   # refuses pickle-only or unloadable names before transformers looks
     # SDPA for padded rows, varlen for packed ones: one registered name (train/attention.py).
     attention.register()
     # A tensor of the wrong shape, or none at all, would be a random init: refused instead.
     model, info = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION,
-        ignore_mismatched_sizes=True, output_loading_info=True)
+        ignore_mismatched_sizes=True, output_loading_info=True, use_safetensors=True,
+        trust_remote_code=False)
     check_loading_info(path, info)
     model.config.use_cache = False
     if not hasattr(getattr(model, "model", None), "layers"):

@@ -11,11 +11,19 @@ params (CPU tests) the param shard is its own master: 8 B/param.
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments), one
 tensor at a time so the transient extra memory is one fp32 shard, not a copy of the model.
+
+The learning rate of each step comes from `LrSchedule.lr_at(step)`, a closed form of the
+optimizer's step count: the values torch's SequentialLR of LinearLR (warm-up) and
+CosineAnnealingLR or LinearLR (decay) gives, computed without their recursion, so a resume,
+which restores the step count from the checkpoint, continues the sequence exactly with
+nothing else to store (torch's schedulers also require a torch.optim.Optimizer, which this
+flat-buffer AdamW is not).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -25,6 +33,44 @@ from torch import nn
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, or a plain tensor itself."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """actor.lr_schedule: the learning rate of optimizer step k (1-based).
+
+    Warm-up, k <= warmup_steps: lr * k / warmup_steps (no step at lr 0). Then `constant`
+    stays at lr; `cosine` and `linear` fall from lr towards 0 over the remaining
+    total_steps - warmup_steps steps, the first of them at lr and the last above 0:
+    with p = (k - 1 - warmup_steps) / (total_steps - warmup_steps),
+    cosine lr * (1 + cos(pi p)) / 2, linear lr * (1 - p); 0 past total_steps.
+    """
+
+    lr: float
+    kind: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.kind!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if self.kind != "constant" and self.total_steps is None:
+            raise ValueError(f"lr_schedule={self.kind!r} decays to 0 at the run's last "
+                             "optimizer step: pass total_steps (run.steps * updates_per_step)")
+
+    def lr_at(self, step: int) -> float:
+        if step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.kind == "constant":
+            return self.lr
+        decay_steps = self.total_steps - self.warmup_steps
+        progress = min((step - 1 - self.warmup_steps) / decay_steps, 1.0)
+        if self.kind == "cosine":
+            return self.lr * (1 + math.cos(math.pi * progress)) / 2
+        return self.lr * (1 - progress)
 
 
 class MixedPrecisionAdamW:

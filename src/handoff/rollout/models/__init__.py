@@ -2,30 +2,30 @@
 
 Supported `model_type`s: qwen3, qwen2, llama (one decoder with flags, see qwen3.py). Reading
 is config-driven and uses safetensors directly, one tensor at a time, so a checkpoint never
-needs a second copy in memory.
+needs a second copy in memory; the files are model_files.weight_files', the ones the trainer
+loads, and config.json is checked by model_files first (architecture, sizes, heads).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from handoff.errors import HandoffError
+from handoff.model_files import (SUPPORTED_MODEL_TYPES, check_architecture, check_shape,
+                                 read_model_config, special_token_ids, weight_files)
 from handoff.rollout.models.qwen3 import CausalLM, DecoderSpec
 from handoff.rollout.parallel import SINGLE, TPGroup
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
-
 
 def read_hf_config(model_path: str | Path) -> dict:
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise HandoffError(f"{str(model_path)!r} has no config.json: pass an HF checkpoint directory "
-                           "(write one with `handoff init-model --preset tiny-qwen3 --out DIR`)")
-    return json.loads(path.read_text())
+    """config.json of a checkpoint the engine can run, or one line saying why not."""
+    hf = read_model_config(model_path)
+    check_architecture(model_path, hf)
+    check_shape(model_path, hf)
+    return hf
 
 
 def spec_from_hf_config(hf: dict) -> DecoderSpec:
@@ -56,13 +56,7 @@ def spec_from_hf_config(hf: dict) -> DecoderSpec:
 
 def eos_token_ids(model_path: str | Path, hf: dict) -> frozenset[int]:
     """EOS ids from config.json and generation_config.json (chat models list several)."""
-    ids: set[int] = set()
-    gen_path = Path(model_path) / "generation_config.json"
-    sources = [hf] + ([json.loads(gen_path.read_text())] if gen_path.is_file() else [])
-    for src in sources:
-        eos = src.get("eos_token_id")
-        ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-    return frozenset(int(i) for i in ids)
+    return special_token_ids(model_path, hf, "eos_token_id")
 
 
 def build_model(spec: DecoderSpec, *, device: torch.device, dtype: torch.dtype,
@@ -94,14 +88,11 @@ def _place_in_one_buffer(model: torch.nn.Module, device: torch.device, align: in
 
 
 def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor in the directory's *.safetensors files."""
+    """(HF name, CPU tensor) for every tensor in the checkpoint's weight_files (the ones the
+    trainer loads; never a pickle)."""
     from safetensors import safe_open
 
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise HandoffError(f"no *.safetensors file in {str(model_path)!r}: the engine loads "
-                           "safetensors checkpoints only (save with safe_serialization=True)")
-    for path in files:
+    for path in weight_files(model_path):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -1,0 +1,74 @@
+"""`handoff plan`: the planner's report of a run, before anything is loaded."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from handoff.cli import PLAN_DOES_NOT_FIT, app, console, err_console, friendly_errors
+
+
+@app.command("plan")
+@friendly_errors
+def plan_cmd(
+    overrides: Optional[list[str]] = typer.Argument(None, help="config overrides key.sub=value"),
+    model: Optional[str] = typer.Option(None, help="preset (qwen3-32b, ...) or HF config dir"),
+    gpus: Optional[int] = typer.Option(None, help="total cards"),
+    hardware: Optional[str] = typer.Option(None, help="h100-sxm | h200 | a100-80g | cpu"),
+    shard_size: Optional[int] = typer.Option(None, help="FSDP group (default: all cards)"),
+    tp: Optional[int] = typer.Option(None, help="engine TP (default: auto, or the config's)"),
+    util: Optional[float] = typer.Option(None, help="gpu_memory_utilization (default 0.5)"),
+    param_offload: Optional[bool] = typer.Option(None, "--param-offload/--no-param-offload"),
+    optimizer_offload: Optional[bool] = typer.Option(
+        None, "--optimizer-offload/--no-optimizer-offload"),
+    ref: bool = typer.Option(True, "--ref/--no-ref", help="a reference model (KL) exists"),
+    ref_offload: Optional[bool] = typer.Option(None, "--ref-offload/--no-ref-offload"),
+    grad_offload: bool = typer.Option(False, help="move grads with the optimizer, not free them"),
+    prompt_len: Optional[int] = typer.Option(None, help="mean prompt tokens P"),
+    response_len: Optional[int] = typer.Option(None, help="mean response tokens L"),
+    max_response_len: Optional[int] = typer.Option(None, help="longest response (long tail)"),
+    tokens_per_step: Optional[float] = typer.Option(None, help="generated tokens/step, all cards"),
+    step_seconds: Optional[float] = typer.Option(None, help="measured step time (default: "
+                                                 "generation + switch + training, modelled)"),
+    host_ram_gb: Optional[float] = typer.Option(None, help="host RAM per node, GB"),
+    hbm_gb: Optional[float] = typer.Option(None, help="HBM per card, GB"),
+    pcie_gbps: Optional[float] = typer.Option(None, help="pinned PCIe GB/s per direction"),
+    nvlink_gbps: Optional[float] = typer.Option(None, help="NVLink GB/s per direction"),
+    decode_tbps: Optional[float] = typer.Option(None, help="effective decode HBM TB/s"),
+    activation_gb: Optional[float] = typer.Option(None, help="engine activation peak, GB"),
+    graph_pool_gb: Optional[float] = typer.Option(None, help="CUDA graph pool, GB"),
+    resident_gb: Optional[float] = typer.Option(None, help="contexts, NCCL, allocator residue GB"),
+    train_activation_gb: Optional[float] = typer.Option(None, help="trainer activations/card, GB"),
+    train_tflops: Optional[float] = typer.Option(None, help="trainer model TFLOP/s per card "
+                                                 "(handoff bench train-compute)"),
+    config: Optional[str] = typer.Option(None, help="YAML config file"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    markdown: bool = typer.Option(False, help="print Markdown tables"),
+    plot: Optional[str] = typer.Option(None, help="also draw the utilization sweep to this PNG"),
+) -> None:
+    """What moves at each switch, the KV-pool tax, and whether to colocate at all.
+
+    A run that does not fit gets the whole plan too, with the verdict "does not fit", every
+    reason and a change that re-plans to a fit; the exit status is then 3."""
+    import json
+
+    from handoff.plan.render import render_markdown, render_rich
+    from handoff.plan.report import build_plan, plan_config
+
+    flags = dict(locals())
+    cfg, auto_tp = plan_config(config, overrides, flags)
+    report = build_plan(cfg, ref=ref, grad_offload=grad_offload, auto_tp_size=auto_tp)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    elif markdown:
+        typer.echo(render_markdown(report), nl=False)
+    else:
+        render_rich(report, console)
+    if plot:
+        from handoff.plan.plot import plot_utilization
+
+        err_console.print(f"wrote {plot_utilization(report, plot)}")
+    if not report["verdict"]["fits"]:
+        sys.exit(PLAN_DOES_NOT_FIT)

@@ -1,0 +1,79 @@
+"""The run's plan: the planner's inputs for one run, built once at start (by the preflight,
+or by `loop.train` when called from Python) and handed to the calibration, the actor, the
+report and the checkpoint sizing, which used to rebuild them each on its own.
+
+    plan = RunPlan.build(cfg)                      # no torch: the model's config.json only
+    plan.shape, plan.hardware, plan.dtypes, plan.ref, plan.elastic_pool, plan.order
+    actor_cfg, choice = plan.actor_config(device_hbm_bytes)   # 'auto' resolved for a card
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from handoff.config import ActorConfig, Config
+from handoff.plan.hardware import HardwareProfile, hardware_profile
+from handoff.plan.ledger import Dtypes, shard_size
+from handoff.plan.order import SwitchOrder, switch_order
+from handoff.plan.shapes import ModelShape, load_shape
+from handoff.plan.trainer import MicroBatchChoice, pick_micro_batch
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the ledger needs to know of a run: the model's shape, the hardware profile
+    (cfg.hardware's overrides applied; the rates a run measures are applied by its report),
+    the dtypes, the FSDP shard, whether there is a reference, the KV pool's kind, and the
+    switch order those give."""
+
+    cfg: Config
+    shape: ModelShape
+    hardware: HardwareProfile
+    dtypes: Dtypes
+    shard: int
+    ref: bool
+    elastic_pool: bool
+    order: SwitchOrder
+
+    @classmethod
+    def build(cls, cfg: Config) -> "RunPlan":
+        ref = cfg.actor.kl_coef > 0
+        elastic = cfg.rollout.kv_pool == "elastic"
+        return cls(cfg=cfg, shape=load_shape(cfg.model.path),
+                   hardware=hardware_profile(cfg.hardware.name or "cpu", cfg.hardware),
+                   dtypes=Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype),
+                   shard=shard_size(cfg.parallel), ref=ref, elastic_pool=elastic,
+                   order=switch_order(cfg.memory, ref=ref, elastic_pool=elastic,
+                                      updates_per_step=cfg.actor.updates_per_step))
+
+    def actor_config(self, device_hbm_bytes: int | None = None
+                     ) -> tuple[ActorConfig, MicroBatchChoice | None]:
+        """cfg.actor with 'auto' micro_batch_tokens / gradient_checkpointing decided from the
+        memory the card has in the training phase (plan.trainer.pick_micro_batch: the
+        profile's HBM, or the device's if smaller, less the trainer state and the resident
+        bytes); the choice is returned with its reason (None when nothing was auto)."""
+        a, cfg = self.cfg.actor, self.cfg
+        if a.micro_batch_tokens != "auto" and a.gradient_checkpointing != "auto":
+            return a, None
+        hw = self.hardware
+        if device_hbm_bytes is not None:
+            hw = dataclasses.replace(hw, hbm_bytes=min(hw.hbm_bytes, device_hbm_bytes))
+        # Padded rows: the micro-batch is micro_batch_size rows of up to max_model_len tokens.
+        tokens = a.micro_batch_tokens if a.micro_batch_tokens != 0 else (
+            a.micro_batch_size * cfg.rollout.max_model_len)
+        choice = pick_micro_batch(self.shape, hw, dtypes=self.dtypes, shard=self.shard,
+                                  checkpointing=a.gradient_checkpointing,
+                                  logprob_chunk_tokens=a.logprob_chunk_tokens,
+                                  longest_sequence=cfg.rollout.max_model_len, tokens=tokens)
+        resolved = dataclasses.replace(
+            a, gradient_checkpointing=choice.checkpointing,
+            micro_batch_tokens=(choice.tokens if a.micro_batch_tokens == "auto"
+                                else a.micro_batch_tokens))
+        return resolved, choice
+
+    def checkpoint_param_bytes(self) -> int:
+        """Bytes per parameter a checkpoint holds: the params in the model's dtype, the fp32
+        master copy (none for fp32 params) and Adam's two fp32 moments."""
+        d = self.dtypes
+        return d.param_bytes + d.master_bytes + d.optimizer_bytes

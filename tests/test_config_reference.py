@@ -1,0 +1,33 @@
+"""`handoff config`: every key of the config tree, generated from config.py's own fields."""
+
+import dataclasses
+
+from typer.testing import CliRunner
+
+from handoff.cli import app
+from handoff.config import Config, reference
+
+
+def _keys(obj, prefix=""):
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        out += (_keys(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value)
+                else [f"{prefix}{f.name}"])
+    return out
+
+
+def test_every_key_is_listed_with_its_default_and_help():
+    rows = reference()
+    assert [r["key"] for r in rows] == _keys(Config())
+    assert all(r["help"] for r in rows)
+    by_key = {r["key"]: r for r in rows}
+    assert by_key["run.steps"]["default"] == "10" and by_key["run.steps"]["range"] == "[1, inf)"
+    assert "token_mean" in by_key["actor.loss_agg"]["range"]
+
+
+def test_the_command_prints_the_listing_and_a_markdown_table():
+    result = CliRunner().invoke(app, ["config"])
+    assert result.exit_code == 0 and "reward.functions = []" in result.output
+    table = CliRunner().invoke(app, ["config", "--markdown"]).output.splitlines()
+    assert table[0].startswith("| key |") and len(table) == 2 + len(reference())

@@ -1,0 +1,81 @@
+"""Torchrun's variables without torchrun (issue 33): a partial or garbled set is refused in
+one line, never taken as a world it is not (a lone WORLD_SIZE=2 trained on half the prompts)."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from handoff import dist
+from handoff.cli import app
+from handoff.errors import HandoffError
+
+VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+FULL = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500"}
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in VARS:
+        monkeypatch.delenv(name, raising=False)
+    # A group an earlier test made in this process would answer instead of the environment.
+    monkeypatch.setattr(dist.dist, "is_initialized", lambda: False)
+
+    def set_env(**values):
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+
+    return set_env
+
+
+def test_a_lone_process_is_a_world_of_one(env):
+    assert dist.launch_env() is None and dist.world_rank_size() == (0, 1)
+    env(MASTER_ADDR="10.0.0.1", MASTER_PORT="1234")   # a cluster shell's exports alone
+    assert dist.launch_env() is None and dist.world_rank_size() == (0, 1)
+
+
+def test_a_whole_launch_is_taken_as_it_is(env):
+    env(**FULL)
+    assert dist.launch_env() == (1, 2, 1) and dist.world_rank_size() == (1, 2)
+    env(LOCAL_RANK="0")
+    assert dist.launch_env() == (1, 2, 0)
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not"),
+    ({"RANK": "3"}, "RANK=3 is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
+    ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0 is set but RANK, WORLD_SIZE"),
+    ({**FULL, "WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not a whole number >= 1"),
+    ({**FULL, "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number >= 1"),
+    ({**FULL, "WORLD_SIZE": ""}, "WORLD_SIZE='' is not a whole number >= 1"),
+    ({**FULL, "RANK": "2"}, r"RANK='2' is not 0\.\.1"),
+    ({**FULL, "RANK": "-1"}, r"RANK='-1' is not 0\.\.1"),
+    ({**FULL, "LOCAL_RANK": "5"}, r"LOCAL_RANK='5' is not 0\.\.1"),
+    ({**FULL, "LOCAL_RANK": "1.5"}, r"LOCAL_RANK='1.5' is not 0\.\.1"),
+])
+def test_a_partial_or_garbled_launch_is_refused(env, values, match):
+    env(**values)
+    for call in (dist.launch_env, dist.world_rank_size, lambda: dist.check_world_size(1)):
+        with pytest.raises(HandoffError, match=match + ".*torchrun --nproc-per-node N"):
+            call()
+
+
+def test_local_rank_beyond_the_cards_is_refused(env, monkeypatch):
+    env(**{**FULL, "WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(HandoffError, match=r"LOCAL_RANK=3 but torch sees 2 GPU\(s\)"):
+        dist.resolve_device("cuda")
+
+
+def test_train_and_generate_with_a_stray_world_size_say_one_line_and_write_nothing(env,
+                                                                                  tmp_path):
+    env(WORLD_SIZE="2")
+    runner = CliRunner()
+    for args in (["train", "examples/cpu-tiny.yaml", f"run.out_dir={tmp_path / 'run'}"],
+                 ["generate", "--model", str(tmp_path), "--prompt", "hi"]):
+        res = runner.invoke(app, args, terminal_width=400)
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert res.exit_code == 2 and len(lines) == 1, res.output
+        assert "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not" in lines[0]
+    assert not (tmp_path / "run").exists()
