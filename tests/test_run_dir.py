@@ -156,12 +156,12 @@ def test_a_failed_resume_leaves_the_runs_config_as_it_was(model_dir, tmp_path):
 
 
 def test_ctrl_c_says_where_the_run_can_resume_from(model_dir, tmp_path, monkeypatch):
-    import handoff.loop
+    import handoff.api
 
     def interrupted(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(handoff.loop, "train", interrupted)
+    monkeypatch.setattr(handoff.api, "train", interrupted)   # what the CLI calls
     args = ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",
             f"run.out_dir={tmp_path}"]
     res = runner.invoke(app, [*args, "--overwrite"], terminal_width=300)
