@@ -15,9 +15,11 @@ import pytest
 from handoff.calibrate import Rates
 from handoff.config import load_config
 from handoff.errors import HandoffError
+from handoff.loggers.samples import append_samples, trim_samples
 from handoff.memory.meter import MemoryMeter, plot_timeline
 from handoff.run_dir import RunLock, check_out_dir, trim_metrics, write_run_config
 from handoff.run_report import RunReport
+from handoff.runplan import RunPlan
 from handoff.train.checkpoint import publish_checkpoint
 
 PRECIOUS = b"the user's own file, outside out_dir\n"
@@ -30,7 +32,8 @@ def _cfg(out, *extra):
 
 def _report(out):
     rates = Rates({"d2h_bps": 5e9, "h2d_bps": 5e9, "d2d_bps": 20e9})
-    return RunReport(_cfg(out), out, rates=rates, meter=MemoryMeter("cpu"), kv_pool_bytes=0)
+    return RunReport(RunPlan.build(_cfg(out)), out, rates=rates, meter=MemoryMeter("cpu"),
+                     kv_pool_bytes=0)
 
 
 def _finish(out):
@@ -73,6 +76,8 @@ WRITERS = {
     "memory_timeline.png.tmp": lambda out: plot_timeline([], out / "memory_timeline.png"),
     "checkpoints/latest.tmp": lambda out: publish_checkpoint(_checkpoint_dir(out)),
     "tensorboard": lambda out: _report(out).start(0),
+    "samples.jsonl": lambda out: append_samples(out / "samples.jsonl", [{"step": 1}]),
+    "samples.jsonl.tmp": lambda out: trim_samples(out / "samples.jsonl", 0),
 }
 
 
@@ -83,8 +88,8 @@ def test_a_link_planted_where_a_run_writes_is_refused_and_its_target_untouched(t
     out, outside = tmp_path / "run", tmp_path / "outside"
     out.mkdir()
     outside.mkdir()
-    if name == "metrics.jsonl.tmp":
-        (out / "metrics.jsonl").write_text(json.dumps(_row(1)) + "\n")
+    if name in ("metrics.jsonl.tmp", "samples.jsonl.tmp"):
+        (out / name.removesuffix(".tmp")).write_text(json.dumps(_row(1)) + "\n")
     if name == "tensorboard":   # a linked directory
         target = outside / "tb"
         if not dangling:
@@ -157,23 +162,25 @@ def test_a_full_disk_while_appending_metrics_is_one_line_and_keeps_the_earlier_r
     assert len(report.rows) == 2
 
 
-class FullDiskWriter:
-    """A TensorBoard writer on a full disk."""
+class FullDiskLoggers:
+    """run.loggers (TensorBoard's writer) on a full disk."""
 
-    def add_scalar(self, *args, **kwargs):
+    def log_metrics(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    close = add_scalar
+    log_samples = close = log_metrics
 
 
 def test_a_full_disk_while_writing_tensorboard_is_one_line(tmp_path):
     before = _metrics_with_rows(tmp_path, 1)
     report = _report(tmp_path)
     report.rows = [_row(1)]
-    report._tb = FullDiskWriter()
+    report._loggers = FullDiskLoggers()
     with pytest.raises(HandoffError, match="tensorboard could not be written \\(the disk is "
                                            "full: No space left on device\\)"):
         report.log_step(_row(2))
+    with pytest.raises(HandoffError, match="tensorboard could not be written"):
+        report.log_samples(2, [("p", "c", 1.0)])
     with pytest.raises(HandoffError, match="tensorboard could not be written"):
         report.finish()
     assert (tmp_path / "metrics.jsonl").read_bytes().startswith(before)

@@ -51,12 +51,14 @@ def write_failed(path: Path, error: OSError, intact: str) -> HandoffError:
 
 @contextlib.contextmanager
 def failing_write_is_one_line(path: Path, intact: str) -> Iterator[None]:
-    """An OSError inside the block becomes write_failed's one line (naming the error's own
-    file where it names one)."""
+    """An OSError inside the block becomes write_failed's one line, naming `path` (or the
+    error's own file, where it names another by its full path: one a logger writes)."""
     try:
         yield
     except OSError as e:
-        raise write_failed(Path(e.filename) if e.filename else path, e, intact) from None
+        own = str(e.filename or "")
+        named = Path(own) if os.path.isabs(own) and not own.startswith(str(path)) else path
+        raise write_failed(named, e, intact) from None
 
 
 def _relative(path: Path, root: Path) -> list[str]:
