@@ -37,5 +37,7 @@ def test_every_hardening_test_file_is_in_the_table():
                  "tests/test_run_dir.py", "tests/test_model_files.py",
                  "tests/trainer/test_checkpoint_files.py", "tests/plan/test_plan_does_not_fit.py",
                  "tests/test_model_sources.py", "tests/test_reading.py",
-                 "tests/test_start_checks.py", "tests/test_launch_env.py"):
+                 "tests/test_start_checks.py", "tests/test_launch_env.py",
+                 "tests/test_safe_files.py", "tests/trainer/test_checkpoint_edges.py",
+                 "tests/trainer/test_checkpoint_pythons.py", "tests/test_crash_resume.py"):
         assert file in named, file

@@ -37,7 +37,13 @@ def _checkpoint(cfg, step):
 
 def test_resume_of_a_finished_run_fails_before_loading(cfg):
     _checkpoint(cfg, 3)
+    preflight(cfg)   # killed before its summary: passes, the resume writes it
+    (Path(cfg.run.out_dir) / "summary.json").write_text("{}")
     with pytest.raises(HandoffError, match="at step 3, run.steps=3: raise run.steps"):
+        preflight(cfg)
+    _checkpoint(cfg, 4)
+    (Path(cfg.run.out_dir) / "summary.json").unlink()
+    with pytest.raises(HandoffError, match="at step 4, run.steps=3: raise run.steps"):
         preflight(cfg)
 
 

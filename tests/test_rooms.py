@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 FLOORS = {
     "handoff": 0, "errors": 0, "units": 0, "lengths": 0, "varlen": 0,
     "reading": 0.5,   # bounded JSON/YAML reading: above errors, below everything that reads
-    "config": 1, "demo_model": 1, "model_files": 1,
+    "config": 1, "demo_model": 1, "model_files": 1, "safe_files": 1,
     "plan": 2, "dist": 2, "tasks": 2,
     "memory": 3, "sync": 3, "runplan": 3, "rewards": 3,
     "rollout": 4, "trainer": 4, "modelzoo": 4,

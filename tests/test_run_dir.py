@@ -17,7 +17,7 @@ from handoff.config import load_config
 from handoff.errors import HandoffError
 from handoff.modelzoo import init_model
 from handoff.run_dir import (check_out_dir, claim_out_dir, interrupted_message, read_metrics,
-                             trim_metrics)
+                             resume_command, trim_metrics)
 
 runner = CliRunner()
 
@@ -156,21 +156,57 @@ def test_a_failed_resume_leaves_the_runs_config_as_it_was(model_dir, tmp_path):
 
 
 def test_ctrl_c_says_where_the_run_can_resume_from(model_dir, tmp_path, monkeypatch):
-    import handoff.loop
+    import handoff.api
 
     def interrupted(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(handoff.loop, "train", interrupted)
+    monkeypatch.setattr(handoff.api, "train", interrupted)   # what the CLI calls
     args = ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",
             f"run.out_dir={tmp_path}"]
-    res = runner.invoke(app, args, terminal_width=300)
+    res = runner.invoke(app, [*args, "--overwrite"], terminal_width=300)
     assert res.exit_code == 130
     assert ("interrupted before the first checkpoint: `handoff train examples/cpu-tiny.yaml "
-            "--resume` starts again at step 0") in res.output
+            f"model.path={model_dir} run.out_dir={tmp_path} --resume` starts again at "
+            "step 0") in res.output
     _earlier_run(tmp_path)
     text = interrupted_message(_cfg(tmp_path), "handoff train C")
     assert text == ("interrupted: the run can resume from step 2 "
                     f"({tmp_path / 'checkpoints' / 'step_00000002_abc'}) with "
                     "`handoff train C --resume`")
     assert "nothing to resume" in interrupted_message(_cfg(tmp_path, "run.checkpoint=false"), "c")
+
+
+def test_the_resume_command_is_the_command_as_given_with_its_overrides():
+    assert resume_command("c.yaml", ["run.steps=9", "data.path=my data/[x].jsonl",
+                                     "run.overwrite=true", "run.resume = false"]) == \
+        "handoff train c.yaml run.steps=9 'data.path=my data/[x].jsonl'"
+
+
+def test_ctrl_c_inside_a_checkpoint_save_is_the_one_line_and_exit_130(model_dir, tmp_path,
+                                                                     monkeypatch):
+    """DCP wraps the KeyboardInterrupt in a CheckpointException: still the one line."""
+    import torch.distributed.checkpoint as dcp
+
+    saves = []
+    write_data = dcp.FileSystemWriter.write_data
+
+    def interrupted_second_save(self, *args, **kwargs):
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+        return write_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", interrupted_second_save)
+    out = tmp_path / "my run [1]"
+    args = ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}", f"run.out_dir={out}",
+            "run.steps=3", "run.save_every=1"]
+    res = runner.invoke(app, args, terminal_width=400)
+    assert res.exit_code == 130, res.output
+    assert "Traceback" not in res.output and "CheckpointException" not in res.output
+    said = [line for line in res.output.splitlines() if "interrupted" in line]
+    step_1 = next((out / "checkpoints").glob("step_00000001_*"))
+    assert said == [f"interrupted: the run can resume from step 1 ({step_1}) with `handoff "
+                    f"train examples/cpu-tiny.yaml model.path={model_dir} 'run.out_dir={out}' "
+                    "run.steps=3 run.save_every=1 --resume`"]
+    assert not list((out / "checkpoints").glob(".tmp_*"))

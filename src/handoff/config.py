@@ -229,6 +229,8 @@ class RunConfig:
     device: str = F("auto", help="auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
     save_every: int = F(0, help="checkpoint every N steps (0: only at the end)", ge=0)
     checkpoint: bool = F(True, help="write checkpoints (false: a benchmark run that keeps none)")
+    keep_checkpoints: int = F(2, help="complete checkpoints kept on disk: the newest K (older "
+                              "ones are deleted once a newer one is published)", ge=1)
     resume: bool = F(False, help="resume from the last complete checkpoint in out_dir")
     overwrite: bool = F(False, help="replace an earlier run in out_dir (its metrics, summary, "
                         "config and checkpoints); without it a used out_dir is refused")

@@ -25,6 +25,7 @@ and after a resume.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -320,7 +321,7 @@ class Run:
 
     def run(self) -> dict:
         cfg = self.cfg
-        if self.start_step >= cfg.run.steps:
+        if self.start_step > cfg.run.steps:   # at run.steps: a run killed before its summary
             raise HandoffError(f"the checkpoint in {self.ckpt_dir} is at step {self.start_step}, "
                                f"run.steps={cfg.run.steps}: raise run.steps to train further")
         if self.report is not None:
@@ -339,13 +340,15 @@ class Run:
                         self.report.log_step(row)
                         self.report.log_samples(done, self.samples)
                     if self.pending_checkpoint is not None:
-                        publish_checkpoint(self.pending_checkpoint)
+                        publish_checkpoint(self.pending_checkpoint,
+                                           keep=cfg.run.keep_checkpoints)
             self.worker.settle()   # the last step's copies to the host land (in no row)
         except BaseException:
             # Who held the card up to the failure (an out-of-memory point of a sweep says
             # which owner did not fit from it).
-            if self.rank == 0:
-                self.worker.meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
+            if self.rank == 0:   # unless the disk is full: the error being raised says so
+                with contextlib.suppress(OSError, HandoffError):
+                    self.worker.meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
             raise
         return self.report.finish() if self.report is not None else {}
 

@@ -70,10 +70,12 @@ def check_prompt_lengths(cfg: Config) -> None:
 
 
 def _check_resume(cfg: Config) -> None:
-    """A resume whose checkpoint already reached run.steps fails now, not after loading."""
+    """A resume whose checkpoint is past run.steps, or at it with the summary written (a
+    finished run), fails now, not after loading; at it without one the resume writes it."""
     ckpt_dir = Path(cfg.run.out_dir) / "checkpoints"
     step = _start_step(ckpt_dir)
-    if step >= cfg.run.steps:
+    finished = (Path(cfg.run.out_dir) / "summary.json").is_file()
+    if step > cfg.run.steps or step == cfg.run.steps and finished:
         raise HandoffError(f"the checkpoint in {ckpt_dir} is at step {step}, "
                            f"run.steps={cfg.run.steps}: raise run.steps to train further")
 
@@ -116,13 +118,12 @@ def checkpoint_bytes(plan: RunPlan) -> int:
 def _check_checkpoint_room(cfg: Config, plan: RunPlan) -> None:
     """Refuse a run whose checkpoints cannot fit on out_dir's filesystem.
 
-    A save writes a new checkpoint next to those kept (KEEP_LAST after each publish), so
-    the disk holds at most KEEP_LAST + 1 at once; the checkpoints already there are on the
-    disk (not free) and leave as new ones replace them.
+    A save writes a new checkpoint next to those kept (run.keep_checkpoints after each
+    publish), so the disk holds at most that many + 1 at once; the checkpoints already there
+    are on the disk (not free) and leave as new ones replace them.
     """
-    from handoff.trainer.checkpoint import KEEP_LAST
-
     run = cfg.run
+    keep = run.keep_checkpoints
     ckpt_dir = Path(run.out_dir) / "checkpoints"
     start = _start_step(ckpt_dir) if run.resume else 0
     saves = count_saves(start, run.steps, run.save_every)
@@ -130,7 +131,7 @@ def _check_checkpoint_room(cfg: Config, plan: RunPlan) -> None:
         return
     kept = sum(1 for p in ckpt_dir.glob("step_*") if (p / "meta.json").is_file())
     # During save i the disk holds what the last publish kept plus the one being written.
-    peak = max(kept + 1, min(kept + saves - 1, KEEP_LAST) + 1)
+    peak = max(kept + 1, min(kept + saves - 1, keep) + 1)
     one = checkpoint_bytes(plan)
     need = (peak - kept) * one
     where = ckpt_dir
@@ -141,7 +142,7 @@ def _check_checkpoint_room(cfg: Config, plan: RunPlan) -> None:
         raise HandoffError(
             f"checkpoints need {_size(need)} on the filesystem of run.out_dir={run.out_dir!r} "
             f"({peak - kept} new of {_size(one)}: params + fp32 master + Adam moments, the last "
-            f"{KEEP_LAST} kept) but only {_size(free)} are free: set run.checkpoint=false or "
+            f"{keep} kept) but only {_size(free)} are free: set run.checkpoint=false or "
             "point run.out_dir at a filesystem with room")
 
 

@@ -14,13 +14,15 @@ alone writes out_dir's files (the other ranks write their checkpoint shards, und
 
 metrics.jsonl is appended one row per step, so a crash mid-write leaves a last line cut short:
 `read_metrics` returns the rows before the first bad line and says which line it was, so
-`handoff report` and `--resume` keep working.
+`handoff report` and `--resume` keep working. Every file is written through safe_files.py:
+inside out_dir, never through a symbolic link (one planted where a run writes is refused).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -29,11 +31,15 @@ from rich.markup import escape
 
 from handoff.config import Config, to_dict
 from handoff.errors import HandoffError
+from handoff.safe_files import failing_write_is_one_line, link_refused, open_fd, replace_file
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
              "memory_timeline.jsonl", "memory_timeline.png", "tensorboard", "checkpoints",
              "samples.jsonl", "wandb", "mlruns")
 LOCK_FILE = ".handoff.lock"
+# Every name a run writes in out_dir (and its temporary files): none may be a link.
+WRITTEN = (*RUN_FILES, LOCK_FILE, *(f"{name}.tmp" for name in RUN_FILES[:6]),
+           "samples.jsonl.tmp", "checkpoints/latest", "checkpoints/latest.tmp")
 
 console = Console(stderr=True)
 
@@ -50,6 +56,9 @@ def check_out_dir(cfg: Config) -> None:
         if where.exists() and not where.is_dir():
             raise HandoffError(f"run.out_dir={cfg.run.out_dir!r}: {where} is a file, not a "
                                "directory: point run.out_dir at a directory (created if missing)")
+    for name in WRITTEN if out.is_dir() else ():
+        if (out / name).is_symlink():
+            raise link_refused(out / name)
     found = earlier_run(out) if out.is_dir() else []
     if found and not (cfg.run.resume or cfg.run.overwrite):
         raise HandoffError(f"run.out_dir={cfg.run.out_dir!r} holds an earlier run "
@@ -63,7 +72,8 @@ class RunLock:
     def __init__(self, out_dir: Path):
         self._fd: int | None = None
         self.path = out_dir / LOCK_FILE
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        with failing_write_is_one_line(self.path, "nothing was written"):
+            fd = open_fd(self.path, out_dir, os.O_RDWR | os.O_CREAT)   # a planted link refused
         try:
             import fcntl
 
@@ -114,10 +124,9 @@ def claim_out_dir(cfg: Config) -> RunLock:
 
 def write_run_config(cfg: Config) -> None:
     """config.json of the run (atomic: a crash leaves the old one or the new one)."""
-    path = Path(cfg.run.out_dir) / "config.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(to_dict(cfg), indent=1))
-    os.replace(tmp, path)
+    out = Path(cfg.run.out_dir)
+    with failing_write_is_one_line(out / "config.json", "the run's files are as they were"):
+        replace_file(out / "config.json", json.dumps(to_dict(cfg), indent=1).encode(), out)
 
 
 # ---------------------------------------------------------------- metrics.jsonl
@@ -166,16 +175,24 @@ def trim_metrics(out_dir: Path, start_step: int) -> None:
         console.print(f"[yellow]resume: dropping {len(rows) - len(kept)} metrics row(s) after "
                       f"step {start_step}, the last checkpoint (their steps are run again)[/]",
                       highlight=False, soft_wrap=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-    os.replace(tmp, path)
+    with failing_write_is_one_line(path, "metrics.jsonl is as it was"):
+        replace_file(path, "".join(json.dumps(row) + "\n" for row in kept).encode(), out_dir)
 
 
 # ---------------------------------------------------------------- an interrupted run
 
 
+def resume_command(config: str, overrides: list[str]) -> str:
+    """`handoff train` as the user gave it, quoted for a shell: the config and every override,
+    less run.resume / run.overwrite (--resume is added; with --overwrite it is refused)."""
+    kept = [o for o in overrides
+            if o.partition("=")[0].strip() not in ("run.resume", "run.overwrite")]
+    return shlex.join(["handoff", "train", config, *kept])
+
+
 def interrupted_message(cfg: Config, command: str) -> str:
-    """What a run stopped by Ctrl-C can resume from, and how (one line)."""
+    """What a run stopped by Ctrl-C can resume from, and how (one line); `command` is
+    resume_command's."""
     from handoff.trainer.checkpoint import checkpoint_step, latest_checkpoint
 
     if not cfg.run.checkpoint:

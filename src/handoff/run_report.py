@@ -36,6 +36,7 @@ from handoff.plan.trainer import exposed_behind_compute
 from handoff.reading import expect, read_json
 from handoff.run_dir import read_metrics
 from handoff.runplan import RunPlan
+from handoff.safe_files import append_line, failing_write_is_one_line, replace_file
 from handoff.units import fmt_bytes
 
 console = Console()
@@ -106,20 +107,31 @@ class RunReport:
         # metrics.jsonl to the steps before first_step.
         if first_step > 0 and self.metrics_path.is_file():
             self.rows = read_metrics(self.metrics_path)[0]
-        self._loggers = open_loggers(self.cfg, self.out_dir, first_step=first_step)
-        self._loggers.log_config(to_dict(self.cfg))
+        with self._writing(self._loggers_path()):
+            self._loggers = open_loggers(self.cfg, self.out_dir, first_step=first_step)
+            self._loggers.log_config(to_dict(self.cfg))
         self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), TextColumn("{task.description}"),
                                   console=console, transient=False)
         self._progress.start()
         self._task = self._progress.add_task("", total=self.cfg.run.steps, completed=first_step)
 
+    def _loggers_path(self) -> Path:
+        """What the loggers write, for a failed write's line (an OSError names its own file)."""
+        return self.out_dir / ("tensorboard" if self.cfg.run.loggers == ["tensorboard"] else "")
+
+    def _writing(self, path: Path):
+        """Where a write to `path` fails (a full disk, a read-only out_dir): one line."""
+        return failing_write_is_one_line(path, f"metrics.jsonl keeps its {len(self.rows)} "
+                                               "row(s) and the last checkpoint is intact")
+
     def log_step(self, row: dict) -> None:
+        with self._writing(self.metrics_path):   # the row whole or not at all
+            append_line(self.metrics_path, self.out_dir, (json.dumps(row) + "\n").encode())
         self.rows.append(row)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
         if self._loggers is not None:
-            self._loggers.log_metrics(row, row["step"])
+            with self._writing(self._loggers_path()):
+                self._loggers.log_metrics(row, row["step"])
         line = step_line(row, kl=self.cfg.actor.kl_coef > 0)
         if self._progress is not None:
             self._progress.console.print(line, highlight=False)
@@ -130,7 +142,8 @@ class RunReport:
         """A few of step `step`'s (prompt, completion, reward), counted from 1 like the rows:
         samples.jsonl and the loggers' text (run.log_samples of them)."""
         if self._loggers is not None:
-            self._loggers.log_samples(step, samples)
+            with self._writing(self._loggers_path()):
+                self._loggers.log_samples(step, samples)
 
     # ---------------------------------------------------------------- the end
 
@@ -148,12 +161,16 @@ class RunReport:
         if self._progress is not None:
             self._progress.stop()
         if self._loggers is not None:
-            self._loggers.close()
+            with self._writing(self._loggers_path()):
+                self._loggers.close()
         meter = self.meter
-        meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
+        with self._writing(self.out_dir / "memory_timeline.jsonl"):
+            meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
         last_step = self.rows[-1]["step"] - 1 if self.rows else 0
-        plot_timeline(step_probes(meter.timeline, last_step), self.out_dir / "memory_timeline.png",
-                      title=f"memory by owner, step {last_step + 1}")
+        with self._writing(self.out_dir / "memory_timeline.png"):
+            plot_timeline(step_probes(meter.timeline, last_step),
+                          self.out_dir / "memory_timeline.png",
+                          title=f"memory by owner, step {last_step + 1}")
         measured = self._measured()
         rows = self.rows[1:] or self.rows
 
@@ -185,9 +202,11 @@ class RunReport:
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
         }
-        (self.out_dir / "summary.md").write_text(
-            summary_markdown(summary, self.cfg.model.path, str(self.meter.device)))
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        for name, text in (("summary.md", summary_markdown(summary, self.cfg.model.path,
+                                                             str(self.meter.device))),
+                           ("summary.json", json.dumps(summary, indent=1))):
+            with self._writing(self.out_dir / name):
+                replace_file(self.out_dir / name, text.encode(), self.out_dir)
         console.print(summary_table(summary))
         return summary
 

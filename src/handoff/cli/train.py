@@ -24,16 +24,16 @@ def train_cmd(
     from handoff.api import train
     from handoff.config import load_config
     from handoff.dist import end_distributed_run, world_rank_size
-    from handoff.run_dir import interrupted_message
+    from handoff.run_dir import interrupted_message, resume_command
 
     cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else [])
                       + (["run.overwrite=true"] if overwrite else []))
     try:
         train(cfg)
     except KeyboardInterrupt:
-        if world_rank_size()[0] == 0:
-            message = escape(interrupted_message(cfg, f"handoff train {config}"))
-            err_console.print(f"[bold yellow]{message}[/]", highlight=False, soft_wrap=True)
+        if world_rank_size()[0] == 0:   # the command as given: its overrides, markup as text
+            said = interrupted_message(cfg, resume_command(config, list(overrides or [])))
+            err_console.print(f"[bold yellow]{escape(said)}[/]", highlight=False, soft_wrap=True)
         sys.exit(130)
     # Not after an error: the other ranks may sit in a collective.
     end_distributed_run()

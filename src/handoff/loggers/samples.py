@@ -12,8 +12,9 @@ ends what is kept.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from handoff.safe_files import append_line, replace_file
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -25,8 +26,8 @@ def sample_rows(step: int, samples: list[tuple[str, str, float]], *, keep: int) 
 
 
 def append_samples(path: Path, rows: list[dict]) -> None:
-    with path.open("a") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+    data = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    append_line(path, path.parent, data)   # whole or not at all, never through a link
 
 
 def samples_markdown(rows: list[dict]) -> str:
@@ -57,6 +58,4 @@ def trim_samples(path: Path, first_step: int) -> None:
             break
         if row["step"] <= first_step:
             kept.append(line + "\n")
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    replace_file(path, "".join(kept).encode(), path.parent)   # never through a link

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from handoff.loggers.base import numeric_items
+from handoff.safe_files import make_dirs
 
 
 class TensorBoardLogger:
@@ -14,6 +15,7 @@ class TensorBoardLogger:
 
         # Events of steps after first_step (an earlier run's, or a crashed step's that a
         # resume repeats) are purged, as the trimmed metrics.jsonl drops their rows.
+        make_dirs(out_dir / "tensorboard", out_dir)   # a linked tensorboard/ is refused
         self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=first_step + 1)
         self.first_step = first_step
 

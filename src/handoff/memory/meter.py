@@ -25,6 +25,7 @@ What the numbers mean per device:
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 
 from handoff.dist import with_index
 from handoff.memory.allocator import host_memory, rss_bytes
+from handoff.safe_files import replace_file
 from handoff.units import GiB
 
 
@@ -98,9 +100,8 @@ class MemoryMeter:
         """Write the whole timeline, one JSON object per probe; returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as f:
-            for record in self.timeline:
-                f.write(json.dumps(record) + "\n")
+        text = "".join(json.dumps(record) + "\n" for record in self.timeline)
+        replace_file(path, text.encode(), path.parent)   # whole or not at all; no link followed
         return path
 
     def plot(self, path: str | Path, *, title: str | None = None) -> Path:
@@ -181,5 +182,7 @@ def plot_timeline(timeline: list[dict], path: str | Path, *, title: str | None =
     ax_pin.set_xticklabels([r["name"] for r in timeline], rotation=35, ha="right", fontsize=9)
     ax_pin.set_xlim(ax.get_xlim())
     ax_pin.grid(axis="y", alpha=0.3)
-    fig.savefig(path, bbox_inches="tight")
+    png = io.BytesIO()
+    fig.savefig(png, format="png", bbox_inches="tight")
+    replace_file(path, png.getvalue(), path.parent)
     return path

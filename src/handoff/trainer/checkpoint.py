@@ -10,9 +10,14 @@ Layout under the root:
   latest                the name of the newest complete directory (one line)
 A save writes everything into `.tmp_<name>/` with fsync, renames it into place, then replaces
 `latest` atomically (write latest.tmp, fsync, rename). A process killed at any moment leaves
-`latest` naming a complete checkpoint (or no `latest` at all before the first one); leftover
-`.tmp_*` directories are removed by the next save. Loading works on any world size for the
-weights and optimizer (DCP reshards); RNG states are restored when the world size matches.
+`latest` naming a complete checkpoint (or no `latest` at all before the first one). A prune
+renames an old checkpoint to `.trash_<name>` before deleting it, so a kill inside the delete
+leaves no half-deleted `step_*`; leftover `.tmp_*` and `.trash_*` directories are removed by
+the next save, prune or load. A Ctrl-C inside DCP (which wraps it in a CheckpointException)
+comes out as the KeyboardInterrupt it was. Files are written without following a symbolic
+link (safe_files.py): a planted `latest.tmp` or a linked checkpoints directory is refused.
+Loading works on any world size for the weights and optimizer (DCP reshards); RNG states
+are restored when the world size matches.
 
 What a load trusts (checkpoint_files.py): `latest` must name a directory of its own root;
 meta.json (JSON) records the model's identity, checked before anything loads, and the sha256
@@ -37,6 +42,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
+from handoff.safe_files import (failing_write_is_one_line, make_dirs, open_for_writing,
+                                replace_file)
 from handoff.trainer.actor import Actor
 from handoff.trainer.checkpoint_files import (FILE_OVERHEAD_BYTES, FORMAT, META, RNG_FILE_BYTES,
                                             SafeReader, check_identity, file_hashes,
@@ -44,7 +51,8 @@ from handoff.trainer.checkpoint_files import (FILE_OVERHEAD_BYTES, FORMAT, META,
                                             set_rng_state, verify_files)
 
 LATEST = "latest"
-KEEP_LAST = 2  # complete checkpoints kept after a publish (preflight counts the disk by it)
+KEEP_LAST = 2  # complete checkpoints kept after a publish (the default of run.keep_checkpoints)
+LEFTOVERS = (".tmp_*", ".trash_*")   # a save or a prune a kill cut short
 _NAME = re.compile(r"step_\d+_[A-Za-z0-9]+")   # what `latest` may name: no path, no dots
 
 
@@ -69,10 +77,20 @@ def _fsync(path: Path) -> None:
 
 
 def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    with open_for_writing(path, path.parent) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Delete what a save or a prune cut short by a kill left (never through a link)."""
+    for pattern in LEFTOVERS:
+        for stale in root.glob(pattern):
+            if stale.is_symlink():
+                stale.unlink()
+            else:
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def _broadcast(obj: object) -> object:
@@ -96,9 +114,9 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
     name = _broadcast(f"step_{step:08d}_{uuid.uuid4().hex[:8]}" if rank == 0 else None)
     tmp, final = root / f".tmp_{name}", root / name
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp_*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(root, root.parent)   # a linked checkpoints directory is refused
+        _remove_leftovers(root)
         tmp.mkdir()
     dist.barrier()
     # One file per tensor, copied through pageable memory: DCP keeps the host copy of every
@@ -119,9 +137,10 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
                     "files": file_hashes(tmp)}
             _write_durable(tmp / META, json.dumps(meta).encode())
             _fsync(tmp)
-    except (Exception, CheckpointException) as e:   # DCP's errors derive from BaseException
+    except (Exception, CheckpointException, KeyboardInterrupt) as e:   # DCP's: BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        _raise_interrupt(e)
         if _is_disk_full(e, root, checkpoint_bytes(actor)):
             raise HandoffError(_disk_full_message(root, step, checkpoint_bytes(actor))) from e
         raise
@@ -144,10 +163,8 @@ def checkpoint_bytes(actor: Actor) -> int:
             + len(tensors) * FILE_OVERHEAD_BYTES + actor.world_size * RNG_FILE_BYTES)
 
 
-def _is_disk_full(error: BaseException, root: Path, need: int) -> bool:
-    """Whether a failed save ran out of disk: ENOSPC (or a quota, a file size limit) anywhere
-    in the error, torch's zip writer's "file write failed" / "unexpected pos" (a short write),
-    or less free space than a checkpoint needs."""
+def _causes(error: BaseException) -> list[BaseException]:
+    """`error`, its causes and contexts, and every rank's failure a CheckpointException holds."""
     seen, todo = [], [error]
     while todo:
         e = todo.pop()
@@ -157,6 +174,20 @@ def _is_disk_full(error: BaseException, root: Path, need: int) -> bool:
         todo += [e.__cause__, e.__context__]
         if isinstance(e, CheckpointException):
             todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+    return seen
+
+
+def _raise_interrupt(error: BaseException) -> None:
+    """Raise a Ctrl-C, also one DCP wrapped, as itself (the CLI's one line and exit 130)."""
+    if any(isinstance(e, KeyboardInterrupt) for e in _causes(error)):
+        raise KeyboardInterrupt from None
+
+
+def _is_disk_full(error: BaseException, root: Path, need: int) -> bool:
+    """Whether a failed save ran out of disk: ENOSPC (or a quota, a file size limit) anywhere
+    in the error, torch's zip writer's "file write failed" / "unexpected pos" (a short write),
+    or less free space than a checkpoint needs."""
+    seen = _causes(error)
     for e in seen:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             return True
@@ -195,20 +226,23 @@ def publish_checkpoint(path: str | Path, *, keep: int = KEEP_LAST) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     root = path.parent
-    _write_durable(root / f"{LATEST}.tmp", path.name.encode())
-    os.replace(root / f"{LATEST}.tmp", root / LATEST)
-    _fsync(root)
+    with failing_write_is_one_line(root / LATEST, "it still names the previous checkpoint"):
+        replace_file(root / LATEST, path.name.encode(), root)   # latest.tmp, fsync, rename
     _prune(root, keep, path.name)
 
 
 def _prune(root: Path, keep: int, newest: str) -> None:
-    """Delete complete checkpoints beyond the newest `keep` (never the one `latest` names)."""
+    """Delete complete checkpoints beyond the newest `keep` (never the one `latest` names):
+    each is renamed to `.trash_<name>` first, then deleted (a kill between leaves a name
+    the next save, prune or load removes)."""
     done = sorted((p for p in root.glob("step_*") if _NAME.fullmatch(p.name)
-                   and (p / META).is_file()),
+                   and not p.is_symlink() and (p / META).is_file()),
                   key=lambda p: (int(p.name.split("_")[1]), p.stat().st_mtime))
     for old in done[:-max(keep, 1)]:
         if old.name != newest:
-            shutil.rmtree(old, ignore_errors=True)
+            os.rename(old, root / f".trash_{old.name}")
+    _fsync(root)
+    _remove_leftovers(root)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -277,11 +311,14 @@ def load_checkpoint(root: str | Path, actor: Actor) -> dict | None:
     step = checkpoint_step(path)
     check_identity(path, meta.get("model"), model_identity(actor.module, actor.dtype))
     _on_rank0(lambda: verify_files(path, meta.get("files")))
+    if dist.get_rank() == 0:
+        _remove_leftovers(Path(root))
     reader = SafeReader(path, meta["files"])
     reader.check()
     try:
         dcp.load(_state(actor), storage_reader=reader)
     except (Exception, CheckpointException) as e:   # DCP's errors derive from BaseException
+        _raise_interrupt(e)
         raise HandoffError(f"checkpoint {path} does not fit this model ({type(e).__name__}): it "
                            "was written by another model.path or dtype; point run.out_dir at a "
                            "fresh directory or resume with the config that wrote it") from None

@@ -14,14 +14,17 @@ Every file but meta.json must match the sha256 meta.json recorded at save, or th
 refused before any is read: a damaged, truncated or swapped file is named in one line. And
 `.metadata` is unpickled here with an allow-list of the classes DCP's metadata is made of, so
 a planted `__reduce__` payload is refused before it can run even if meta.json was rewritten
-to match; a shard may only be one of the hashed files. What that does not cover: someone
-who can write the checkpoint can still change the weights (README: what a checkpoint may be
-trusted for).
+to match; a shard may only be one of the hashed files. The only call the list allows
+besides constructors is `getattr(enum class, member name)` on DCP's own enum (how CPython
+3.11.0-3.11.3 pickle an enum member); 3.13's `pathlib._local` paths read as `pathlib`'s.
+What that does not cover: someone who can write the checkpoint can still change the weights
+(README: what a checkpoint may be trusted for).
 """
 
 from __future__ import annotations
 
 import base64
+import enum
 import hashlib
 import io
 import json
@@ -34,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, Metadata,
+                                                   StorageMeta)
 
 from handoff.errors import HandoffError
 
@@ -117,8 +121,28 @@ def _allowed(module: str, name: str) -> bool:
                               ("collections", "OrderedDict")}
 
 
+# Python 3.13 pickles paths from the module that defines them now; earlier ones lack it.
+_PATH_MODULES = ("pathlib._local",)
+# The enums DCP's metadata holds. CPython 3.11.0-3.11.3 pickle an enum member as
+# `getattr(EnumClass, "NAME")`; later ones call the class with the member's value.
+_ENUMS = (_MEM_FORMAT_ENCODING,)
+
+
+def _enum_member(cls: object, name: object) -> enum.Enum:
+    """What `builtins.getattr` may do in a metadata pickle: name a member of an allowed enum."""
+    if cls not in _ENUMS or not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, "
+                                     f"{str(name)[:40]!r}) is not a member of an enum of DCP's "
+                                     "metadata")
+    return cls.__members__[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
+        if module in _PATH_MODULES and name in ("PosixPath", "PurePosixPath"):
+            module = "pathlib"
         if not _allowed(module, name):
             raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
         return super().find_class(module, name)
