@@ -44,7 +44,7 @@ def test_report_prints_a_run_dir_with_brackets_as_given(tmp_path, printed, name)
     assert f"{out / 'metrics.jsonl'} line 2 is not a complete metrics row" in text
     # The table's title wraps to the table's width: compare without the white space.
     assert "".join(f"{out}: 1 steps".split()) in "".join(text.split())
-    assert f"{out / 'summary.json'} is damaged" in text
+    assert f"{out / 'summary.json'} is not valid JSON" in text   # the path as given
 
 
 @pytest.mark.parametrize("name", MARKUP_NAMES)

@@ -11,6 +11,7 @@ from handoff.calibrate import Rates
 from handoff.config import load_config
 from handoff.memory.meter import MemoryMeter
 from handoff.run_report import HOST_WORK, RunReport, step_line, summary_table
+from handoff.runplan import RunPlan
 
 ROW = {"step": 4, "reward_mean": 0.5, "reward_std": 0.1, "response_length": 7.0, "kl": 0.0123,
        "timing_s/gen": 1.0, "timing_s/step": 2.0}
@@ -22,13 +23,13 @@ def _printed_lines(tmp_path, monkeypatch, kl_coef, row):
     cfg = load_config("examples/cpu-tiny.yaml", ["model.path=tiny-qwen3", "run.steps=5",
                                                  f"run.out_dir={tmp_path}",
                                                  f"actor.kl_coef={kl_coef}"])
-    report = RunReport(cfg, tmp_path, rates=Rates({}), meter=MemoryMeter("cpu"),
+    report = RunReport(RunPlan.build(cfg), tmp_path, rates=Rates({}), meter=MemoryMeter("cpu"),
                        kv_pool_bytes=0)
     report.start(0)
     report.log_step(row)
     report._progress.stop()
-    if report._tb is not None:
-        report._tb.close()
+    if report._loggers is not None:
+        report._loggers.close()
     return [line for line in out.getvalue().splitlines() if line.startswith("step")]
 
 

@@ -60,8 +60,9 @@ def _unfreeze_gc():
 
 
 def length_mod_3(completions, **kwargs):
-    """A reward that varies within groups, so every update really moves the weights."""
-    return [float(len(c) % 3) for c in completions]
+    """A reward that varies within groups, so every update really moves the weights (the
+    text's length: chat completions are TRL's message lists)."""
+    return [float(len(c if isinstance(c, str) else c[0]["content"]) % 3) for c in completions]
 
 
 def _run(model_dir, out_dir, *extra, reward_funcs=()) -> Run:

@@ -86,11 +86,15 @@ def test_one_step_runs_the_switch_order(model_dir, tmp_path):
     assert shown.exit_code == 0 and "engine_weights_sync" in shown.output
 
 
+def length_mod_3(completions, **kwargs):
+    """A reward that varies within groups, so every update really moves the weights."""
+    return [float(len(c if isinstance(c, str) else c[0]["content"]) % 3) for c in completions]
+
+
 def test_engine_equals_fresh_engine_after_every_sync(model_dir, tmp_path):
     cfg = tiny_cfg(model_dir, tmp_path, "run.steps=2", "actor.lr=0.05", "actor.kl_coef=0")
     # A reward that varies within groups, so every update really moves the weights.
-    trainer = Run(cfg, reward_funcs=[lambda completions, **kw: [float(len(c) % 3)
-                                                                 for c in completions]])
+    trainer = Run(cfg, reward_funcs=[length_mod_3])
     before = greedy(trainer.worker.engine)
     for step in range(2):
         row = trainer.step(step)
