@@ -4,12 +4,12 @@
     owners = lora_memory_by_owner(shape, memory, hw, adapters=n, kv_pool_bytes=pool)
     actions = lora_switch_actions(shape, memory, hw, rank=16, targets=..., kv_pool_bytes=pool)
 
-Under LoRA the base never changes, so one set of tensors per card is the engine's weights,
-the trainer's frozen base and the reference (the actor with its adapters disabled): the base
-is counted once, whole on each card (2N: an engine of TP 1), in the engine's weights region,
-and is never offloaded, synced or copied for a reference. What trains is the adapters: a targeted Linear
-of in x out gets A (rank x in) and B (out x rank), rank x (in + out) parameters, on every
-decoder layer. Each card holds the adapters whole (data-parallel replicas reduce their
+Under LoRA the base never changes, so one set of tensors per card is the engine's weights, the
+trainer's frozen base and the reference (the actor with its adapters disabled): the base is
+counted once, whole on each card (2N: an engine of TP 1), in the engine's weights region, and
+is never offloaded, synced or copied for a reference. What trains is the adapters: a targeted
+Linear of in x out gets A (rank x in) and B (out x rank), rank x (in + out) parameters, on
+every decoder layer. Each card holds the adapters whole (data-parallel replicas reduce their
 grads): bf16 params and grads and fp32 master + Adam, 16 B per adapter parameter; the engine
 holds its own bf16 copy, which the sync overwrites in place.
 
