@@ -145,10 +145,26 @@ def test_qwen3_32b_with_lora_fits_one_h200_but_not_one_80gb_card():
     assert small["lora"]["advice"].endswith("nor without it (full-parameter)")
 
 
-def test_a_tp_engine_is_not_planned_under_lora():
-    plan = build_lora_plan(_cfg("qwen3-8b", "parallel.tp=2", gpus=2), advise=False)
+def test_a_tp_engine_is_not_planned_under_lora_and_the_advice_is_tp_1():
+    plan = build_lora_plan(_cfg("qwen3-8b", "parallel.tp=2", gpus=2))
     assert not plan["verdict"]["fits"]
     assert "pass --tp 1" in plan["verdict"]["fix"]
+    assert plan["verdict"]["advice"]["overrides"] == ["parallel.tp=1"]
+    # Two H200s hold 8B's full-parameter state (65.5 GB a card): the line says so.
+    assert plan["lora"]["advice"].endswith("but fits without it (full-parameter)")
+
+
+def test_a_utilization_that_leaves_no_pool_is_advised_the_safe_one_and_rechecked():
+    plan = build_lora_plan(_cfg("qwen3-32b", "rollout.gpu_memory_utilization=0.3"))
+    # 0.3 x 149 GB = 44.8 GB cannot hold the 65.5 GB base: the highest safe 0.94 can.
+    assert not plan["verdict"]["fits"]
+    assert plan["verdict"]["advice"]["overrides"] == ["rollout.gpu_memory_utilization=0.94"]
+    assert plan["lora"]["to_fit"].startswith("it fits with --util 0.94")
+    fixed = build_lora_plan(_cfg("qwen3-32b", "rollout.gpu_memory_utilization=0.94"))
+    assert fixed["verdict"]["fits"]
+    none = build_lora_plan(_cfg("qwen3-32b", hardware="h100-sxm"))
+    assert none["verdict"]["advice"] is None
+    assert none["lora"]["to_fit"].startswith("no LoRA plan fits these cards")
 
 
 def test_the_cli_prints_the_lora_lines():

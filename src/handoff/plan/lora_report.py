@@ -8,8 +8,10 @@ The report has build_plan's keys (the `--json` contract, plan/report.py) with Lo
 and actions (plan/lora.py, plan/lora_verdict.py), no offload sets (the adapters' optimizer
 state is the one thing to offload, and the ledger prices it either way), plus `lora`: {rank,
 alpha, target_modules, adapter_params, adapter_bytes, base_bytes, full_parameter_fits,
-advice}: the advice line says whether the model fits these cards with LoRA, without it
-(full-parameter training, planned alike), both or neither.
+advice, to_fit}: the advice line says whether the model fits these cards with LoRA, without it
+(full-parameter training, planned alike), both or neither; to_fit (a plan that does not fit)
+the least change that re-plans to a LoRA fit (plan.advice.find_fitting_lora_plan), or why
+none does; verdict.advice holds that change as overrides.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import copy
 import dataclasses
 
 from handoff.config import Config
+from handoff.plan.advice import advice_text, find_fitting_lora_plan
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.kvpool import generation_gain, kv_pool_bytes, kv_table
 from handoff.plan.ledger import Dtypes, offloaded_bytes_per_card, switch_summary
@@ -28,6 +31,10 @@ from handoff.plan.lora_verdict import (decide_lora, lora_elastic_utilization,
 from handoff.plan.report import build_plan, plan_workload, step_time
 from handoff.plan.shapes import load_shape
 from handoff.plan.verdict import HOST_FRACTION, TRAIN_PEAK_FRACTION
+
+NO_LORA_FIT = ("no LoRA plan fits these cards at any utilization, with or without the adapters' "
+               "optimizer offloaded: the base must fit one card beside the adapters' state, the "
+               "activations and a KV pool; pick larger cards")
 
 
 def lora_advice(name: str, gpus: int, hardware: str, rank: int, *, lora_fits: bool,
@@ -95,8 +102,15 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
                                auto_tp_size=auto_tp_size, advise=False)["verdict"]["fits"]
     advice = lora_advice(shape.name, parallel.gpus, hw.name, lora.rank, lora_fits=verdict.fits,
                          full_fits=full_fits)
-    if verdict.fix:
-        verdict.fix = f"{verdict.fix}; {advice}"
+    to_fit = None
+    if not verdict.fits:
+        if advise and verdict.runnable:
+            verdict.advice = find_fitting_lora_plan(
+                dataclasses.replace(cfg, parallel=parallel),
+                lambda trial: build_lora_plan(trial, ref=ref, grad_offload=grad_offload,
+                                              advise=False)["verdict"])
+        to_fit = advice_text(verdict.advice) if verdict.advice else NO_LORA_FIT
+        verdict.fix = f"{verdict.fix}; {to_fit}; {advice}"
     return {
         "model": {"name": shape.name, "params": shape.num_params,
                   "active_params": shape.active_params, "layers": shape.num_layers,
@@ -131,5 +145,5 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
                  "target_modules": list(lora.target_modules),
                  "adapter_params": adapters, "adapter_bytes": engine_adapters,
                  "base_bytes": base_bytes(shape, dtypes),
-                 "full_parameter_fits": full_fits, "advice": advice},
+                 "full_parameter_fits": full_fits, "advice": advice, "to_fit": to_fit},
     }

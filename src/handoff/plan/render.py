@@ -161,6 +161,8 @@ def summary_lines(report: dict) -> list[str]:
         lines.append("to fit: no layout helps: the runtime cannot run this model (see the "
                      "first reason); the tables size it for another trainer")
     elif report.get("lora"):
+        if report["lora"]["to_fit"]:
+            lines.append(f"to fit: {report['lora']['to_fit']}")
         lines.append(f"LoRA: {report['lora']['advice']}")
     elif not v["fits"]:
         lines.append(f"to fit: {advice_text(v.get('advice'))}")
