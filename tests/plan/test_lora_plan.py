@@ -130,6 +130,9 @@ def test_qwen3_8b_fits_one_h200_with_lora_and_not_full_parameter():
     full = build_plan(_cfg("qwen3-8b", rank=0), advise=False)
     assert not full["verdict"]["fits"]
     assert plan["memory"]["generate"]["kv_pool"] > 0
+    # A frozen base's backward computes the activations' gradients only: 4 N T, not 6 N T.
+    assert plan["step"]["train_flops_per_card"] == pytest.approx(
+        full["step"]["train_flops_per_card"] * 4 / 6)
 
 
 def test_qwen3_32b_with_lora_fits_one_h200_but_not_one_80gb_card():
