@@ -38,10 +38,11 @@ def test_the_walk_finds_the_numeric_fields():
 
 @pytest.mark.parametrize("key", NUMERIC)
 def test_non_finite_values_are_refused_by_yaml_and_override(key, tmp_path):
-    section, name = key.split(".")
+    *sections, name = key.split(".")   # actor.lora.rank: a section within a section
+    nesting = "".join(f"{'  ' * i}{section}:\n" for i, section in enumerate(sections))
     for text in (".nan", ".inf", "-.inf"):   # YAML's own spellings parse to floats
         path = tmp_path / "c.yaml"
-        path.write_text(f"{section}:\n  {name}: {text}\n")
+        path.write_text(f"{nesting}{'  ' * len(sections)}{name}: {text}\n")
         with pytest.raises(ConfigError) as e:
             load_config(path)
         assert key in str(e.value) and "not a finite number" in str(e.value), str(e.value)

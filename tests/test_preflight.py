@@ -124,3 +124,19 @@ def test_a_logger_whose_package_is_missing_fails_before_loading(cfg, monkeypatch
         preflight(cfg)
     cfg.run.loggers = ["tensorboard"]
     preflight(cfg)
+
+
+def test_train_with_lora_is_refused_in_one_line_and_writes_nothing(cfg, tmp_path):
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    out = tmp_path / "lora-run"
+    res = CliRunner().invoke(app, ["train", "examples/cpu-tiny.yaml",
+                                   f"model.path={cfg.model.path}", f"run.out_dir={out}",
+                                   "actor.lora.rank=16"])
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "actor.lora.rank=16: LoRA training is not available yet" in lines[0]
+    assert "actor.lora.rank=0" in lines[0]
+    assert not out.exists()

@@ -133,6 +133,23 @@ class RolloutConfig:
                                      "None: the model's own lengths")
 
 
+# The Linear projections of a dense decoder layer a LoRA adapter may target (HF names).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_NOT_BUILT = "planned by handoff plan; training with LoRA is not built yet"
+
+
+@dataclass
+class LoraConfig:
+    rank: int = F(0, ge=0, help=f"LoRA rank of the actor's adapters (0: off, full-parameter "
+                  f"training); {LORA_NOT_BUILT}")
+    alpha: float = F(16.0, gt=0, help=f"LoRA scaling numerator (the update is alpha / rank x "
+                     f"B A); {LORA_NOT_BUILT}")
+    dropout: float = F(0.0, ge=0, lt=1, help=f"dropout on the adapters' input; {LORA_NOT_BUILT}")
+    target_modules: list[str] = F(default_factory=lambda: list(LORA_TARGETS), choices=LORA_TARGETS,
+                                  help=f"the projections of every decoder layer that get an "
+                                  f"adapter; {LORA_NOT_BUILT}")
+
+
 @dataclass
 class ActorConfig:
     lr: float = F(1e-5, help="AdamW learning rate", gt=0, le=1)
@@ -172,6 +189,7 @@ class ActorConfig:
     compile: bool = F(False, help=(
         "torch.compile each decoder layer's forward (actor and reference): norms, RoPE and "
         "SwiGLU fused; the first micro-batches pay for the compile (handoff.trainer.compiled)"))
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -468,6 +486,9 @@ def _check_cross_fields(cfg: Config) -> None:
                           f"rollout.max_model_len={ro.max_model_len}: lower max_tokens or raise "
                           "max_model_len above it")
     a = cfg.actor
+    if a.lora.rank and not a.lora.target_modules:
+        raise ConfigError(f"actor.lora.rank={a.lora.rank} with no actor.lora.target_modules: "
+                          "name the projections to adapt (e.g. [q_proj, v_proj]) or set rank 0")
     optimizer_steps = cfg.run.steps * a.updates_per_step
     if a.warmup_steps > optimizer_steps:
         raise ConfigError(f"actor.warmup_steps={a.warmup_steps} is longer than the run's "

@@ -27,6 +27,10 @@ def preflight(cfg: Config) -> RunPlan:
     (built once here, after the model's files are checked).
 
     May lower rollout.max_model_len to the model's context length (with a warning)."""
+    if cfg.actor.lora.rank:
+        raise HandoffError(f"actor.lora.rank={cfg.actor.lora.rank}: LoRA training is not "
+                           "available yet (only `handoff plan` prices it): set "
+                           "actor.lora.rank=0 to train all parameters")
     launch_env()   # torchrun's variables whole and in range, or one line
     check_model_dir(cfg.model.path, flag="model.path")
     cap_context(cfg)

@@ -26,6 +26,7 @@ variant last (an interrupted FSDP backward may leave state behind).
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import statistics
@@ -306,7 +307,8 @@ def run_train_compute_bench(model: str, *, device: str = "cuda", dtype: str = "b
     for name, settings in specs:
         vcfg = Config()
         vcfg.model, vcfg.hardware, vcfg.rollout = cfg.model, cfg.hardware, cfg.rollout
-        for key, value in {**vars(cfg.actor), **settings}.items():
+        vcfg.actor = copy.deepcopy(cfg.actor)   # nested sections (actor.lora) included
+        for key, value in settings.items():
             set_key(vcfg, f"actor.{key}", str(value))
         r = {"name": name, **_run_variant(actor, ref, batch, vcfg, lengths, repeats=repeats,
                                           offload=offload, profile=profile)}

@@ -26,6 +26,9 @@ def plan_cmd(
         None, "--optimizer-offload/--no-optimizer-offload"),
     kl_coef: Optional[float] = typer.Option(None, "--kl-coef", help="actor.kl_coef: a "
                                             "reference model is planned only when > 0"),
+    lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="actor.lora.rank: plan "
+                                            "LoRA adapters of this rank on one copy of the base "
+                                            "(0: full-parameter)"),
     ref_offload: Optional[bool] = typer.Option(None, "--ref-offload/--no-ref-offload"),
     grad_offload: bool = typer.Option(False, help="move grads with the optimizer, not free them"),
     prompt_len: Optional[int] = typer.Option(None, help="mean prompt tokens P"),
@@ -57,6 +60,7 @@ def plan_cmd(
     import json
 
     from handoff.model_source import resolve_model
+    from handoff.plan.lora_report import build_lora_plan
     from handoff.plan.render import render_markdown, render_rich
     from handoff.plan.report import build_plan, plan_config
 
@@ -64,7 +68,8 @@ def plan_cmd(
     cfg, auto_tp = plan_config(config, overrides, flags)
     # A Hub id is read from the local cache; a preset stays a shape (no weights written).
     cfg.model.path = resolve_model(cfg.model.path, materialise_presets=False)
-    report = build_plan(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp)
+    build = build_lora_plan if cfg.actor.lora.rank else build_plan
+    report = build(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     elif markdown:

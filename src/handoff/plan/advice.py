@@ -1,6 +1,7 @@
 """What to change when a plan does not fit: the smallest change that re-plans to one that fits.
 
     advice = find_fitting_plan(cfg, verdict_of)  # {"overrides", "flags", "mode"} or None
+    advice = find_fitting_lora_plan(cfg, verdict_of)   # the same under LoRA
     advice_text(advice)                         # one clause for the verdict's fix
 
 Advice is not a rule of thumb ("raise --util or --tp" on one card led to another refusal):
@@ -105,18 +106,40 @@ def find_fitting_plan(cfg: Config, verdict_of: Callable[[Config], dict]) -> dict
         if offload:
             trial.memory.param_offload = trial.memory.optimizer_offload = True
             trial.memory.ref_offload = True
-        for attempt in range(2):   # as requested, then at this layout's highest safe util
-            try:
-                validate(trial)
-            except ConfigError:
-                break
-            verdict = verdict_of(trial)
-            if verdict["fits"]:
-                return _advice(cfg, trial, verdict["mode"])
-            best = verdict["max_utilization"]
-            if attempt or not best or best <= 0 or best == trial.rollout.gpu_memory_utilization:
-                break
-            trial.rollout.gpu_memory_utilization = best
+        advice = _advice_if_fits(cfg, trial, verdict_of)
+        if advice:
+            return advice
+    return None
+
+
+def find_fitting_lora_plan(cfg: Config, verdict_of: Callable[[Config], dict]) -> dict | None:
+    """LoRA's least change that fits (actor.lora.rank > 0): the engine at TP 1 (the base whole
+    on each card), then the adapters' optimizer state offloaded too. More cards never help:
+    every card holds the whole base."""
+    for offload in sorted({cfg.memory.optimizer_offload, True}):
+        trial = copy.deepcopy(cfg)
+        trial.parallel.tp, trial.memory.optimizer_offload = 1, offload
+        advice = _advice_if_fits(cfg, trial, verdict_of)
+        if advice:
+            return advice
+    return None
+
+
+def _advice_if_fits(cfg: Config, trial: Config, verdict_of: Callable[[Config], dict]
+                    ) -> dict | None:
+    """The advice of `trial` if it fits as requested or at its highest safe utilization."""
+    for attempt in range(2):
+        try:
+            validate(trial)
+        except ConfigError:
+            return None
+        verdict = verdict_of(trial)
+        if verdict["fits"]:
+            return _advice(cfg, trial, verdict["mode"])
+        best = verdict["max_utilization"]
+        if attempt or not best or best <= 0 or best == trial.rollout.gpu_memory_utilization:
+            return None
+        trial.rollout.gpu_memory_utilization = best
     return None
 
 

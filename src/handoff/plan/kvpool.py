@@ -194,9 +194,11 @@ def decode_timeline(lengths: tuple[int, ...], *, prompt_len: int, pool_tokens: f
 
 
 def kv_row(utilization: float, shape: ModelShape, hw: HardwareProfile, *, tp: int,
-           workload: Workload, weight_bytes: int = 2, kv_bytes: int = 2) -> KvRow:
-    """Pool, concurrency, decode step, tokens/s and generation time at one utilization."""
-    weights = engine_weight_bytes(shape, tp, weight_bytes)
+           workload: Workload, weight_bytes: int = 2, kv_bytes: int = 2,
+           extra_weight_bytes: float = 0.0) -> KvRow:
+    """Pool, concurrency, decode step, tokens/s and generation time at one utilization
+    (extra_weight_bytes: held and read beside the weights each step, e.g. LoRA adapters)."""
+    weights = engine_weight_bytes(shape, tp, weight_bytes) + extra_weight_bytes
     pool = kv_pool_bytes(utilization, hw, weights)
     per_token = kv_bytes_per_token_per_card(shape, tp, kv_bytes)
     if workload.lengths:
@@ -236,13 +238,13 @@ def _simulated_row(utilization: float, pool: float, weights: float, per_token: f
 
 def kv_table(shape: ModelShape, hw: HardwareProfile, *, tp: int, workload: Workload,
              requested: float, best: float | None = None, weight_bytes: int = 2,
-             kv_bytes: int = 2) -> list[KvRow]:
+             kv_bytes: int = 2, extra_weight_bytes: float = 0.0) -> list[KvRow]:
     """A row per utilization in UTILIZATIONS plus the requested and best ones, marked."""
     utils = sorted({*UTILIZATIONS, round(requested, 4), *([round(best, 4)] if best else [])})
     rows = []
     for u in utils:
         row = kv_row(u, shape, hw, tp=tp, workload=workload, weight_bytes=weight_bytes,
-                     kv_bytes=kv_bytes)
+                     kv_bytes=kv_bytes, extra_weight_bytes=extra_weight_bytes)
         rows.append(KvRow(**{**row.__dict__, "requested": math.isclose(u, requested),
                              "best": best is not None and math.isclose(u, best)}))
     return rows

@@ -229,15 +229,16 @@ def switch_actions(shape: ModelShape, parallel: ParallelConfig, memory: MemoryCo
 def exposed_seconds(seconds: dict[str, float], memory: MemoryConfig, *, compute_seconds: float,
                     forward_seconds: float, generation_seconds: float | None,
                     elastic_pool: bool, ref: bool = True,
-                    updates_per_step: int = 1) -> dict[str, float]:
+                    updates_per_step: int = 1, lora: bool = False) -> dict[str, float]:
     """Each action's seconds the step waits for (the module docstring), from its own
     `seconds` by name. The moves `plan.order` runs behind the first trainer pass hide behind
     the forwards before the update (`forward_seconds` each: the ref's, and the old policy's
     with more updates), or with none behind the update (`compute_seconds`, the trainer's
     whole compute, plan.trainer); those behind generation behind `generation_seconds` (none
-    known: all exposed). Moves behind the same work run in turn."""
+    known: all exposed). Moves behind the same work run in turn; `lora`: plan.order's LoRA
+    moves."""
     order = switch_order(memory, ref=ref, elastic_pool=elastic_pool,
-                         updates_per_step=updates_per_step)
+                         updates_per_step=updates_per_step, lora=lora)
     before_update = forward_seconds * (int(ref) + int(updates_per_step > 1))
     work = {"first_pass": before_update if before_update > 0 else compute_seconds,
             "generation": generation_seconds}

@@ -21,6 +21,12 @@ How a move runs:
   behind the same work run in turn, in list order;
 * `drop`: moves no bytes (the ref's device copy is dropped: its host copy is unchanged).
 
+LoRA (`lora=True`, mode "lora"): the base is the engine's weights and the trainer's frozen
+base at once, so nothing of it moves and the reference (the base with the adapters off) has no
+copy: the sleep discards the KV only, the sync copies the adapters, the wake maps the KV; the
+adapters' optimizer state, when offloaded, goes and comes as the streamed or sequential
+optimizer move does (plan/lora.py prices it).
+
 Why this order (the measurements behind each choice are in docs/PERF.md and docs/log/):
 the sequential order is the source's; streamed, the params' and the optimizer's copies back
 ride behind the forwards before the update (not the update: its backward's device copies
@@ -30,6 +36,7 @@ generation, which maps what is free beside them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from handoff.config import MemoryConfig
@@ -58,7 +65,7 @@ class Move:
 class SwitchOrder:
     """A step's moves in the order they start."""
 
-    mode: str                # "sequential" | "streamed"
+    mode: str                # "sequential" | "streamed" | "lora"
     moves: tuple[Move, ...]
 
     def at(self, phase: str) -> tuple[Move, ...]:
@@ -73,9 +80,11 @@ class SwitchOrder:
 
 
 def switch_order(memory: MemoryConfig, *, ref: bool, elastic_pool: bool,
-                 updates_per_step: int = 1) -> SwitchOrder:
+                 updates_per_step: int = 1, lora: bool = False) -> SwitchOrder:
     """The order a step runs its switch in (module docstring). An offload the config turns
     off has no move (the ledger prices it at 0 bytes)."""
+    if lora:
+        return _lora_order(memory, elastic_pool=elastic_pool)
     params, optimizer = memory.param_offload, memory.optimizer_offload
     ref_moves = ref and memory.ref_offload
     moves: list[Move] = [Move("engine_sleep", "to_train", "wait")]
@@ -102,6 +111,18 @@ def switch_order(memory: MemoryConfig, *, ref: bool, elastic_pool: bool,
     if ref_moves:
         moves.append(Move("ref_d2h", "ref_forward", "drop"))
     return SwitchOrder("streamed", tuple(moves + _to_rollout(memory, streamed=elastic_pool)))
+
+
+def _lora_order(memory: MemoryConfig, *, elastic_pool: bool) -> SwitchOrder:
+    """LoRA's moves: the KV's sleep and wake, the adapters' sync, and the adapters' optimizer
+    state where it is offloaded, placed as the full-parameter orders place the optimizer's."""
+    moves = [Move("engine_sleep", "to_train", "wait")]
+    if memory.optimizer_offload:
+        moves.append(Move("optimizer_h2d", "first_pass", "behind") if memory.overlap
+                     else Move("optimizer_h2d", "update", "wait"))
+    no_params = dataclasses.replace(memory, param_offload=False)
+    back = _to_rollout(no_params, streamed=memory.overlap and elastic_pool)
+    return SwitchOrder("lora", tuple(moves + back))
 
 
 def _to_rollout(memory: MemoryConfig, *, streamed: bool) -> list[Move]:

@@ -37,8 +37,10 @@ def header_lines(report: dict) -> list[str]:
     off = report["offload"]
     flags = ", ".join(f"{k} offload {'on' if off[k] else 'off'}" for k in ("param", "optimizer"))
     ref = "no ref"
+    lora = report.get("lora")
     if off["ref"]:
-        ref = "ref offloaded" if off["ref_offload"] else "ref kept on card"
+        ref = ("ref: the base with the adapters off" if lora else
+               "ref offloaded" if off["ref_offload"] else "ref kept on card")
     lines = [
         f"model {m['name']}: {m['params'] / 1e9:.2f}B params{moe}, "
         f"KV {m['kv_bytes_per_token'] / 1024:.0f} KiB/token",
@@ -48,6 +50,12 @@ def header_lines(report: dict) -> list[str]:
         f"workload: P={wl['prompt_len']}, L={wl['response_len']}, gpu_memory_utilization="
         f"{wl['utilization']:g}",
     ]
+    if lora:
+        lines.append(f"LoRA rank {lora['rank']} (alpha {lora['alpha']:g}) on "
+                     f"{', '.join(lora['target_modules'])}: {lora['adapter_params'] / 1e6:.1f}M "
+                     f"adapter params ({_gb(lora['adapter_bytes'])} GB); the base "
+                     f"({_gb(lora['base_bytes'])} GB) held once per card: the engine's weights, "
+                     "the trainer's frozen base and the reference")
     lines += [f"assumed: {a}" for a in wl["assumed"]]
     return lines
 
@@ -152,6 +160,10 @@ def summary_lines(report: dict) -> list[str]:
     if not v.get("runnable", True):
         lines.append("to fit: no layout helps: the runtime cannot run this model (see the "
                      "first reason); the tables size it for another trainer")
+    elif report.get("lora"):
+        if report["lora"]["to_fit"]:
+            lines.append(f"to fit: {report['lora']['to_fit']}")
+        lines.append(f"LoRA: {report['lora']['advice']}")
     elif not v["fits"]:
         lines.append(f"to fit: {advice_text(v.get('advice'))}")
     options = report.get("offload_sets")

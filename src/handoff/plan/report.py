@@ -55,18 +55,18 @@ def auto_tp(shape: ModelShape, hw: HardwareProfile, gpus: int, dtypes: Dtypes) -
 def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
               actions: list[SwitchAction], generation_seconds: float | None, *,
               memory: MemoryConfig, elastic_pool: bool, given: float | None, ref: bool,
-              updates_per_step: int) -> tuple[dict, dict]:
+              updates_per_step: int, lora: bool = False) -> tuple[dict, dict]:
     """The step's seconds and each switch action's exposed seconds. The step: the given one,
     else generation + the switch's exposed seconds + the trainer's compute (plan.trainer:
     model FLOPs of the card's prompt + response tokens / train_flops_per_s); with
     memory.overlap the copies back hide behind its forwards before the update
-    (plan.ledger.exposed_seconds)."""
+    (plan.ledger.exposed_seconds); `lora`: a frozen base's compute and LoRA's switch order."""
     responses = workload.tokens_per_card / workload.response_len
     tokens = workload.tokens_per_card + responses * workload.prompt_len
     train_s, exposed = exposed_behind_compute(
         {a.name: a.seconds for a in actions}, memory, shape, tokens, hw, ref=ref,
         updates_per_step=updates_per_step, generation_seconds=generation_seconds,
-        elastic_pool=elastic_pool)
+        elastic_pool=elastic_pool, lora=lora)
     switch_s = sum(exposed.values())
     modelled = (generation_seconds + switch_s + train_s
                 if generation_seconds is not None else None)
@@ -75,8 +75,38 @@ def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
             "switch_seconds": switch_s, "train_seconds": train_s,
             "train_tokens_per_card": tokens,
             "train_flops_per_card": model_flops(shape, tokens, ref=ref,
-                                                old_logprobs=updates_per_step > 1),
+                                                old_logprobs=updates_per_step > 1,
+                                                lora=lora),
             "train_flops_per_s": hw.train_flops_per_s}, exposed
+
+
+def plan_workload(cfg: Config, gpus: int, hw: HardwareProfile) -> tuple[Workload, list[str]]:
+    """What one step asks of each card's engine, and the assumptions made where the config
+    is silent (the report's workload.assumed)."""
+    wl_cfg = cfg.workload
+    assumed = []
+    if wl_cfg.tokens_per_step:
+        tokens_per_card = wl_cfg.tokens_per_step / gpus
+    else:
+        tokens_per_card = DEFAULT_RESPONSES_PER_CARD * wl_cfg.response_len
+        assumed.append(f"{DEFAULT_RESPONSES_PER_CARD} responses of {wl_cfg.response_len} tokens "
+                       "per card per step (pass --tokens-per-step)")
+    if not wl_cfg.max_response_len:
+        assumed.append("no long tail (pass --max-response-len)")
+    if not wl_cfg.step_seconds:
+        assumed.append(f"training at {hw.train_flops_per_s / 1e12:.0f} model TFLOP/s per card, "
+                       "step time modelled (pass --train-tflops or --step-seconds)")
+    spec = cfg.rollout.response_lengths
+    lengths = (ResponseLengths.parse(spec).quantiles(
+        max(int(round(tokens_per_card / wl_cfg.response_len)), 1), cfg.rollout.max_tokens)
+        if spec else None)
+    if lengths:
+        assumed.append(f"responses of rollout.response_lengths={spec}, simulated step by step")
+    workload = Workload(prompt_len=wl_cfg.prompt_len, response_len=wl_cfg.response_len,
+                        tokens_per_card=tokens_per_card, max_response_len=wl_cfg.max_response_len,
+                        max_num_seqs=cfg.rollout.max_num_seqs, lengths=lengths,
+                        group_size=cfg.rollout.n)
+    return workload, assumed
 
 
 def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = False,
@@ -99,28 +129,7 @@ def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = Fal
     elastic = cfg.rollout.kv_pool == "elastic"
     util = (round(elastic_utilization(shape, parallel, memory, hw, dtypes=dtypes, ref=ref), 4)
             if elastic else cfg.rollout.gpu_memory_utilization)
-    assumed = []
-    if wl_cfg.tokens_per_step:
-        tokens_per_card = wl_cfg.tokens_per_step / parallel.gpus
-    else:
-        tokens_per_card = DEFAULT_RESPONSES_PER_CARD * wl_cfg.response_len
-        assumed.append(f"{DEFAULT_RESPONSES_PER_CARD} responses of {wl_cfg.response_len} tokens "
-                       "per card per step (pass --tokens-per-step)")
-    if not wl_cfg.max_response_len:
-        assumed.append("no long tail (pass --max-response-len)")
-    if not wl_cfg.step_seconds:
-        assumed.append(f"training at {hw.train_flops_per_s / 1e12:.0f} model TFLOP/s per card, "
-                       "step time modelled (pass --train-tflops or --step-seconds)")
-    spec = cfg.rollout.response_lengths
-    lengths = (ResponseLengths.parse(spec).quantiles(
-        max(int(round(tokens_per_card / wl_cfg.response_len)), 1), cfg.rollout.max_tokens)
-        if spec else None)
-    if lengths:
-        assumed.append(f"responses of rollout.response_lengths={spec}, simulated step by step")
-    workload = Workload(prompt_len=wl_cfg.prompt_len, response_len=wl_cfg.response_len,
-                        tokens_per_card=tokens_per_card, max_response_len=wl_cfg.max_response_len,
-                        max_num_seqs=cfg.rollout.max_num_seqs, lengths=lengths,
-                        group_size=cfg.rollout.n)
+    workload, assumed = plan_workload(cfg, parallel.gpus, hw)
 
     weights = engine_weight_bytes(shape, parallel.tp, dtypes.engine_bytes)
     pool = kv_pool_bytes(util, hw, weights)   # negative: a reason of the verdict
@@ -208,6 +217,7 @@ PLAN_FLAGS = {
     "graph_pool_gb": "hardware.graph_pool_gb", "resident_gb": "hardware.resident_gb",
     "train_activation_gb": "hardware.train_activation_gb",
     "train_tflops": "hardware.train_tflops", "kl_coef": "actor.kl_coef",
+    "lora_rank": "actor.lora.rank",
 }
 
 

@@ -134,6 +134,7 @@ class ModelShape:
     kv_latent_dim: int = 0          # MLA: cached latent width per layer (0: plain K/V heads)
     num_tensors: int = 0            # parameter tensors (tied ones once): what a sync sends
     model_type: str = ""            # config.json's model_type: whether the runtime runs it
+    intermediate_size: int = 0      # a dense MLP's width (what LoRA's gate/up/down adapt)
 
     @property
     def runtime_refusal(self) -> str | None:
@@ -272,7 +273,8 @@ def shape_from_config(cfg: dict, name: str = "custom") -> ModelShape:
             num_experts=_num_experts(cfg),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             num_active_params=count_active_params(cfg), kv_latent_dim=latent,
-            num_tensors=count_tensors(cfg), model_type=str(cfg.get("model_type") or ""))
+            num_tensors=count_tensors(cfg), model_type=str(cfg.get("model_type") or ""),
+            intermediate_size=int(cfg.get("intermediate_size") or 0))
     except KeyError as e:
         raise HandoffError(f"model config {name!r} lacks field {e.args[0]!r}: pass a complete HF "
                            "config.json or a preset") from None

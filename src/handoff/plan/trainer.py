@@ -52,16 +52,19 @@ def matmul_params(shape: ModelShape) -> int:
 
 
 def model_flops(shape: ModelShape, tokens: float, *, ref: bool = True,
-                old_logprobs: bool = False) -> float:
-    """6 N T for the actor's forward + backward, 2 N T per extra forward (ref, old policy)."""
-    passes = 6 + (2 if ref else 0) + (2 if old_logprobs else 0)
+                old_logprobs: bool = False, lora: bool = False) -> float:
+    """6 N T for the actor's forward + backward, 2 N T per extra forward (ref, old policy);
+    with `lora` 4 N T: a frozen base's backward computes the activations' gradients only (the
+    adapters' own FLOPs, rank x (in + out) per token and projection, are left out)."""
+    passes = (4 if lora else 6) + (2 if ref else 0) + (2 if old_logprobs else 0)
     return passes * matmul_params(shape) * tokens
 
 
 def train_seconds(shape: ModelShape, tokens: float, hw: HardwareProfile, *, ref: bool = True,
-                  old_logprobs: bool = False) -> float:
+                  old_logprobs: bool = False, lora: bool = False) -> float:
     """The trainer's compute seconds per card for `tokens` trained on that card."""
-    return model_flops(shape, tokens, ref=ref, old_logprobs=old_logprobs) / hw.train_flops_per_s
+    return model_flops(shape, tokens, ref=ref, old_logprobs=old_logprobs,
+                       lora=lora) / hw.train_flops_per_s
 
 
 def forward_seconds(shape: ModelShape, tokens: float, hw: HardwareProfile) -> float:
@@ -72,16 +75,18 @@ def forward_seconds(shape: ModelShape, tokens: float, hw: HardwareProfile) -> fl
 def exposed_behind_compute(seconds: dict[str, float], memory: MemoryConfig, shape: ModelShape,
                            tokens: float, hw: HardwareProfile, *, ref: bool,
                            updates_per_step: int, generation_seconds: float | None,
-                           elastic_pool: bool) -> tuple[float, dict[str, float]]:
+                           elastic_pool: bool, lora: bool = False
+                           ) -> tuple[float, dict[str, float]]:
     """(The trainer's compute seconds over `tokens`, each switch action's exposed seconds
     behind that compute and generation: plan.ledger.exposed_seconds with this module's
     forward and compute times.) The plan and a run's report price a step with it."""
-    train_s = train_seconds(shape, tokens, hw, ref=ref, old_logprobs=updates_per_step > 1)
+    train_s = train_seconds(shape, tokens, hw, ref=ref, old_logprobs=updates_per_step > 1,
+                            lora=lora)
     return train_s, exposed_seconds(seconds, memory, compute_seconds=train_s,
                                     forward_seconds=forward_seconds(shape, tokens, hw),
                                     generation_seconds=generation_seconds,
                                     elastic_pool=elastic_pool, ref=ref,
-                                    updates_per_step=updates_per_step)
+                                    updates_per_step=updates_per_step, lora=lora)
 
 
 def _intermediate(shape: ModelShape) -> int:

@@ -224,8 +224,8 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
     tail_share = tail_seconds / generation_seconds if generation_seconds else None
     mode: str | None = None
     if not fixes or fixes == ["runtime"]:   # a model only priced still gets its mode's signals
-        mode = _mode(parallel, hw, max_util, reasons, tail_share=tail_share,
-                     generation_seconds=generation_seconds, step_seconds=step_seconds)
+        mode = choose_mode(parallel, hw, max_util, reasons, tail_share=tail_share,
+                           generation_seconds=generation_seconds, step_seconds=step_seconds)
         if sync_seconds > SLOW_SYNC_SECONDS:
             reasons.append(f"weight sync takes {sync_seconds:.0f} s per step "
                            "(all-gather + buckets)")
@@ -238,9 +238,10 @@ def decide(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfig,
                    runnable=refusal is None)
 
 
-def _mode(parallel: ParallelConfig, hw: HardwareProfile, max_util: float, reasons: list[str], *,
-          tail_share: float | None, generation_seconds: float | None,
-          step_seconds: float | None) -> str:
+def choose_mode(parallel: ParallelConfig, hw: HardwareProfile, max_util: float,
+                reasons: list[str], *, tail_share: float | None,
+                generation_seconds: float | None, step_seconds: float | None) -> str:
+    """The mode from the module docstring's signals; each one found is added to `reasons`."""
     signals = []
     if parallel.gpus > MAX_COLOCATED_CARDS:
         signals.append(f"{parallel.gpus} cards > {MAX_COLOCATED_CARDS}: colocation's long-tail "

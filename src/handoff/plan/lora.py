@@ -1,0 +1,150 @@
+"""LoRA on one copy of the base, in bytes: the adapters' size, memory by owner, the switch.
+
+    n = adapter_params(shape, rank=16, targets=cfg.actor.lora.target_modules)
+    owners = lora_memory_by_owner(shape, memory, hw, adapters=n, kv_pool_bytes=pool)
+    actions = lora_switch_actions(shape, memory, hw, rank=16, targets=..., kv_pool_bytes=pool)
+
+Under LoRA the base never changes, so one set of tensors per card is the engine's weights, the
+trainer's frozen base and the reference (the actor with its adapters disabled): the base is
+counted once, whole on each card (2N: an engine of TP 1), in the engine's weights region, and
+is never offloaded, synced or copied for a reference. What trains is the adapters: a targeted
+Linear of in x out gets A (rank x in) and B (out x rank), rank x (in + out) parameters, on
+every decoder layer. Each card holds the adapters whole (data-parallel replicas reduce their
+grads): bf16 params and grads and fp32 master + Adam, 16 B per adapter parameter; the engine
+holds its own bf16 copy, which the sync overwrites in place.
+
+The switch (plan.order's `lora` moves, the nine SWITCH_ACTIONS names kept): the sleep unmaps
+the KV pool only, the weight sync copies the adapters (2 B each, a copy per tensor), the wake
+maps the KV pool; the adapters' optimizer state goes to the host and back only when
+memory.optimizer_offload is on; params and reference move nothing.
+"""
+
+from __future__ import annotations
+
+from handoff.config import MemoryConfig
+from handoff.errors import HandoffError
+from handoff.plan.hardware import GB, HardwareProfile
+from handoff.plan.ledger import HOST_LINK, Dtypes, SwitchAction
+from handoff.plan.order import switch_order
+from handoff.plan.shapes import ModelShape
+
+
+def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each Linear of a dense decoder layer, by its HF name."""
+    if shape.num_experts or shape.kv_latent_dim or not shape.intermediate_size:
+        raise HandoffError(f"LoRA is planned for dense decoders (q/k/v/o, gate/up/down "
+                           f"projections); {shape.name} is a mixture-of-experts, latent-attention "
+                           "or MLP-less shape: plan it without --lora-rank")
+    h, inter = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    return shapes
+
+
+def adapter_params(shape: ModelShape, rank: int, targets: list[str] | tuple[str, ...]) -> int:
+    """Parameters of the adapters: rank x (in + out) per targeted Linear, on every layer."""
+    shapes = projection_shapes(shape)
+    return shape.num_layers * sum(rank * sum(shapes[t]) for t in dict.fromkeys(targets))
+
+
+def adapter_tensors(shape: ModelShape, targets: list[str] | tuple[str, ...]) -> int:
+    """Tensors the sync copies: A and B of each targeted Linear, on every layer."""
+    return 2 * shape.num_layers * len(dict.fromkeys(targets))
+
+
+def base_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
+    """The base on each card, whole: the engine's weights and the trainer's frozen base."""
+    return shape.num_params * dtypes.engine_bytes
+
+
+def adapter_state_bytes(adapters: int, dtypes: Dtypes) -> dict[str, int]:
+    """The trainer's adapter state per card: params, grads, fp32 master + Adam."""
+    return {"adapter_params": adapters * dtypes.param_bytes,
+            "adapter_grads": adapters * dtypes.grad_bytes,
+            "adapter_optimizer": adapters * (dtypes.master_bytes + dtypes.optimizer_bytes)}
+
+
+def lora_trainer_left_bytes(adapters: int, memory: MemoryConfig, dtypes: Dtypes) -> int:
+    """Trainer state on the card during generation: the adapters' params, and their
+    optimizer state unless offloaded (grads are freed)."""
+    state = adapter_state_bytes(adapters, dtypes)
+    return state["adapter_params"] + (0 if memory.optimizer_offload
+                                      else state["adapter_optimizer"])
+
+
+def lora_memory_by_owner(shape: ModelShape, memory: MemoryConfig, hw: HardwareProfile, *,
+                         adapters: int, kv_pool_bytes: float, dtypes: Dtypes = Dtypes()) -> dict:
+    """Bytes per card per owner in both phases: the base once (`base`, no reference, no
+    trainer copy), the adapters' state, the engine's adapters."""
+    base = base_bytes(shape, dtypes)
+    return {
+        "train": {"base": base, **adapter_state_bytes(adapters, dtypes),
+                  "activations": int(hw.train_activation_bytes),
+                  "cuda_graph_pool": int(hw.graph_pool_bytes), "resident": int(hw.resident_bytes)},
+        "generate": {"base": base, "engine_adapters": adapters * dtypes.engine_bytes,
+                     "kv_pool": int(kv_pool_bytes),
+                     "activation_peak": int(hw.activation_peak_bytes),
+                     "cuda_graph_pool": int(hw.graph_pool_bytes),
+                     "trainer_left": lora_trainer_left_bytes(adapters, memory, dtypes),
+                     "resident": int(hw.resident_bytes)},
+    }
+
+
+def adapter_sync_seconds(shape: ModelShape, hw: HardwareProfile, *, rank: int,
+                         targets: list[str] | tuple[str, ...], dtypes: Dtypes) -> float:
+    """The adapters copied in the card into the engine's (read + write), a copy per tensor:
+    no gather (every card holds them whole), no map (the engine's adapters stay mapped)."""
+    nbytes = adapter_params(shape, rank, targets) * dtypes.param_bytes
+    return max(2 * nbytes / hw.sync_copy_bps,
+               adapter_tensors(shape, targets) * hw.sync_tensor_seconds)
+
+
+def lora_switch_actions(shape: ModelShape, memory: MemoryConfig, hw: HardwareProfile, *,
+                        rank: int, targets: list[str] | tuple[str, ...], kv_pool_bytes: float,
+                        dtypes: Dtypes = Dtypes(), grad_offload: bool = False,
+                        elastic_pool: bool = False) -> list[SwitchAction]:
+    """The nine actions of one LoRA step's two switches, in SWITCH_ACTIONS order (module
+    docstring); an elastic pool maps beside the adapters' optimizer copy to the host when
+    plan.order runs it under generation."""
+    adapters = adapter_params(shape, rank, targets)
+    state = adapter_state_bytes(adapters, dtypes)
+    opt = state["adapter_optimizer"] + (state["adapter_grads"] if grad_offload else 0)
+    order = switch_order(memory, ref=False, elastic_pool=elastic_pool, lora=True)
+    under_generation = {m.action for m in order.behind("generation")}
+    pool = max(int(kv_pool_bytes), 0)
+    pool = max(pool - (opt if "optimizer_d2h" in under_generation else 0), 0)
+    sync_bytes = adapters * dtypes.engine_bytes
+    base_gb = base_bytes(shape, dtypes) / GB
+    kv_seconds = pool / hw.map_bps + (pool / hw.d2d_bps if dtypes.kv_bytes == 1 else 0.0)
+    h2d = hw.pinned_pcie_bps
+    opt_on = memory.optimizer_offload
+
+    def nothing(name: str, direction: str, why: str) -> SwitchAction:
+        return SwitchAction(name, direction, 0, HOST_LINK, 0.0, why)
+
+    def optimizer(name: str, direction: str, note: str) -> SwitchAction:
+        if not opt_on:
+            return nothing(name, direction, "off: the adapters' optimizer state stays on the card")
+        return SwitchAction(name, direction, opt, HOST_LINK, opt / h2d, note)
+
+    kept = f"LoRA: the base ({base_gb:.1f} GB) is the engine's weights, never moved"
+    no_ref = "LoRA: the reference is the base with the adapters off, no copy"
+    adam = "the adapters' fp32 master + Adam" + (" + grads" if grad_offload else "")
+    return [
+        optimizer("optimizer_d2h", "D2H", adam),
+        nothing("params_d2h", "D2H", kept),
+        nothing("ref_d2h", "D2H", no_ref),
+        SwitchAction("engine_weights_sync", "D2D", sync_bytes, "in-card copy",
+                     adapter_sync_seconds(shape, hw, rank=rank, targets=targets, dtypes=dtypes),
+                     f"the adapters only ({adapter_tensors(shape, targets)} tensors), in place"),
+        SwitchAction("kv_cache_wake", "map", pool, "cuMemMap, no copy", kv_seconds,
+                     ("beside the optimizer's copy to the host; " if under_generation else "")
+                     + "prefix cache emptied"),
+        SwitchAction("engine_sleep", "unmap", 0, "cuMemUnmap", pool / hw.unmap_bps,
+                     "KV discarded only: the weights stay mapped, they are the trainer's base"),
+        nothing("params_h2d", "H2D", kept),
+        optimizer("optimizer_h2d", "H2D", adam + (", back behind the forwards before the update"
+                                                  if memory.overlap else ", before the update")),
+        nothing("ref_h2d", "H2D", no_ref),
+    ]
