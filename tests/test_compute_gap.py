@@ -3,6 +3,7 @@
 covers."""
 
 import time
+import types
 
 import pytest
 import torch
@@ -10,11 +11,14 @@ import torch
 from handoff.dist import ComputeGap, wait_for_compute
 
 
-def test_on_cpu_the_gap_is_the_hosts_time():
+def test_on_cpu_the_gap_is_the_hosts_time(monkeypatch):
+    import handoff.dist as dist_module
+
+    clock = iter([10.0, 10.25])   # the host's clock at the stretch's start and its close
+    monkeypatch.setattr(dist_module, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     gap = ComputeGap(torch.device("cpu"))
-    time.sleep(0.05)
     gap.close()
-    assert 0.05 <= gap.seconds() < 0.5
+    assert gap.seconds() == 0.25
 
 
 @pytest.mark.cuda

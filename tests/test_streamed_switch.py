@@ -228,7 +228,7 @@ def test_queueing_the_copies_back_is_exposed_not_the_forwards_work(model_dir, tm
     for step in range(2):
         row = trainer.step(step)   # one pass queues the copies back: one gap a step
         assert row["switch/queue_s"] == 0.25
-        assert row["switch/exposed_s"] >= 0.25 - 1e-9 * 0   # queueing is exposed time
+        assert row["switch/exposed_s"] >= 0.25   # queueing is exposed time
     off = _run(model_dir, tmp_path / "off", "memory.overlap=false")
     assert off.step(0)["switch/queue_s"] == 0.0   # nothing is queued beside a pass
 
