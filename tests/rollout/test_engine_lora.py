@@ -140,3 +140,23 @@ def test_a_bad_adapter_is_refused_in_one_line_and_the_loaded_one_kept(qwen3_dir,
     with pytest.raises(HandoffError, match="lora_max_rank=8"):
         engine.load_adapter(good, alpha=ALPHA, rank=8)  # past the rank the buffers hold
     assert _tokens(engine) == before
+
+
+def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path):
+    import json
+
+    from test_parallel_engine import HERE, torchrun
+
+    import tp_lora_job as job
+
+    adapter = _peft_model(str(qwen3_dir))[1] / "adapter_model.safetensors"
+    torchrun([str(HERE / "tp_lora_job.py"), str(qwen3_dir), str(adapter), str(tmp_path)])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    alone = Engine(str(qwen3_dir), ref.cfg(**job.CFG))
+    alone.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
+    with_adapter = job.tokens(alone)
+    alone.clear_adapter()
+    assert with_adapter != job.tokens(alone)
+    for r in ranks:
+        assert r["adapter"] == with_adapter
+        assert r["cleared"] == job.tokens(alone)

@@ -119,23 +119,21 @@ class LoraAdapters:
         linear = self.linears[f"model.layers.{layer}.{group}.{fused_name}"]
         rule = shard_rules(linear.weight)[part]
         lo = part * self.max_rank
-        if isinstance(linear, ColumnParallelLinear):  # rows of B split, A whole
-            in_full, out_full = linear.weight.shape[1], rule.full_size
-            a_src, b_src = tensor, rule.src(tensor)
-            b_dest = linear.lora.B[rule.dest_start:rule.dest_start + rule.length, lo:lo + rank]
-        else:                                         # row-parallel: columns of A split, B whole
-            in_full, out_full = rule.full_size, linear.weight.shape[0]
-            a_src, b_src = rule.src(tensor), tensor
-            b_dest = linear.lora.B[:, lo:lo + rank]
+        column = isinstance(linear, ColumnParallelLinear)  # rows of B split, else columns of A
+        in_full = linear.weight.shape[1] if column else rule.full_size
+        out_full = rule.full_size if column else linear.weight.shape[0]
         expected = (rank, in_full) if which == "A" else (out_full, rank)
         if tuple(tensor.shape) != expected:
             raise HandoffError(f"adapter tensor {name!r} has shape {tuple(tensor.shape)}, the "
                                f"engine expects {expected} for rank {rank}: pass the rank the "
                                "adapter was trained with, for this model")
-        module = f"model.layers.{layer}.{group}.{proj}"
+        key = (f"model.layers.{layer}.{group}.{proj}", which)
         if which == "A":
-            return linear.lora.A[lo:lo + rank], a_src, (module, "A")
-        return b_dest, b_src, (module, "B")
+            return linear.lora.A[lo:lo + rank], tensor if column else rule.src(tensor), key
+        if column:
+            rows = linear.lora.B[rule.dest_start:rule.dest_start + rule.length]
+            return rows[:, lo:lo + rank], rule.src(tensor), key
+        return linear.lora.B[:, lo:lo + rank], tensor, key
 
 
 class EngineLora:
