@@ -123,6 +123,11 @@ def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monke
 def test_a_bad_adapter_is_refused_in_one_line_and_the_loaded_one_kept(qwen3_dir, ref):
     engine = Engine(str(qwen3_dir), ref.cfg())
     good = _adapter(qwen3_dir)
+    garbled = {k.replace("lora_A", "lora_X"): v for k, v in good.items()}
+    with pytest.raises(HandoffError, match="is not a LoRA weight"):
+        engine.load_adapter(garbled, alpha=ALPHA, rank=RANK)
+    assert engine.lora is None  # a refused first adapter leaves no adapter code behind
+    assert all(m.lora is None for m in engine.model.modules() if hasattr(m, "lora"))
     engine.load_adapter(good, alpha=ALPHA, rank=RANK)
     before = _tokens(engine)
     name_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -160,3 +165,13 @@ def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path):
     for r in ranks:
         assert r["adapter"] == with_adapter
         assert r["cleared"] == job.tokens(alone)
+
+
+def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    engine.runner.graphs = object()  # as on CUDA: graphs captured at start, without adapters
+    with pytest.raises(HandoffError, match="lora_max_rank=4"):
+        engine.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
+    assert engine.lora is None
+    with pytest.raises(HandoffError, match="not positive"):
+        Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=0)

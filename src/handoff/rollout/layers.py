@@ -11,6 +11,9 @@ Column-parallel layers keep output rows (q/k/v heads, gate/up) and need no commu
 row-parallel layers keep input columns (o_proj, down_proj) and all-reduce their output: one
 all-reduce per block half. The embedding and the head split the vocabulary.
 
+The two linears carry a `lora` slot (rollout/lora.py), None unless the engine has an
+adapter: then it adds the adapter's delta to the output (before the all-reduce).
+
 Shape legend: T = tokens, B = sequences, E = in features (hidden), F = out features,
 V = vocabulary, H = heads, D = head dim.
 """

@@ -105,6 +105,11 @@ class LoraAdapters:
             linear.lora.B.zero_()
         self.scale.zero_()
 
+    def detach(self) -> None:
+        """Take every slot off its linear: the engine runs no adapter code again."""
+        for linear in self.linears.values():
+            linear.lora = None
+
     def _destination(self, name: str, tensor: torch.Tensor, rank: int
                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[str, str]]:
         """(buffer view, this rank's part of `tensor`, (HF module, A or B)) of one PEFT tensor."""
@@ -150,7 +155,14 @@ class EngineLora:
                 raise HandoffError("the decode graphs were captured without the adapter path: "
                                    f"build the Engine with lora_max_rank={rank} (or more)")
             self.lora = LoraAdapters(self.model, max_rank=rank)
-        self.lora.load(named_tensors, alpha=alpha, rank=rank)
+            try:
+                self.lora.load(named_tensors, alpha=alpha, rank=rank)
+            except HandoffError:  # a first adapter refused: back to the engine without one
+                self.lora.detach()
+                self.lora = None
+                raise
+        else:
+            self.lora.load(named_tensors, alpha=alpha, rank=rank)
         self._adapter_changed()
 
     def clear_adapter(self) -> None:
