@@ -4,7 +4,8 @@ A PEFT adapter (r=4, alpha=8, all seven projections, B drawn non-zero: peft star
 zero) is saved with save_pretrained and its safetensors loaded into the engine: greedy
 completions equal peft's `generate`, and the base model's once the adapter is cleared. The
 base weights are never written, a reload copies in place, a bad adapter is refused before
-anything is written, and an engine without an adapter never runs adapter code.
+anything is written, an engine without an adapter never runs adapter code, and a TP = 2
+engine (two gloo processes) with the adapter gives what one process gives.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def test_reload_in_place_padded_rank_and_names_without_prefix(qwen3_dir, ref):
                (m.lora for m in engine.lora.linears.values())]
     bare = {k.removeprefix("base_model.model."): v for k, v in adapter.items()}
     assert bare.keys() != adapter.keys()
-    engine.load_adapter(bare, alpha=ALPHA, rank=RANK)
+    engine.load_adapter(iter(bare.items()), alpha=ALPHA, rank=RANK)  # pairs, as a sync sends
     again = engine.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert [o.outputs[0].logprobs for o in again] == [o.outputs[0].logprobs for o in first]

@@ -142,7 +142,8 @@ class LoraAdapters:
 
 
 class EngineLora:
-    """The Engine's LoRA API (mixed into `Engine`, which owns `model`, `runner`, `lora`)."""
+    """The Engine's LoRA API (mixed into `Engine`, which owns `model`, `runner`, `lora` and the
+    weights version that load_weights keeps)."""
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, *,
                      alpha: float, rank: int) -> None:
@@ -172,6 +173,8 @@ class EngineLora:
             self._adapter_changed()
 
     def _adapter_changed(self) -> None:
-        self.weights_version += 1
+        if not self._updating_weights:  # one sync (weights and adapter) makes one new version
+            self.weights_version += 1
+            self._updating_weights = True
         if self.pool.is_awake("kv_cache"):
             self.blocks.reset_prefix_cache()  # cached KV was computed by the old adapter
