@@ -4,7 +4,8 @@
     engine.load_adapter(load_file("adapter/adapter_model.safetensors"), alpha=32, rank=16)
     engine.clear_adapter()                                     # zeros: the base's outputs
 
-Each targeted projection computes y = x W^T + (alpha / r) (x A^T) B^T. Merging the adapter
+Each targeted projection computes y = x W^T + (alpha / r) (x A^T) B^T, the scale folded into
+A when it is copied in (exact for the usual alpha / r, a power of two). Merging the adapter
 into a bf16 base and unmerging it again each step would drift the base by rounding, so the
 base is never written: every engine linear gets a `LoraSlot` holding fixed, zero-padded
 buffers sized for a maximum rank, and a new adapter is copied into them in place (the decode
@@ -45,19 +46,20 @@ _PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
 
 
 class LoraSlot:
-    """One engine linear's adapter buffers: A [P*R, E], B [F, P*R] block-diagonal, one scale."""
+    """One engine linear's adapter buffers: A [P*R, E] (scaled by alpha / r), B [F, P*R]
+    block-diagonal."""
 
-    def __init__(self, weight: torch.Tensor, max_rank: int, scale: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, max_rank: int):
         num_parts = len(shard_rules(weight))
         out_features, in_features = weight.shape
         kw = {"device": weight.device, "dtype": weight.dtype}
         self.A = torch.zeros(num_parts * max_rank, in_features, **kw)
         self.B = torch.zeros(out_features, num_parts * max_rank, **kw)
-        self.scale = scale
 
     def add_to(self, y_TF: torch.Tensor, x_TE: torch.Tensor) -> torch.Tensor:
-        """y += scale * (x A^T) B^T, in place (y is the fresh output of the base GEMM)."""
-        return y_TF.add_(F.linear(F.linear(x_TE, self.A), self.B).mul_(self.scale))
+        """y += (x A^T) B^T in place (y is the fresh output of the base GEMM): two GEMMs, the
+        add in the second one's epilogue."""
+        return y_TF.addmm_(F.linear(x_TE, self.A), self.B.t())
 
 
 class LoraAdapters:
@@ -68,13 +70,11 @@ class LoraAdapters:
             raise HandoffError(f"LoRA max rank {max_rank} is not positive: use the adapter's r")
         self.max_rank = max_rank
         self.num_layers = len(model.model.layers)
-        device = model.model.embed_tokens.weight.device
-        self.scale = torch.zeros((), dtype=torch.float32, device=device)
         self.linears: dict[str, torch.nn.Module] = {}
         for name, module in model.named_modules():
             if hasattr(module, "lora") and name.startswith("model.layers."):
                 self.linears[name] = module
-                module.lora = LoraSlot(module.weight, max_rank, self.scale)
+                module.lora = LoraSlot(module.weight, max_rank)
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float,
@@ -96,14 +96,14 @@ class LoraAdapters:
                                "pass every lora_A and lora_B tensor that save_pretrained wrote")
         self.clear()
         copy_in_batches(copies)
-        self.scale.fill_(alpha / rank)
+        for linear in self.linears.values():
+            linear.lora.A.mul_(alpha / rank)
 
     def clear(self) -> None:
         """Zero every buffer: the adapter adds nothing."""
         for linear in self.linears.values():
             linear.lora.A.zero_()
             linear.lora.B.zero_()
-        self.scale.zero_()
 
     def detach(self) -> None:
         """Take every slot off its linear: the engine runs no adapter code again."""
