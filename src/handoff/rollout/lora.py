@@ -1,6 +1,6 @@
 """LoRA adapters applied by the engine itself, beside the base weights (never merged into them).
 
-    engine = Engine("ckpt/", cfg.rollout, lora_max_rank=16)   # or lazily on CPU (no graphs)
+    engine = Engine("ckpt/", cfg.rollout, lora_max_rank=16)
     engine.load_adapter(load_file("adapter/adapter_model.safetensors"), alpha=32, rank=16)
     engine.clear_adapter()                                     # zeros: the base's outputs
 
@@ -17,7 +17,10 @@ read only columns p*R..p*R+r), so one pair of GEMMs serves all parts. Under TP a
 parallel linear keeps its rows of B and all of A; a row-parallel one (o_proj, down_proj) keeps
 its input columns of A and all of B, and adds its partial delta before the all-reduce.
 
-An engine with no adapter has no slot: its linears test one attribute and do nothing else.
+Without `lora_max_rank` the engine has no slot until its first load_adapter (then sized for
+that adapter's rank; refused once decode graphs were captured without them): until then its
+linears test one attribute and do nothing else. With it, the zero buffers exist from the
+start, so the graphs capture them (and the adapter's GEMMs run even while they are zero).
 Adapters live outside the memory regions (megabytes): a sleep keeps them.
 
 Shape legend: T = tokens, E = in features, F = out features (this rank's), P = fused parts,
