@@ -11,8 +11,9 @@ One step is `scheduler.schedule()` -> `runner.launch()` -> `runner.collect()` ->
 current one is collected (`step`). Memory lives in two `handoff.memory` regions:
 "weights" (parameters, and the RoPE table, which a wake copies back from pinned host memory)
 and "kv_cache" (the paged pool and fp8 scales). This module builds the engine and runs
-generation; two parts of `Engine` live beside it: kv_pool.py (the KV pool's size, and an
-elastic pool's growth) and sleep_wake.py (sleep levels, wake_up, load_weights).
+generation; three parts of `Engine` live beside it: kv_pool.py (the KV pool's size, and an
+elastic pool's growth), sleep_wake.py (sleep levels, wake_up, load_weights) and lora.py
+(load_adapter, clear_adapter: LoRA applied beside the base, off unless asked for).
 
 Tensor parallelism (`tp=N`, one process per rank, see parallel.py): each rank builds its
 shard of the model and a KV pool for its own KV heads, loads its part of every full tensor,
@@ -37,6 +38,7 @@ from handoff.rollout.attention import FP8_DTYPE
 from handoff.rollout.blocks import BlockManager
 from handoff.rollout.kv_pool import EngineKVPool
 from handoff.rollout.layers import inverse_frequencies, rope_table
+from handoff.rollout.lora import EngineLora, LoraAdapters
 from handoff.rollout.models import (build_model, eos_token_ids, iter_checkpoint, read_hf_config,
                                     spec_from_hf_config)
 from handoff.rollout.parallel import TPGroup, init_tp_group
@@ -59,12 +61,12 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-class Engine(EngineKVPool, EngineSleepWake):
+class Engine(EngineKVPool, EngineSleepWake, EngineLora):
     """Paged-KV generation engine for one device (see the module docstring)."""
 
     def __init__(self, model_path: str, cfg, *, device=None, dtype=None, pool=None,
                  attention_backend: str | None = None, tp: TPGroup | int = 1,
-                 simulated: SimulatedDevice | None = None):
+                 simulated: SimulatedDevice | None = None, lora_max_rank: int | None = None):
         self.cfg = cfg
         self.model_path = str(model_path)
         self.device = with_index(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -101,6 +103,10 @@ class Engine(EngineKVPool, EngineSleepWake):
         table = table.pin_memory() if on_cuda else table
         self.pool.add_restore_hook(
             "weights", lambda: model.rope_cos_sin.copy_(table, non_blocking=on_cuda))
+
+        # LoRA (lora.py): with a max rank, zero adapters exist before the KV pool is profiled
+        # and the decode graphs captured; without, none until load_adapter (CPU, no graphs).
+        self.lora = None if lora_max_rank is None else LoraAdapters(model, lora_max_rank)
 
         kv_dtype = FP8_DTYPE if cfg.kv_dtype == "fp8" else self.dtype
         self.runner = ModelRunner(model, device=self.device, block_size=cfg.block_size,

@@ -11,6 +11,9 @@ Column-parallel layers keep output rows (q/k/v heads, gate/up) and need no commu
 row-parallel layers keep input columns (o_proj, down_proj) and all-reduce their output: one
 all-reduce per block half. The embedding and the head split the vocabulary.
 
+The two linears carry a `lora` slot (rollout/lora.py), None unless the engine has an
+adapter: then it adds the adapter's delta to the output (before the all-reduce).
+
 Shape legend: T = tokens, B = sequences, E = in features (hidden), F = out features,
 V = vocabulary, H = heads, D = head dim.
 """
@@ -60,9 +63,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((dest, in_features), tuple(rules), **kw)
         self.bias = _param((dest,), tuple(rules), **kw) if bias else None
         self.shard_sizes = tuple(length for _, _, length in parts)
+        self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
     def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TE, self.weight, self.bias)
+        y_TF = F.linear(x_TE, self.weight, self.bias)
+        return y_TF if self.lora is None else self.lora.add_to(y_TF, x_TE)
 
 
 class RowParallelLinear(nn.Module):
@@ -77,9 +82,13 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((out_features, per), (rule,), **kw)
         self.bias = _param((out_features,), (whole(out_features),), **kw) if bias else None
         self.tp = tp
+        self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
     def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
-        y_TF = self.tp.all_reduce_(F.linear(x_TE, self.weight))
+        y_TF = F.linear(x_TE, self.weight)
+        if self.lora is not None:  # this rank's partial delta, summed by the all-reduce
+            y_TF = self.lora.add_to(y_TF, x_TE)
+        y_TF = self.tp.all_reduce_(y_TF)
         return y_TF if self.bias is None else y_TF + self.bias
 
 

@@ -38,7 +38,7 @@ from handoff.rollout.parallel import SINGLE, ShardRule, TPGroup, even_split, kv_
 from handoff.rollout.weight_copy import copy_in_batches
 
 # HF projection name -> (engine module name, part index inside the fused weight)
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -188,8 +188,8 @@ class CausalLM(nn.Module):
         module_name, _, leaf = hf_name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
         part = None
-        if proj in _FUSED:
-            fused_name, part = _FUSED[proj]
+        if proj in FUSED:
+            fused_name, part = FUSED[proj]
             module_name = f"{parent}.{fused_name}"
         name = f"{module_name}.{leaf}"
         if self._target_cache is None:

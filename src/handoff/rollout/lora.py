@@ -1,0 +1,183 @@
+"""LoRA adapters applied by the engine itself, beside the base weights (never merged into them).
+
+    engine = Engine("ckpt/", cfg.rollout, lora_max_rank=16)
+    engine.load_adapter(load_file("adapter/adapter_model.safetensors"), alpha=32, rank=16)
+    engine.clear_adapter()                                     # zeros: the base's outputs
+
+Each targeted projection computes y = x W^T + (alpha / r) (x A^T) B^T, the scale folded into
+A when it is copied in (exact for the usual alpha / r, a power of two). Merging the adapter
+into a bf16 base and unmerging it again each step would drift the base by rounding, so the
+base is never written: every engine linear gets a `LoraSlot` holding fixed, zero-padded
+buffers sized for a maximum rank, and a new adapter is copied into them in place (the decode
+graphs capture their addresses, so a sync only rewrites their values).
+
+The engine fuses q/k/v and gate/up (models/qwen3.py): a fused linear's slot stacks one A per
+part, A [P*R, in], and keeps B block-diagonal, B [out, P*R] (part p's rows of the fused output
+read only columns p*R..p*R+r), so one pair of GEMMs serves all parts. Under TP a column-
+parallel linear keeps its rows of B and all of A; a row-parallel one (o_proj, down_proj) keeps
+its input columns of A and all of B, and adds its partial delta before the all-reduce.
+
+Without `lora_max_rank` the engine has no slot until its first load_adapter (then sized for
+that adapter's rank; refused once decode graphs were captured without them): until then its
+linears test one attribute and do nothing else. With it, the zero buffers exist from the
+start, so the graphs capture them (and the adapter's GEMMs run even while they are zero).
+Adapters live outside the memory regions (megabytes): a sleep keeps them.
+
+Shape legend: T = tokens, E = in features, F = out features (this rank's), P = fused parts,
+R = maximum rank.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from handoff.errors import HandoffError
+from handoff.rollout.layers import ColumnParallelLinear, shard_rules
+from handoff.rollout.models.qwen3 import FUSED, CausalLM
+from handoff.rollout.weight_copy import copy_in_batches
+
+# PEFT's names as save_pretrained writes them, with or without the `base_model.model.` prefix
+# (a live PeftModel's parameters also carry the adapter name, `default`).
+_PEFT_NAME = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
+                        r"(\w+)\.lora_([AB])(?:\.default)?\.weight")
+_PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+class LoraSlot:
+    """One engine linear's adapter buffers: A [P*R, E] (scaled by alpha / r), B [F, P*R]
+    block-diagonal."""
+
+    def __init__(self, weight: torch.Tensor, max_rank: int):
+        num_parts = len(shard_rules(weight))
+        out_features, in_features = weight.shape
+        kw = {"device": weight.device, "dtype": weight.dtype}
+        self.A = torch.zeros(num_parts * max_rank, in_features, **kw)
+        self.B = torch.zeros(out_features, num_parts * max_rank, **kw)
+
+    def add_to(self, y_TF: torch.Tensor, x_TE: torch.Tensor) -> torch.Tensor:
+        """y += (x A^T) B^T in place (y is the fresh output of the base GEMM): two GEMMs, the
+        add in the second one's epilogue."""
+        return y_TF.addmm_(F.linear(x_TE, self.A), self.B.t())
+
+
+class LoraAdapters:
+    """Every decoder linear's slot, and the copy of a PEFT adapter into them."""
+
+    def __init__(self, model: CausalLM, max_rank: int):
+        if max_rank < 1:
+            raise HandoffError(f"LoRA max rank {max_rank} is not positive: use the adapter's r")
+        self.max_rank = max_rank
+        self.num_layers = len(model.model.layers)
+        self.linears: dict[str, torch.nn.Module] = {}
+        for name, module in model.named_modules():
+            if hasattr(module, "lora") and name.startswith("model.layers."):
+                self.linears[name] = module
+                module.lora = LoraSlot(module.weight, max_rank)
+
+    @torch.no_grad()
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float,
+             rank: int) -> None:
+        """Copy a PEFT adapter in place; every check runs before the first write."""
+        if not 1 <= rank <= self.max_rank:
+            raise HandoffError(f"LoRA rank {rank} is outside 1..{self.max_rank}, the rank the "
+                               "engine's adapter buffers were sized for: build the Engine with "
+                               f"lora_max_rank={max(rank, 1)}")
+        copies, halves = [], set()
+        for name, tensor in named_tensors:
+            dest, src, key = self._destination(name, tensor, rank)
+            copies.append((dest, src, dest.numel() * dest.element_size()))
+            halves.add(key)
+        unpaired = sorted(f"{module}.lora_{'B' if ab == 'A' else 'A'}" for module, ab in halves
+                          if (module, "B" if ab == "A" else "A") not in halves)
+        if unpaired:
+            raise HandoffError(f"the adapter lacks {unpaired[0]} ({len(unpaired)} missing): "
+                               "pass every lora_A and lora_B tensor that save_pretrained wrote")
+        self.clear()
+        copy_in_batches(copies)
+        for linear in self.linears.values():
+            linear.lora.A.mul_(alpha / rank)
+
+    def clear(self) -> None:
+        """Zero every buffer: the adapter adds nothing."""
+        for linear in self.linears.values():
+            linear.lora.A.zero_()
+            linear.lora.B.zero_()
+
+    def detach(self) -> None:
+        """Take every slot off its linear: the engine runs no adapter code again."""
+        for linear in self.linears.values():
+            linear.lora = None
+
+    def _destination(self, name: str, tensor: torch.Tensor, rank: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[str, str]]:
+        """(buffer view, this rank's part of `tensor`, (HF module, A or B)) of one PEFT tensor."""
+        match = _PEFT_NAME.fullmatch(name)
+        if (match is None or int(match[1]) >= self.num_layers
+                or match[3] not in _PROJECTIONS[match[2]]):
+            raise HandoffError(f"adapter tensor {name!r} is not a LoRA weight of a decoder "
+                               f"projection the engine runs ({self.num_layers} layers; q/k/v/o, "
+                               "gate/up/down): target only those modules, without bias or DoRA")
+        layer, group, proj, which = int(match[1]), match[2], match[3], match[4]
+        fused_name, part = FUSED.get(proj, (proj, 0))
+        linear = self.linears[f"model.layers.{layer}.{group}.{fused_name}"]
+        rule = shard_rules(linear.weight)[part]
+        lo = part * self.max_rank
+        column = isinstance(linear, ColumnParallelLinear)  # rows of B split, else columns of A
+        in_full = linear.weight.shape[1] if column else rule.full_size
+        out_full = rule.full_size if column else linear.weight.shape[0]
+        expected = (rank, in_full) if which == "A" else (out_full, rank)
+        if tuple(tensor.shape) != expected:
+            raise HandoffError(f"adapter tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                               f"engine expects {expected} for rank {rank}: pass the rank the "
+                               "adapter was trained with, for this model")
+        key = (f"model.layers.{layer}.{group}.{proj}", which)
+        if which == "A":
+            return linear.lora.A[lo:lo + rank], tensor if column else rule.src(tensor), key
+        if column:
+            rows = linear.lora.B[rule.dest_start:rule.dest_start + rule.length]
+            return rows[:, lo:lo + rank], rule.src(tensor), key
+        return linear.lora.B[:, lo:lo + rank], tensor, key
+
+
+class EngineLora:
+    """The Engine's LoRA API (mixed into `Engine`, which owns `model`, `runner`, `lora` and the
+    weights version that load_weights keeps)."""
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, *,
+                     alpha: float, rank: int) -> None:
+        """Copy a PEFT adapter (its names, with or without `base_model.model.`) in place;
+        a bad tensor is refused in one line before anything is written."""
+        if isinstance(named_tensors, dict):
+            named_tensors = named_tensors.items()
+        if self.lora is None:
+            if self.runner.graphs is not None:
+                raise HandoffError("the decode graphs were captured without the adapter path: "
+                                   f"build the Engine with lora_max_rank={rank} (or more)")
+            self.lora = LoraAdapters(self.model, max_rank=rank)
+            try:
+                self.lora.load(named_tensors, alpha=alpha, rank=rank)
+            except HandoffError:  # a first adapter refused: back to the engine without one
+                self.lora.detach()
+                self.lora = None
+                raise
+        else:
+            self.lora.load(named_tensors, alpha=alpha, rank=rank)
+        self._adapter_changed()
+
+    def clear_adapter(self) -> None:
+        """Zero the adapter: outputs equal the base model's (buffers and addresses kept)."""
+        if self.lora is not None:
+            self.lora.clear()
+            self._adapter_changed()
+
+    def _adapter_changed(self) -> None:
+        if not self._updating_weights:  # one sync (weights and adapter) makes one new version
+            self.weights_version += 1
+            self._updating_weights = True
+        if self.pool.is_awake("kv_cache"):
+            self.blocks.reset_prefix_cache()  # cached KV was computed by the old adapter

@@ -1,0 +1,178 @@
+"""The engine's LoRA (rollout/lora.py) against transformers + peft on CPU (fp32, tiny models).
+
+A PEFT adapter (r=4, alpha=8, all seven projections, B drawn non-zero: peft starts it at
+zero) is saved with save_pretrained and its safetensors loaded into the engine: greedy
+completions equal peft's `generate`, and the base model's once the adapter is cleared. The
+base weights are never written, a reload copies in place, a bad adapter is refused before
+anything is written, an engine without an adapter never runs adapter code, and a TP = 2
+engine (two gloo processes) with the adapter gives what one process gives.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from handoff.errors import HandoffError
+from handoff.rollout import lora
+from handoff.rollout.engine import Engine
+from handoff.rollout.sampling import SamplingParams
+
+RANK, ALPHA = 4, 8
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 9, [42]]
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@functools.lru_cache(maxsize=2)
+def _peft_model(model_dir: str):
+    """(peft model with random non-zero A and B, its save_pretrained directory)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS,
+                                            lora_dropout=0.0)).eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5 / param.shape[1] ** 0.5)
+    adapter_dir = Path(model_dir).with_name(Path(model_dir).name + "-adapter")
+    model.save_pretrained(str(adapter_dir))
+    return model, adapter_dir
+
+
+def _adapter(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(_peft_model(str(model_dir))[1] / "adapter_model.safetensors"))
+
+
+@torch.no_grad()
+def _peft_greedy(model_dir, prompt: list[int]) -> list[int]:
+    model = _peft_model(str(model_dir))[0]
+    out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                         do_sample=False, min_new_tokens=NEW_TOKENS)
+    return out[0, len(prompt):].tolist()
+
+
+def _tokens(engine: Engine) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in engine.generate(PROMPTS, GREEDY)]
+
+
+def _base_checksum(engine: Engine) -> str:
+    digest = hashlib.sha256()
+    for param in engine.model.parameters():
+        digest.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("which", ["qwen3_dir", "llama_dir"])
+def test_greedy_with_adapter_matches_peft_and_clear_gives_the_base(which, ref, request):
+    path = request.getfixturevalue(which)
+    engine = Engine(str(path), ref.cfg())
+    engine.load_adapter(_adapter(path), alpha=ALPHA, rank=RANK)
+    with_adapter = _tokens(engine)
+    assert with_adapter == [_peft_greedy(path, p) for p in PROMPTS]
+    base = [ref.greedy(path, p, NEW_TOKENS) for p in PROMPTS]
+    assert with_adapter != base, "the adapter changes nothing: the test would prove nothing"
+    engine.clear_adapter()
+    assert _tokens(engine) == base
+
+
+def test_reload_in_place_padded_rank_and_names_without_prefix(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=8)  # rank 4 in 8: zero padding
+    base_sum = _base_checksum(engine)
+    adapter = _adapter(qwen3_dir)
+    engine.load_adapter(adapter, alpha=ALPHA, rank=RANK)
+    first = engine.generate(PROMPTS, GREEDY)
+    buffers = [(s.A.data_ptr(), s.B.data_ptr()) for s in
+               (m.lora for m in engine.lora.linears.values())]
+    bare = {k.removeprefix("base_model.model."): v for k, v in adapter.items()}
+    assert bare.keys() != adapter.keys()
+    engine.load_adapter(iter(bare.items()), alpha=ALPHA, rank=RANK)  # pairs, as a sync sends
+    again = engine.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert [o.outputs[0].logprobs for o in again] == [o.outputs[0].logprobs for o in first]
+    assert [o.outputs[0].token_ids for o in first] == [_peft_greedy(qwen3_dir, p) for p in PROMPTS]
+    assert buffers == [(s.A.data_ptr(), s.B.data_ptr()) for s in
+                       (m.lora for m in engine.lora.linears.values())]
+    engine.clear_adapter()
+    assert _base_checksum(engine) == base_sum
+
+
+def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monkeypatch):
+    calls = []
+    add_to = lora.LoraSlot.add_to
+    monkeypatch.setattr(lora.LoraSlot, "add_to",
+                        lambda self, y, x: calls.append(1) or add_to(self, y, x))
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    assert _tokens(engine) == [ref.greedy(qwen3_dir, p, NEW_TOKENS) for p in PROMPTS]
+    assert engine.lora is None and calls == []
+    engine.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
+    engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))
+    layers = engine.spec.num_layers
+    assert len(calls) == 2 * 4 * layers  # prefill + one decode step, 4 engine linears a layer
+
+
+def test_a_bad_adapter_is_refused_in_one_line_and_the_loaded_one_kept(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    good = _adapter(qwen3_dir)
+    garbled = {k.replace("lora_A", "lora_X"): v for k, v in good.items()}
+    with pytest.raises(HandoffError, match="is not a LoRA weight"):
+        engine.load_adapter(garbled, alpha=ALPHA, rank=RANK)
+    assert engine.lora is None  # a refused first adapter leaves no adapter code behind
+    assert all(m.lora is None for m in engine.model.modules() if hasattr(m, "lora"))
+    engine.load_adapter(good, alpha=ALPHA, rank=RANK)
+    before = _tokens(engine)
+    name_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    name_b = name_a.replace("lora_A", "lora_B")
+    bad = {
+        "a shape": {**good, name_a: torch.zeros(RANK + 1, good[name_a].shape[1])},
+        "an unknown module": {**good, "base_model.model.lm_head.lora_A.weight": good[name_a]},
+        "a layer past the model": {**good, name_a.replace("layers.0", "layers.9"): good[name_a]},
+        "a missing half": {k: v for k, v in good.items() if k != name_b},
+    }
+    for what, tensors in bad.items():
+        with pytest.raises(HandoffError) as caught:
+            engine.load_adapter(tensors, alpha=ALPHA, rank=RANK)
+        assert "\n" not in str(caught.value), what
+    with pytest.raises(HandoffError, match="lora_max_rank=8"):
+        engine.load_adapter(good, alpha=ALPHA, rank=8)  # past the rank the buffers hold
+    assert _tokens(engine) == before
+
+
+def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path):
+    import json
+
+    from test_parallel_engine import HERE, torchrun
+
+    import tp_lora_job as job
+
+    adapter = _peft_model(str(qwen3_dir))[1] / "adapter_model.safetensors"
+    torchrun([str(HERE / "tp_lora_job.py"), str(qwen3_dir), str(adapter), str(tmp_path)])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    alone = Engine(str(qwen3_dir), ref.cfg(**job.CFG))
+    alone.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
+    with_adapter = job.tokens(alone)
+    alone.clear_adapter()
+    assert with_adapter != job.tokens(alone)
+    for r in ranks:
+        assert r["adapter"] == with_adapter
+        assert r["cleared"] == job.tokens(alone)
+
+
+def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    engine.runner.graphs = object()  # as on CUDA: graphs captured at start, without adapters
+    with pytest.raises(HandoffError, match="lora_max_rank=4"):
+        engine.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
+    assert engine.lora is None
+    with pytest.raises(HandoffError, match="not positive"):
+        Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=0)
