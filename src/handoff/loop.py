@@ -283,7 +283,10 @@ class Run:
         switch, times = worker.end_step([to_train, ref_moves, optimizer_moves, to_rollout])
         host = HostTimes(step_s=time.perf_counter() - t_step, checkpoint_s=checkpoint_s,
                          train_s=train_s, host_s=host_s)
-        self.samples = [(p, c, r) for (p, c), r in zip(scored.texts, scored.rewards)]
+        # The first sample of every prompt first: the few the report keeps cover many prompts.
+        n = self.cfg.rollout.n
+        order = sorted(range(len(scored.rewards)), key=lambda i: (i % n, i))
+        self.samples = [(*scored.texts[i], scored.rewards[i]) for i in order]
         return step_row(step, scored, update, gen, switch, times, host, world=self.world)
 
     def evaluate(self) -> dict[str, float]:
