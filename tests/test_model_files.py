@@ -2,7 +2,6 @@
 a context the model does not have; and `init-model --out` over something already there."""
 
 import hashlib
-import shutil
 
 import pytest
 import torch
@@ -13,22 +12,9 @@ from handoff.cli import app
 from handoff.config import load_config
 from handoff.errors import HandoffError
 from handoff.model_files import check_model_dir
-from handoff.modelzoo import init_model
 from handoff.preflight import preflight
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    return init_model("tiny-qwen3", tmp_path_factory.mktemp("good-model"), dtype="float32")
-
-
-@pytest.fixture
-def model(good, tmp_path):
-    copy = tmp_path / "model"
-    shutil.copytree(good, copy)
-    return copy
 
 
 def _one_error_line(res) -> str:

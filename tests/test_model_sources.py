@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 from handoff.cli import app
 from handoff.errors import HandoffError
 from handoff.model_files import check_model_dir, load_tokenizer, weight_files
-from handoff.modelzoo import init_model
 from handoff.rollout.models import iter_checkpoint, read_hf_config
 from handoff.trainer.model import load_hf_model
 
@@ -35,18 +34,6 @@ class _Payload:
 
 def _plant_pickle(path, marker):
     path.write_bytes(pickle.dumps(_Payload(marker)))
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    return init_model("tiny-qwen3", tmp_path_factory.mktemp("good"), dtype="float32")
-
-
-@pytest.fixture
-def model(good, tmp_path):
-    copy = tmp_path / "model"
-    shutil.copytree(good, copy)
-    return copy
 
 
 def test_the_planted_pickle_does_run_code_when_unpickled(tmp_path):

@@ -3,7 +3,6 @@ nested, non-finite or wrongly typed content is one line naming the file and the 
 YAML config's size and alias expansion are bounded."""
 
 import json
-import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -13,7 +12,6 @@ from handoff.cli import app
 from handoff.config import load_config
 from handoff.errors import ConfigError, HandoffError
 from handoff.model_files import check_model_dir
-from handoff.modelzoo import init_model
 from handoff.reading import expect, parse_json, read_json, read_yaml
 
 runner = CliRunner()
@@ -105,18 +103,6 @@ def test_yaml_keeps_anchors_a_config_uses_and_non_finite_values_for_the_fields(t
     assert read_yaml(ok)["rollout"] == {"n": 4}
     with pytest.raises(ConfigError, match="actor.lr='nan' is not a finite number|actor.lr=nan"):
         load_config(_yaml(tmp_path, "actor:\n  lr: .nan\n"))
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    return init_model("tiny-qwen3", tmp_path_factory.mktemp("good"), dtype="float32")
-
-
-@pytest.fixture
-def model(good, tmp_path):
-    copy = tmp_path / "model"
-    shutil.copytree(good, copy)
-    return copy
 
 
 @pytest.mark.parametrize("file", ["config.json", "generation_config.json", "tokenizer.json",

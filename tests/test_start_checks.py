@@ -3,28 +3,14 @@ model's vocabulary, heads and sizes that do not divide, a data record too long f
 rollout.max_model_len, run.steps and run.seed past what a run can represent."""
 
 import json
-import shutil
 
 import pytest
 
 from handoff.config import load_config
 from handoff.errors import ConfigError, HandoffError
 from handoff.model_files import check_model_dir
-from handoff.modelzoo import init_model
 from handoff.preflight import count_saves, preflight
 from handoff.rollout.models import read_hf_config
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    return init_model("tiny-qwen3", tmp_path_factory.mktemp("good"), dtype="float32")
-
-
-@pytest.fixture
-def model(good, tmp_path):
-    copy = tmp_path / "model"
-    shutil.copytree(good, copy)
-    return copy
 
 
 def _edit(path, **change):

@@ -205,25 +205,11 @@ def test_the_gemm_shapes_are_launched_before_the_copies_back(model_dir, tmp_path
 
 
 def test_queueing_the_copies_back_is_exposed_not_the_forwards_work(model_dir, tmp_path,
-                                                                    monkeypatch):
+                                                                    fixed_compute_gap):
     # On CUDA queueing them allocates their storages, which waits for the driver to clear
     # memory the engine just freed, while the compute stream sits idle: the clock reads that
     # idle time (dist.ComputeGap) once the stream drains and counts it as the switch's
     # queueing. A gap of a fixed 0.25 s stands in for it.
-    import handoff.switch.clock as clock_module
-
-    class Gap:
-        def __init__(self, device):
-            self.closed = False
-
-        def close(self):
-            self.closed = True
-
-        def seconds(self):
-            assert self.closed
-            return 0.25
-
-    monkeypatch.setattr(clock_module, "ComputeGap", Gap)
     trainer = _run(model_dir, tmp_path, "run.steps=2", "memory.warm_gemms=false")
     for step in range(2):
         row = trainer.step(step)   # one pass queues the copies back: one gap a step

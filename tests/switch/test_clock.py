@@ -6,19 +6,7 @@ from handoff.switch import clock as clock_module
 from handoff.switch.clock import StepClock
 
 
-class Gap:
-    def __init__(self, device):
-        self.closed = False
-
-    def close(self):
-        self.closed = True
-
-    def seconds(self):
-        return 0.25 if self.closed else 0.0
-
-
-def test_queueing_and_copy_waits_are_counted_apart_from_work(monkeypatch):
-    monkeypatch.setattr(clock_module, "ComputeGap", Gap)
+def test_queueing_and_copy_waits_are_counted_apart_from_work(fixed_compute_gap):
     waits = {"s": 0.0}
     clock = StepClock(torch.device("cpu"), lambda: waits["s"])
 
@@ -37,8 +25,7 @@ def test_queueing_and_copy_waits_are_counted_apart_from_work(monkeypatch):
     assert clock.times().work == {} and clock.times().queue_s == 0.0
 
 
-def test_a_copy_wait_inside_a_queueing_gap_is_not_counted_twice(monkeypatch):
-    monkeypatch.setattr(clock_module, "ComputeGap", Gap)
+def test_a_copy_wait_inside_a_queueing_gap_is_not_counted_twice(fixed_compute_gap):
     waits = {"s": 0.0}
     clock = StepClock(torch.device("cpu"), lambda: waits["s"])
 
