@@ -232,17 +232,22 @@ class Run:
 
     # ---------------------------------------------------------------- one step
 
+    def _reward_prompt(self, problem) -> str | list:
+        """The prompt as reward functions get it: the chat messages when the template was
+        applied (TRL's conversational form), else the plain text."""
+        chat = self.cfg.data.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
+        return list(problem.messages) if chat else problem.prompt
+
     def _score(self, step: int, problems: list, prompt_ids: list[list[int]],
                indices: list[int], outs: list) -> Scored:
         """Reward every sample this rank trains on (RewardSet); the batch on the worker's
         device. A reward function that fails stops the step here, before any training: the
         last checkpoint is the run's state."""
-        chat = self.cfg.data.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
         prompts_rep, responses, samples, texts = [], [], [], []
         for problem, ids, out, index in zip(problems, prompt_ids, outs, indices):
             if index % self.world != self.rank:
                 continue  # generated for another rank of this TP group, which trains on it
-            prompt = list(problem.messages) if chat else problem.prompt
+            prompt = self._reward_prompt(problem)
             for sample in out.outputs:
                 text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
                 prompts_rep.append(ids)
@@ -305,8 +310,7 @@ class Run:
                for i in mine]
         outs = self.worker.generate(ids, [params] * len(ids)).outputs
         self.worker.reset_prefix_cache()
-        chat = cfg.data.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
-        samples = [Sample(problems[i], list(problems[i].messages) if chat else problems[i].prompt,
+        samples = [Sample(problems[i], self._reward_prompt(problems[i]),
                           self.tokenizer.decode(out.outputs[0].token_ids,
                                                 skip_special_tokens=True),
                           out.outputs[0].token_ids)
