@@ -10,7 +10,8 @@ import torch
 
 from handoff.errors import HandoffError
 from handoff.rollout.models import build_model, iter_checkpoint, read_hf_config, spec_from_hf_config
-from handoff.rollout.parallel import TPGroup, kv_head_split, vocab_split
+from handoff.rollout.layers import kv_head_split, vocab_split
+from handoff.rollout.parallel import TPGroup
 
 
 def rank_models(path, tp_size: int):

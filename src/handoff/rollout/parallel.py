@@ -1,4 +1,4 @@
-"""Tensor parallelism for the rollout engine: the TP group, its collectives, shard arithmetic.
+"""Tensor parallelism for the rollout engine: the TP group and its collectives.
 
     tp = init_tp_group(2)            # after the default process group exists (torchrun)
     engine = Engine("ckpt/", cfg.rollout, tp=tp)
@@ -14,9 +14,8 @@ once per `generate` call with `check_same`), size the same KV pool (`min_int`) a
 the same unseeded sampling seeds (`shared_seed`). Logits are gathered in full on every rank,
 so the hash-based sampler picks the same tokens everywhere.
 
-A `ShardRule` says which part of a full HF tensor one rank keeps: the slice
-[src_start, src_start + length) along `dim` goes to [dest_start, ...) of the parameter.
-Loading, the checksum readback of a weight sync and the tests all use the same rule.
+Which part of a full HF tensor one rank keeps (`ShardRule`) is the layers' own arithmetic
+(rollout/layers.py).
 """
 
 from __future__ import annotations
@@ -113,65 +112,3 @@ def init_tp_group(size: int) -> TPGroup:
             mine = TPGroup(rank=rank - start, size=size, group=group)
     _GROUPS[size] = mine
     return mine
-
-
-# ---------------------------------------------------------------- shard arithmetic
-
-
-@dataclass(frozen=True)
-class ShardRule:
-    """Rows (dim 0) or columns (dim 1) of a full tensor that one rank keeps, and where."""
-
-    dim: int
-    full_size: int     # the full tensor's size along `dim`
-    src_start: int     # first index kept, in the full tensor
-    dest_start: int    # where it goes, in the (possibly fused) parameter
-    length: int
-
-    def src(self, full: torch.Tensor) -> torch.Tensor:
-        if self.length == self.full_size:   # all of it (TP = 1): no narrow, a sync's host
-            return full                     # work is per tensor
-        return full.narrow(self.dim, self.src_start, self.length)
-
-    def dest(self, param: torch.Tensor) -> torch.Tensor:
-        return param.narrow(self.dim, self.dest_start, self.length)
-
-    def full_shape(self, param: torch.Tensor) -> tuple[int, ...]:
-        shape = list(param.shape)
-        shape[self.dim] = self.full_size
-        return tuple(shape)
-
-
-def whole(size: int) -> ShardRule:
-    """A replicated tensor: every rank keeps all of it."""
-    return ShardRule(dim=0, full_size=size, src_start=0, dest_start=0, length=size)
-
-
-def even_split(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
-    """(start, length) of this rank's equal share of `total`; TP must divide it."""
-    if total % tp.size:
-        raise HandoffError(f"tensor parallel size {tp.size} does not divide {what}={total}: use "
-                           "a TP size that divides it")
-    per = total // tp.size
-    return tp.rank * per, per
-
-
-def kv_head_split(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
-    """(first KV head, count) of this rank: split when TP divides them, else replicated.
-
-    With TP > KV heads each rank keeps the one KV head its query heads read (rank r of T
-    uses head r * K // T, HF's GQA grouping), so T / K ranks hold a copy of each."""
-    if num_kv_heads % tp.size == 0:
-        return even_split(num_kv_heads, tp, "num_key_value_heads")
-    if tp.size % num_kv_heads:
-        raise HandoffError(f"tensor parallel size {tp.size} and num_key_value_heads={num_kv_heads} "
-                           "do not divide one another: use a TP size that divides the KV heads "
-                           "or a multiple of them")
-    return tp.rank * num_kv_heads // tp.size, 1
-
-
-def vocab_split(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
-    """(first id, ids kept, rows per rank): rows = ceil(V / TP); the last rank's tail is padding."""
-    per = -(-vocab_size // tp.size)
-    start = min(tp.rank * per, vocab_size)
-    return start, min(per, vocab_size - start), per

@@ -33,8 +33,9 @@ from handoff.errors import HandoffError
 from handoff.rollout.attention import AttnMeta, attend
 from handoff.rollout import ops
 from handoff.rollout.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
-                                    RowParallelLinear, VocabParallelEmbedding, shard_rules)
-from handoff.rollout.parallel import SINGLE, ShardRule, TPGroup, even_split, kv_head_split
+                                    RowParallelLinear, ShardRule, VocabParallelEmbedding,
+                                    even_split, kv_head_split, shard_rules)
+from handoff.rollout.parallel import SINGLE, TPGroup
 from handoff.rollout.weight_copy import copy_in_batches
 
 # HF projection name -> (engine module name, part index inside the fused weight)
