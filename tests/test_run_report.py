@@ -46,11 +46,16 @@ def _cfg(model, out_dir, *extra):
                                                    f"run.out_dir={out_dir}", *extra])
 
 
+def _planned(cfg, rates: Rates, pool: float) -> dict:
+    plan = RunPlan.build(cfg)
+    return planned_actions(plan, rates, rates.profile(plan.hardware), pool)
+
+
 def test_planned_actions_move_with_the_measured_rates(tmp_path):
     cfg = _cfg("qwen3-4b", tmp_path)
     pool = 100e9
-    base = planned_actions(RunPlan.build(cfg), Rates(RATES), pool)
-    slower_map = planned_actions(RunPlan.build(cfg), Rates({**RATES, "map_bps": RATES["map_bps"] / 2}), pool)
+    base = _planned(cfg, Rates(RATES), pool)
+    slower_map = _planned(cfg, Rates({**RATES, "map_bps": RATES["map_bps"] / 2}), pool)
     assert slower_map["kv_cache_wake"]["seconds"] == pytest.approx(
         2 * base["kv_cache_wake"]["seconds"])
     assert base["kv_cache_wake"]["seconds"] == pytest.approx(pool / RATES["map_bps"])
@@ -59,7 +64,7 @@ def test_planned_actions_move_with_the_measured_rates(tmp_path):
     assert slower_map["engine_weights_sync"]["seconds"] == pytest.approx(
         base["engine_weights_sync"]["seconds"] + weights / RATES["map_bps"])
     assert slower_map["engine_sleep"] == base["engine_sleep"]
-    slower_unmap = planned_actions(RunPlan.build(cfg), Rates({**RATES, "unmap_bps": RATES["unmap_bps"] / 4}), pool)
+    slower_unmap = _planned(cfg, Rates({**RATES, "unmap_bps": RATES["unmap_bps"] / 4}), pool)
     assert slower_unmap["engine_sleep"]["seconds"] == pytest.approx(
         4 * base["engine_sleep"]["seconds"])
     assert base["engine_sleep"]["seconds"] == pytest.approx((weights + pool) / RATES["unmap_bps"])
@@ -67,31 +72,30 @@ def test_planned_actions_move_with_the_measured_rates(tmp_path):
     tensors = load_shape("qwen3-4b").num_tensors
     copies = 4 * weights / RATES["sync_copy_bps"]   # one dtype: into the bucket and out
     assert tensors * RATES["tensor_host_s"] < copies
-    slower_copies = planned_actions(RunPlan.build(cfg), Rates({**RATES, "sync_copy_bps": 500e9}), pool)
+    slower_copies = _planned(cfg, Rates({**RATES, "sync_copy_bps": 500e9}), pool)
     assert slower_copies["engine_weights_sync"]["seconds"] == pytest.approx(
         base["engine_weights_sync"]["seconds"] + copies)
-    slower_host = planned_actions(RunPlan.build(cfg), Rates({**RATES, "tensor_host_s": 5e-4}), pool)
+    slower_host = _planned(cfg, Rates({**RATES, "tensor_host_s": 5e-4}), pool)
     assert tensors * 5e-4 > copies
     assert slower_host["engine_weights_sync"]["seconds"] == pytest.approx(
         base["engine_weights_sync"]["seconds"] - copies + tensors * 5e-4)
     # Measured at the weights' own size, the sync's map uses that rate; the KV wake does not.
-    own = planned_actions(RunPlan.build(cfg), Rates({**RATES, "weights_map_bps": RATES["map_bps"] * 10}), pool)
+    own = _planned(cfg, Rates({**RATES, "weights_map_bps": RATES["map_bps"] * 10}), pool)
     assert own["engine_weights_sync"]["seconds"] == pytest.approx(
         base["engine_weights_sync"]["seconds"] - 0.9 * weights / RATES["map_bps"])
     assert own["kv_cache_wake"] == base["kv_cache_wake"]
     # A measured kernel H2D rate prices the copies that follow the engine's sleep by kernel:
     # the ref's, and in turn (memory.overlap=false) the params' too.
-    kernel = planned_actions(RunPlan.build(cfg), Rates({**RATES, "h2d_kernel_bps": RATES["h2d_bps"] / 2}), pool)
+    kernel = _planned(cfg, Rates({**RATES, "h2d_kernel_bps": RATES["h2d_bps"] / 2}), pool)
     assert kernel["ref_h2d"]["seconds"] == pytest.approx(2 * base["ref_h2d"]["seconds"])
     assert kernel["params_h2d"] == base["params_h2d"]   # streamed: on the copy engines
     assert kernel["optimizer_h2d"] == base["optimizer_h2d"]
     in_turn = _cfg("qwen3-4b", tmp_path, "memory.overlap=false")
-    assert planned_actions(RunPlan.build(in_turn), Rates({**RATES, "h2d_kernel_bps": RATES["h2d_bps"] / 2}),
-                           pool)["params_h2d"]["seconds"] == pytest.approx(
-        2 * planned_actions(RunPlan.build(in_turn), Rates(RATES), pool)["params_h2d"]["seconds"])
+    assert _planned(in_turn, Rates({**RATES, "h2d_kernel_bps": RATES["h2d_bps"] / 2}), pool)["params_h2d"]["seconds"] == pytest.approx(
+        2 * _planned(in_turn, Rates(RATES), pool)["params_h2d"]["seconds"])
     # The run's sync is in-process: no per-bucket IPC charge, whatever the profile says.
     ipc_heavy = _cfg("qwen3-4b", tmp_path, "hardware.sync_bucket_ms=1000")
-    assert planned_actions(RunPlan.build(ipc_heavy), Rates(RATES), pool) == base
+    assert _planned(ipc_heavy, Rates(RATES), pool) == base
 
 
 def test_the_plotted_step_starts_from_the_card_as_the_last_switch_left_it():

@@ -31,6 +31,7 @@ from handoff.calibrate import Rates
 from handoff.config import Config, to_dict
 from handoff.loggers import Loggers, open_loggers
 from handoff.memory.meter import MemoryMeter, plot_timeline
+from handoff.plan.hardware import HardwareProfile
 from handoff.plan.ledger import SWITCH_ACTIONS, switch_actions
 from handoff.plan.trainer import exposed_behind_compute
 from handoff.reading import expect, read_json
@@ -42,13 +43,15 @@ from handoff.units import fmt_bytes
 console = Console()
 
 
-def planned_actions(plan: RunPlan, rates: Rates, kv_pool_bytes: int) -> dict[str, dict]:
-    """The ledger's nine actions for this run, priced with the rates measured in it (a rate
-    it could not measure keeps the profile's). The worker's sync is in-process on every rank
-    (no IPC), whatever the shard group."""
+def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,
+                    kv_pool_bytes: int) -> dict[str, dict]:
+    """The ledger's nine actions for this run, priced with `hw`, the profile with the rates
+    measured in it (`rates.profile(plan.hardware)`: a rate it could not measure keeps the
+    profile's). The worker's sync is in-process on every rank (no IPC), whatever the shard
+    group."""
     cfg = plan.cfg
     parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
-    actions = switch_actions(plan.shape, parallel, cfg.memory, rates.profile(plan.hardware),
+    actions = switch_actions(plan.shape, parallel, cfg.memory, hw,
                              kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes, ref=plan.ref,
                              bucket_bytes=cfg.sync.bucket_mb << 20, in_process=True,
                              weights_map_bps=rates.get("weights_map_bps"),
@@ -58,7 +61,7 @@ def planned_actions(plan: RunPlan, rates: Rates, kv_pool_bytes: int) -> dict[str
             for a in actions}
 
 
-def planned_exposure(plan: RunPlan, rates: Rates, planned: dict[str, dict], *,
+def planned_exposure(plan: RunPlan, hw: HardwareProfile, planned: dict[str, dict], *,
                      train_tokens: float, generation_seconds: float) -> dict[str, float]:
     """Each planned action's exposed seconds (plan.ledger.exposed_seconds) in this run: the
     copies back hide behind the trainer's forwards plan.trainer models for `train_tokens`
@@ -67,7 +70,7 @@ def planned_exposure(plan: RunPlan, rates: Rates, planned: dict[str, dict], *,
     cfg = plan.cfg
     return exposed_behind_compute(
         {a: p["seconds"] for a, p in planned.items()}, cfg.memory, plan.shape, train_tokens,
-        rates.profile(plan.hardware), ref=plan.ref,
+        hw, ref=plan.ref,
         updates_per_step=cfg.actor.updates_per_step, generation_seconds=generation_seconds,
         elastic_pool=plan.elastic_pool)[1]
 
@@ -97,7 +100,8 @@ class RunReport:
         # The pool as its wake maps it: CUDA maps whole allocator segments (2 MiB-rounded),
         # a little more than the pool's tensors.
         self.plan = plan
-        self.planned = planned_actions(plan, rates, kv_pool_bytes)
+        self.hw = rates.profile(plan.hardware)
+        self.planned = planned_actions(plan, rates, self.hw, kv_pool_bytes)
         self.metrics_path = out_dir / "metrics.jsonl"
         self._loggers: Loggers | None = None
         self._progress: Progress | None = None
@@ -180,7 +184,7 @@ class RunReport:
         step_s, host_s = median("timing_s/step"), median("timing_s/host")
         flush_s, queue_s = median("switch/flush_s"), median("switch/queue_s")
         switch_s = sum(m["seconds"] for m in measured.values())
-        exposure = planned_exposure(self.plan, Rates(self.rates), self.planned,
+        exposure = planned_exposure(self.plan, self.hw, self.planned,
                                     train_tokens=median("train_tokens"),
                                     generation_seconds=median("timing_s/gen"))
         for action, seconds in exposure.items():
