@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from handoff.cli import app
 from handoff.errors import HandoffError
-from handoff.model_files import check_model_dir, load_tokenizer, weight_files
-from handoff.rollout.models import iter_checkpoint, read_hf_config
+from handoff.model_files import ModelFiles, check_model_dir, load_tokenizer, weight_files
+from handoff.rollout.models import iter_checkpoint
 from handoff.trainer.model import load_hf_model
 
 runner = CliRunner()
@@ -130,7 +130,7 @@ def test_custom_model_code_is_refused_and_never_runs(model, tmp_path, monkeypatc
     marker = tmp_path / "custom-code-ran"
     _custom_code(model, marker, model_type=model_type, file=file)
     monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 10))   # "run the custom code?": y
-    for load in (check_model_dir, read_hf_config, load_tokenizer,
+    for load in (check_model_dir, ModelFiles.open, load_tokenizer,
                  lambda m: load_hf_model(str(m), torch.float32, False)):
         with pytest.raises(HandoffError, match="names custom code \\(auto_map\\): that "
                                                "architecture is not supported"):
@@ -166,7 +166,7 @@ def test_an_architecture_the_engine_does_not_run_is_refused_before_loading(model
     config = json.loads((model / "config.json").read_text())
     config.update(change)
     (model / "config.json").write_text(json.dumps(config))
-    for load in (check_model_dir, read_hf_config,
+    for load in (check_model_dir, ModelFiles.open,
                  lambda m: load_hf_model(str(m), torch.float32, False)):
         with pytest.raises(HandoffError, match=match):
             load(model)
@@ -187,3 +187,26 @@ def test_every_from_pretrained_in_src_passes_trust_remote_code_false():
                 if not (isinstance(flag, ast.Constant) and flag.value is False):
                     lax.append(f"{path.relative_to(src)}:{node.lineno}")
     assert calls >= 5 and lax == []
+
+
+def test_a_run_opens_its_model_directory_once_for_the_trainer_and_the_engine(model, tmp_path,
+                                                                             monkeypatch):
+    from handoff.config import load_config
+    from handoff.runplan import RunPlan
+    from handoff.startup import start_worker
+
+    opened = []
+    real_open = ModelFiles.open.__func__
+
+    def counting_open(cls, path, **kw):
+        opened.append(str(path))
+        return real_open(cls, path, **kw)
+
+    monkeypatch.setattr(ModelFiles, "open", classmethod(counting_open))
+    cfg = load_config("examples/cpu-tiny.yaml", [f"model.path={model}",
+                                                  f"run.out_dir={tmp_path / 'run'}",
+                                                  "actor.kl_coef=0.01"])
+    worker, _ = start_worker(cfg, RunPlan.build(cfg))
+    assert opened == [str(model)]
+    engine = dict(worker.engine.model.named_parameters())
+    assert worker.engine.model_path == str(model) and engine

@@ -8,9 +8,8 @@ import pytest
 
 from handoff.config import load_config
 from handoff.errors import ConfigError, HandoffError
-from handoff.model_files import check_model_dir
+from handoff.model_files import ModelFiles, check_model_dir
 from handoff.preflight import count_saves, preflight
-from handoff.rollout.models import read_hf_config
 
 
 def _edit(path, **change):
@@ -32,7 +31,7 @@ def _edit(path, **change):
 ])
 def test_heads_and_sizes_that_do_not_divide_are_refused_at_start(model, change, match):
     _edit(model / "config.json", **change)
-    for check in (check_model_dir, read_hf_config):
+    for check in (check_model_dir, ModelFiles.open):
         with pytest.raises(HandoffError, match=match):
             check(model)
 

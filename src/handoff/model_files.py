@@ -1,6 +1,7 @@
 """Checks of an HF checkpoint directory before anything loads it (no torch here).
 
     check_model_dir("ckpt/", flag="model.path")    # config, architecture, tokenizer, weights
+    files = ModelFiles.open("ckpt/")                # read and checked once: what both sides load
     files = weight_files("ckpt/")                  # the safetensors both sides load
     cap_context(cfg)                               # max_model_len within the model's positions
     tokenizer = load_tokenizer("ckpt/")            # transformers', never custom code
@@ -21,6 +22,7 @@ loads with use_safetensors=True, in its order: model.safetensors, else the index
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from handoff.errors import HandoffError
@@ -188,6 +190,32 @@ def weight_files(path: str | Path) -> list[Path]:
                            f"never opens (unpickling can run code): {_CONVERT}")
     raise HandoffError(f"{model} has no *.safetensors weights: handoff loads safetensors "
                        "checkpoints only (save with safe_serialization=True)")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model directory read and checked once: its config.json (a supported architecture
+    whose heads divide) and the safetensors files `weight_files` names. A run opens it once
+    and hands it to the trainer and the engine, so both load these very files."""
+
+    path: Path
+    config: dict
+    weights: tuple[Path, ...]
+
+    @classmethod
+    def open(cls, path: str | Path, *, flag: str = "--model") -> "ModelFiles":
+        config = read_model_config(path, flag=flag)
+        check_architecture(path, config)
+        check_shape(path, config)
+        return cls(Path(path), config, tuple(weight_files(path)))
+
+    @classmethod
+    def of(cls, model: "str | Path | ModelFiles") -> "ModelFiles":
+        """`model` itself, or the directory it names opened."""
+        return model if isinstance(model, ModelFiles) else cls.open(model)
+
+    def special_token_ids(self, key: str) -> frozenset[int]:
+        return special_token_ids(self.path, self.config, key)
 
 
 def check_safetensors(file: Path) -> None:

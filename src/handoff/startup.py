@@ -23,6 +23,7 @@ from handoff.memory.allocator import aggressive_empty_cache
 from handoff.memory.meter import MemoryMeter
 from handoff.memory.regions import RegionPool
 from handoff.memory.staging import PinnedArena
+from handoff.model_files import ModelFiles
 from handoff.rollout.engine import Engine
 from handoff.rollout.parallel import init_tp_group
 from handoff.runplan import RunPlan
@@ -40,8 +41,10 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
     pool = RegionPool(device, wake_margin_bytes=cfg.memory.wake_margin_mb << 20)
     meter = MemoryMeter(device, pool=pool, arena=arena)
     pool.meter = meter
-    actor = build_actor(cfg, plan, device=device, arena=arena)
-    ref = build_reference(cfg, plan, device=device, arena=arena)
+    # Read and checked once: the trainer and the engine load these very files.
+    files = ModelFiles.open(cfg.model.path, flag="model.path")
+    actor = build_actor(cfg, plan, device=device, arena=arena, files=files)
+    ref = build_reference(cfg, plan, device=device, arena=arena, files=files)
     mem = cfg.memory
     if ref is not None and mem.ref_offload:
         ref.to("host", params=True).wait()
@@ -49,7 +52,7 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
         actor.to("host", params=mem.param_offload, optimizer=mem.optimizer_offload).wait()
     aggressive_empty_cache()
     rates = Rates.load(cfg.run.rates_file) if cfg.run.rates_file else calibrate(cfg, plan, actor, pool)
-    engine = Engine(cfg.model.path, cfg.rollout, device=device, dtype=cfg.model.dtype, pool=pool,
+    engine = Engine(files, cfg.rollout, device=device, dtype=cfg.model.dtype, pool=pool,
                     tp=init_tp_group(cfg.parallel.tp))
     if device.type == "cuda" and not cfg.run.rates_file:
         rates = Rates({**rates.values,

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from handoff.errors import HandoffError
-from handoff.rollout.models import build_model, iter_checkpoint, read_hf_config, spec_from_hf_config
+from handoff.model_files import ModelFiles
+from handoff.rollout.models import build_model, iter_checkpoint, spec_from_hf_config
 from handoff.rollout.layers import kv_head_split, vocab_split
 from handoff.rollout.parallel import TPGroup
 
 
 def rank_models(path, tp_size: int):
-    spec = spec_from_hf_config(read_hf_config(path))
+    spec = spec_from_hf_config(ModelFiles.open(path).config)
     models = []
     for rank in range(tp_size):
         model = build_model(spec, device=torch.device("cpu"), dtype=torch.float32,
@@ -71,6 +72,6 @@ def test_vocab_split_pads_the_last_rank():
 
 
 def test_tp_that_does_not_split_the_heads_is_refused(qwen3_dir):
-    spec = spec_from_hf_config(read_hf_config(qwen3_dir))
+    spec = spec_from_hf_config(ModelFiles.open(qwen3_dir).config)
     with pytest.raises(HandoffError, match="does not divide num_attention_heads=4"):
         build_model(spec, device=torch.device("cpu"), dtype=torch.float32, tp=TPGroup(0, 3))

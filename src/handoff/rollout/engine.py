@@ -39,8 +39,8 @@ from handoff.rollout.blocks import BlockManager
 from handoff.rollout.kv_pool import EngineKVPool
 from handoff.rollout.layers import inverse_frequencies, rope_table
 from handoff.rollout.lora import EngineLora, LoraAdapters
-from handoff.rollout.models import (build_model, eos_token_ids, iter_checkpoint, read_hf_config,
-                                    spec_from_hf_config)
+from handoff.model_files import ModelFiles
+from handoff.rollout.models import build_model, eos_token_ids, iter_checkpoint, spec_from_hf_config
 from handoff.rollout.parallel import TPGroup, init_tp_group
 from handoff.rollout.runner import ModelRunner
 from handoff.rollout.sampling import SamplingParams, sample_key
@@ -64,16 +64,17 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 class Engine(EngineKVPool, EngineSleepWake, EngineLora):
     """Paged-KV generation engine for one device (see the module docstring)."""
 
-    def __init__(self, model_path: str, cfg, *, device=None, dtype=None, pool=None,
+    def __init__(self, model: str | ModelFiles, cfg, *, device=None, dtype=None, pool=None,
                  attention_backend: str | None = None, tp: TPGroup | int = 1,
                  simulated: SimulatedDevice | None = None, lora_max_rank: int | None = None):
         self.cfg = cfg
-        self.model_path = str(model_path)
+        files = ModelFiles.of(model)
+        self.model_path = str(files.path)
         self.device = with_index(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _resolve_dtype(dtype, self.device)
-        hf = read_hf_config(model_path)
+        hf = files.config
         self.spec = spec_from_hf_config(hf)
-        self.eos_token_ids = eos_token_ids(model_path, hf)
+        self.eos_token_ids = eos_token_ids(files)
         self.max_model_len = min(cfg.max_model_len, self.spec.max_position_embeddings)
         self.max_num_batched_tokens = max(self.max_model_len, 8192)
         self.pool = pool if pool is not None else RegionPool(self.device)
@@ -85,7 +86,7 @@ class Engine(EngineKVPool, EngineSleepWake, EngineLora):
         self.model = model
         self.weights_version = 0
         self._updating_weights = False
-        self._missing_weights = model.weight_keys() - model.load_weights(iter_checkpoint(model_path))
+        self._missing_weights = model.weight_keys() - model.load_weights(iter_checkpoint(files))
         if self._missing_weights:
             raise HandoffError(f"checkpoint {self.model_path!r} lacks weights for "
                                f"{sorted(self._missing_weights)[:3]}: it does not match its "

@@ -32,6 +32,7 @@ import torch
 from handoff.config import ActorConfig, Config
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena
+from handoff.model_files import ModelFiles
 from handoff.plan.trainer import MicroBatchChoice
 from handoff.runplan import RunPlan
 from handoff.trainer import grpo
@@ -46,7 +47,7 @@ class Actor(ShardedModel):
     trainable = True
     micro_batch_choice: MicroBatchChoice | None = None   # set by build_actor for 'auto'
 
-    def __init__(self, path: str, *, actor: ActorConfig, device: str | torch.device = "cpu",
+    def __init__(self, path: str | ModelFiles, *, actor: ActorConfig, device: str | torch.device = "cpu",
                  dtype: str = "bfloat16", offload_mode: str = "arena",
                  arena: PinnedArena | None = None, role: str = "actor",
                  max_response_len: int | None = None, total_updates: int | None = None):
@@ -210,11 +211,12 @@ def resolve_actor_config(plan: RunPlan, device: str | torch.device
 
 
 def build_actor(cfg: Config, plan: RunPlan, *, device: str | torch.device,
-                arena: PinnedArena | None = None) -> Actor:
-    """The actor from a run config: model.path / model.dtype, actor.* ('auto' resolved by
-    resolve_actor_config, the choice kept as actor.micro_batch_choice), memory.offload_mode."""
+                arena: PinnedArena | None = None, files: ModelFiles | None = None) -> Actor:
+    """The actor from a run config: model.path (or `files`, the run's opened model.path) /
+    model.dtype, actor.* ('auto' resolved by resolve_actor_config, the choice kept as
+    actor.micro_batch_choice), memory.offload_mode."""
     actor_cfg, choice = resolve_actor_config(plan, device)
-    actor = Actor(cfg.model.path, actor=actor_cfg, device=device, dtype=cfg.model.dtype,
+    actor = Actor(files or cfg.model.path, actor=actor_cfg, device=device, dtype=cfg.model.dtype,
                   offload_mode=cfg.memory.offload_mode, arena=arena,
                   max_response_len=cfg.rollout.max_tokens,
                   total_updates=cfg.run.steps * actor_cfg.updates_per_step)
@@ -223,13 +225,14 @@ def build_actor(cfg: Config, plan: RunPlan, *, device: str | torch.device,
 
 
 def build_reference(cfg: Config, plan: RunPlan, *, device: str | torch.device,
-                    arena: PinnedArena | None = None) -> ShardedModel | None:
+                    arena: PinnedArena | None = None,
+                    files: ModelFiles | None = None) -> ShardedModel | None:
     """The frozen reference model, or None when actor.kl_coef == 0 (no KL term at all); its
     forwards use the actor's micro-batches, log-prob head and compiled layers."""
     if cfg.actor.kl_coef == 0:
         return None
     actor_cfg, _ = resolve_actor_config(plan, device)
-    return ShardedModel(cfg.model.path, role="ref", device=device, dtype=cfg.model.dtype,
+    return ShardedModel(files or cfg.model.path, role="ref", device=device, dtype=cfg.model.dtype,
                         micro_batch_size=actor_cfg.micro_batch_size,
                         micro_batch_tokens=actor_cfg.micro_batch_tokens,
                         logprob_chunk_tokens=actor_cfg.logprob_chunk_tokens,

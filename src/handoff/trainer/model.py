@@ -45,8 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena, Transfer
-from handoff.model_files import (check_architecture, check_loading_info, check_shape,
-                                 read_model_config, weight_files)
+from handoff.model_files import ModelFiles, check_loading_info
 from handoff.trainer import attention
 from handoff.trainer.batch import RolloutBatch
 from handoff.trainer.compiled import set_compiled_layers
@@ -75,17 +74,17 @@ class Move:
         return out
 
 
-def load_hf_model(path: str, dtype: torch.dtype, gradient_checkpointing: bool) -> torch.nn.Module:
+def load_hf_model(model: str | ModelFiles, dtype: torch.dtype,
+                  gradient_checkpointing: bool) -> torch.nn.Module:
     """A transformers AutoModelForCausalLM on CPU in `dtype`, ready to shard.
 
-    It loads the safetensors files the engine loads (model_files.weight_files, checked
-    first), never a pickle, and never a model's own code."""
+    It loads the safetensors files the engine loads (model_files.ModelFiles: config and
+    weight files checked before transformers looks), never a pickle, and never a model's
+    own code."""
     from transformers import AutoModelForCausalLM
 
-    config = read_model_config(path)
-    check_architecture(path, config)
-    check_shape(path, config)
-    weight_files(path)   # refuses pickle-only or unloadable names before transformers looks
+    files = ModelFiles.of(model)
+    path = str(files.path)
     # SDPA for padded rows, varlen for packed ones: one registered name (trainer/attention.py).
     attention.register()
     # A tensor of the wrong shape, or none at all, would be a random init: refused instead.
@@ -139,7 +138,7 @@ class ShardedModel:
 
     trainable = False
 
-    def __init__(self, path: str, *, role: str = "ref", device: str | torch.device = "cpu",
+    def __init__(self, path: str | ModelFiles, *, role: str = "ref", device: str | torch.device = "cpu",
                  dtype: str = "bfloat16", micro_batch_size: int = 8, offload_mode: str = "arena",
                  arena: PinnedArena | None = None, gradient_checkpointing: bool = False,
                  micro_batch_tokens: int = 0, logprob_chunk_tokens: int = 0,

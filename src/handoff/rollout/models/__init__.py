@@ -14,18 +14,9 @@ from typing import Iterator
 import torch
 
 from handoff.errors import HandoffError
-from handoff.model_files import (SUPPORTED_MODEL_TYPES, check_architecture, check_shape,
-                                 read_model_config, special_token_ids, weight_files)
+from handoff.model_files import SUPPORTED_MODEL_TYPES, ModelFiles
 from handoff.rollout.models.qwen3 import CausalLM, DecoderSpec
 from handoff.rollout.parallel import SINGLE, TPGroup
-
-
-def read_hf_config(model_path: str | Path) -> dict:
-    """config.json of a checkpoint the engine can run, or one line saying why not."""
-    hf = read_model_config(model_path)
-    check_architecture(model_path, hf)
-    check_shape(model_path, hf)
-    return hf
 
 
 def spec_from_hf_config(hf: dict) -> DecoderSpec:
@@ -54,9 +45,9 @@ def spec_from_hf_config(hf: dict) -> DecoderSpec:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
-def eos_token_ids(model_path: str | Path, hf: dict) -> frozenset[int]:
+def eos_token_ids(files: ModelFiles) -> frozenset[int]:
     """EOS ids from config.json and generation_config.json (chat models list several)."""
-    return special_token_ids(model_path, hf, "eos_token_id")
+    return files.special_token_ids("eos_token_id")
 
 
 def build_model(spec: DecoderSpec, *, device: torch.device, dtype: torch.dtype,
@@ -87,12 +78,12 @@ def _place_in_one_buffer(model: torch.nn.Module, device: torch.device, align: in
         setattr(module, name, placed)
 
 
-def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(model: str | Path | ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) for every tensor in the checkpoint's weight_files (the ones the
     trainer loads; never a pickle)."""
     from safetensors import safe_open
 
-    for path in weight_files(model_path):
+    for path in ModelFiles.of(model).weights:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
