@@ -22,15 +22,15 @@ import dataclasses
 from handoff.config import Config
 from handoff.plan.advice import advice_text, find_fitting_lora_plan
 from handoff.plan.hardware import hardware_profile
-from handoff.plan.kvpool import generation_gain, kv_pool_bytes, kv_table
+from handoff.plan.kvpool import kv_pool_bytes, kv_table
 from handoff.plan.ledger import Dtypes, offloaded_bytes_per_card, switch_summary
 from handoff.plan.lora import (adapter_params, adapter_sync_seconds, base_bytes,
                                lora_memory_by_owner, lora_switch_actions)
 from handoff.plan.lora_verdict import (decide_lora, lora_elastic_utilization,
                                        lora_max_safe_utilization, lora_training_peak_bytes)
-from handoff.plan.report import build_plan, plan_workload, step_time
+from handoff.plan.report import build_plan, kv_and_host, plan_workload, step_time
 from handoff.plan.shapes import load_shape
-from handoff.plan.verdict import HOST_FRACTION, TRAIN_PEAK_FRACTION
+from handoff.plan.verdict import TRAIN_PEAK_FRACTION
 
 NO_LORA_FIT = ("no LoRA plan fits these cards at any utilization, with or without the adapters' "
                "optimizer offloaded: the base must fit one card beside the adapters' state, the "
@@ -133,12 +133,8 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
         "switch": {**switch_summary(actions, step["seconds"], exposed=exposed),
                    "weight_sync_seconds": sync_seconds},
         "step": step,
-        "kv": [r.to_dict() for r in rows],
-        "kv_gain": generation_gain(rows),
-        "pinned_host_bytes_per_card": pinned_per_card,
-        "pinned_host_bytes_per_node": pinned_per_node,
-        "pinned_host_fits": pinned_per_node <= HOST_FRACTION * hw.host_ram_bytes,
-        "host_ram_bytes": hw.host_ram_bytes,
+        **kv_and_host(rows, hw, pinned_per_card=pinned_per_card,
+                      pinned_per_node=pinned_per_node),
         "verdict": verdict.to_dict(),
         "offload_sets": None,
         "lora": {"rank": lora.rank, "alpha": lora.alpha,

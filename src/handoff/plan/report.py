@@ -191,15 +191,21 @@ def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = Fal
                    "train_peak_limit_bytes": TRAIN_PEAK_FRACTION * hw.hbm_bytes},
         "switch": {**switch, "weight_sync_seconds": sync_seconds},
         "step": step,
-        "kv": [r.to_dict() for r in rows],
-        "kv_gain": generation_gain(rows),
-        "pinned_host_bytes_per_card": pinned_per_card,
-        "pinned_host_bytes_per_node": pinned_per_node,
-        "pinned_host_fits": pinned_per_node <= HOST_FRACTION * hw.host_ram_bytes,
-        "host_ram_bytes": hw.host_ram_bytes,
+        **kv_and_host(rows, hw, pinned_per_card=pinned_per_card,
+                      pinned_per_node=pinned_per_node),
         "verdict": verdict.to_dict(),
         "offload_sets": options,
     }
+
+
+def kv_and_host(rows: list, hw: HardwareProfile, *, pinned_per_card: int,
+                pinned_per_node: int) -> dict:
+    """A plan report's KV table and its pinned host memory (the full and the LoRA plan's)."""
+    return {"kv": [r.to_dict() for r in rows], "kv_gain": generation_gain(rows),
+            "pinned_host_bytes_per_card": pinned_per_card,
+            "pinned_host_bytes_per_node": pinned_per_node,
+            "pinned_host_fits": pinned_per_node <= HOST_FRACTION * hw.host_ram_bytes,
+            "host_ram_bytes": hw.host_ram_bytes}
 
 
 # `handoff plan` flag -> config key; a flag left at None keeps the config file's value.
