@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,11 +32,23 @@ from handoff.errors import HandoffError
 from handoff.model_files import weight_files
 from handoff.reading import read_json
 
+if TYPE_CHECKING:   # peft is imported where an adapter is written, with its own message
+    from peft import LoraConfig as PeftLoraConfig
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # A LoRA run's checkpoint name (inject_adapter_in_model's, adapter "default").
 _ADAPTER_NAME = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])"
                            r"\.default\.weight")
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)\.weight")
 _FIX_RUN = "export a checkpoint this LoRA run wrote, or restore the run's config.json"
+
+
+class CheckpointTensors(Protocol):
+    """What export.CheckpointPart offers: its checkpoint, meta tensors, and their values."""
+    ckpt: Path
+    tensors: dict[str, torch.Tensor]
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -103,8 +116,7 @@ def check_adapter(tensors: dict[str, torch.Tensor], model_dir: str, lora: LoraRu
                                f"rank {lora.rank} on {weight} {base[weight][1]} needs "
                                f"{expected}: {_FIX_RUN}")
         halves.setdefault(weight, {})[match[3]] = name
-    targeted = {n for n in base if (m := re.fullmatch(r"model\.layers\.\d+\.(?:self_attn|mlp)"
-                                                      r"\.(\w+)\.weight", n))
+    targeted = {n for n in base if (m := _PROJECTION.fullmatch(n))
                 and m[1] in lora.target_modules}
     missing = sorted(targeted - set(halves)) + sorted(
         f"{w} (lora_{'B' if 'A' in h else 'A'})" for w, h in halves.items() if len(h) < 2)
@@ -117,7 +129,7 @@ def check_adapter(tensors: dict[str, torch.Tensor], model_dir: str, lora: LoraRu
     return {weight: (h["A"], h["B"]) for weight, h in halves.items()}
 
 
-def adapter_config(lora: LoraRun, model_dir: str):
+def adapter_config(lora: LoraRun, model_dir: str) -> PeftLoraConfig:
     """peft's LoraConfig of the run's adapter (built before anything is written)."""
     try:
         from peft import LoraConfig
@@ -130,7 +142,8 @@ def adapter_config(lora: LoraRun, model_dir: str):
                       base_model_name_or_path=str(model_dir), task_type="CAUSAL_LM")
 
 
-def write_adapter(part, pairs: dict[str, tuple[str, str]], peft_config, staging: Path) -> None:
+def write_adapter(part: CheckpointTensors, pairs: dict[str, tuple[str, str]],
+                  peft_config: PeftLoraConfig, staging: Path) -> None:
     """adapter_model.safetensors under save_pretrained's names, and adapter_config.json."""
     from safetensors.torch import save_file
 
@@ -146,7 +159,8 @@ class MergedWeights:
     part (`tensors`: meta tensors in the trained dtype; `load(names)`; `ckpt`), so the full
     export's writer shards and writes it."""
 
-    def __init__(self, model_dir: str, part, pairs: dict[str, tuple[str, str]], lora: LoraRun):
+    def __init__(self, model_dir: str, part: CheckpointTensors,
+                 pairs: dict[str, tuple[str, str]], lora: LoraRun):
         self.ckpt, self.part, self.pairs, self.scale = part.ckpt, part, pairs, lora.scale
         self.dtype = next(iter(part.tensors.values())).dtype   # the trained dtype
         self.index = _base_index(model_dir)
