@@ -18,6 +18,7 @@ FLOORS = {
     "memory": 3, "sync": 3, "runplan": 3, "rewards": 3,
     "rollout": 4, "trainer": 4, "modelzoo": 4,
     "calibrate": 5, "run_dir": 5, "loggers": 5, "model_source": 5,
+    "export_lora": 5.5,   # a LoRA run's adapter and merge: below export, which calls it
     "switch": 6, "run_report": 6, "preflight": 6, "export": 6,
     "startup": 7,
     "loop": 8,

@@ -17,8 +17,10 @@ written outside DIR and an export cut short leaves no half model; DIR must not b
 link, and a DIR that holds files is refused without --overwrite (which replaces the files an
 export writes and its earlier weight shards, and keeps the rest).
 
-An adapter export (`--adapter`, LoRA) will read another part of the checkpoint as a
-`CheckpointPart` and write beside `_write_weights` into the same staged directory.
+A LoRA run (actor.lora.rank > 0) checkpoints only its adapter (export_lora.py): --adapter
+writes it as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors);
+without it the adapter is merged into the base and written as above. --adapter on a run that
+trained every parameter is refused. Every check runs before the first write.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import re
 import shutil
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -35,6 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from handoff.errors import HandoffError
+from handoff.export_lora import (MergedWeights, adapter_config, check_adapter, run_lora,
+                                 write_adapter)
 from handoff.model_files import (check_model_dir, load_tokenizer, read_model_config,
                                  weight_files)
 from handoff.model_source import resolve_model
@@ -50,25 +55,41 @@ _STEP_DIR = re.compile(r"step_(\d+)_[A-Za-z0-9]+")
 
 
 def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = None,
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, adapter: bool = False) -> Path:
     """Write the run's checkpoint (the latest, or the one of `step`) to `out` as an HF model
-    directory; returns `out`."""
+    directory (a LoRA run: merged; with `adapter`, its PEFT adapter directory); returns `out`."""
     run_dir, out = Path(run_dir), Path(out)
     _check_out(out, overwrite=overwrite)   # refused before a large checkpoint is read
     model_dir = _run_model_dir(run_dir)
+    lora = run_lora(run_dir)
+    if adapter and lora is None:
+        raise HandoffError(f"--adapter exports a LoRA adapter, but {run_dir} trained every "
+                           "parameter (its config.json has no actor.lora.rank > 0): leave "
+                           "--adapter out to export the full model")
+    peft_config = adapter_config(lora, model_dir) if adapter else None   # needs peft
     ckpt = find_checkpoint(run_dir, step)
     config = read_model_config(model_dir, flag="the run's model.path")
     weights = CheckpointPart(ckpt, "model")
-    _check_fits_model(weights.tensors, model_dir, config, ckpt)
+    if lora is None:
+        _check_fits_model(weights.tensors, model_dir, config, ckpt)
+    else:
+        pairs = check_adapter(weights.tensors, model_dir, lora, ckpt)
+        if not adapter:
+            weights = MergedWeights(model_dir, weights, pairs, lora)
     dtype = next(iter(weights.tensors.values())).dtype   # every param in one dtype
     created = not out.exists()
     staging = _fresh_staging(out)
     try:
-        _write_weights(weights, staging, tie=bool(config.get("tie_word_embeddings")))
-        _write_config(model_dir, config, dtype, staging)
+        if adapter:
+            write_adapter(weights, pairs, peft_config, staging)
+        else:
+            _write_weights(weights, staging, tie=bool(config.get("tie_word_embeddings")))
+            _write_config(model_dir, config, dtype, staging)
         (staging / "handoff_export.json").write_text(json.dumps(
             {"run_dir": str(run_dir.resolve()), "checkpoint": ckpt.name,
-             "step": checkpoint_step(ckpt), "model": str(model_dir)}, indent=1))
+             "step": checkpoint_step(ckpt), "model": str(model_dir),
+             "lora": None if lora is None else {**asdict(lora), "merged": not adapter}},
+            indent=1))
         _publish(staging, out)
     except BaseException:
         shutil.rmtree(out if created else staging, ignore_errors=True)

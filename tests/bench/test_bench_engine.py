@@ -46,3 +46,31 @@ def test_tiny_run_on_cpu(tmp_path):
     render(result, Console(file=out, width=80))
     text = out.getvalue()
     assert "tiny-qwen3" in text and "public workload" in text and "x floor" in text
+
+
+def test_lora_rank_decodes_with_an_adapter_beside_the_base_on_cpu(tmp_path):
+    from handoff.plan.shapes import PRESETS
+
+    result = run_engine_bench(models=["tiny-qwen3"], batches=[1, 3], prompt_len=8, new_tokens=6,
+                              skip_hf=True, public=False, device="cpu", dtype="float32",
+                              workdir=str(tmp_path), lora_rank=4)
+    entry = result["models"]["tiny-qwen3"]
+    lora = entry["lora"]
+    # Two engines, the same steps: the base one without adapter code, the other with a
+    # rank-4 adapter on every projection of every layer (an A and a B each).
+    assert entry["adapter_tensors"] == 0 and entry["lora_rank"] == 0
+    assert lora["lora_rank"] == 4
+    assert lora["adapter_tensors"] == 2 * 7 * PRESETS["tiny-qwen3"]["num_hidden_layers"]
+    assert [r["batch"] for r in lora["rows"]] == [r["batch"] for r in entry["rows"]] == [1, 3]
+    for row, lora_row in zip(entry["rows"], lora["rows"]):
+        assert row["decode_steps"] == lora_row["decode_steps"] == 5
+        assert row["lora_ms_per_step"] == lora_row["ms_per_step"]
+        assert row["lora_over_base"] == pytest.approx(lora_row["ms_per_step"] / row["ms_per_step"])
+    out = io.StringIO()
+    from rich.console import Console
+
+    render(result, Console(file=out, width=80))
+    assert "LoRA r4 ms/step" in out.getvalue() and "x base" in out.getvalue()
+
+    with pytest.raises(HandoffError, match="--lora-rank >= 0"):
+        run_engine_bench(models=["tiny-qwen3"], batches=[1], device="cpu", lora_rank=-1)

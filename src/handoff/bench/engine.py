@@ -2,6 +2,7 @@
 
     handoff bench engine --out engine.json                    # full run (CUDA; ~5 min on an H200)
     handoff bench engine --models qwen3-1.7b --batches 1,32 --skip-hf --no-public
+    handoff bench engine --lora-rank 16 --skip-hf --no-public   # with an adapter vs without
 
 Per model shape (random init, bf16, written with handoff.modelzoo.init_model): B prompts of P
 random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B:
@@ -15,6 +16,10 @@ random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B
   device-to-device copy rate measured in this run (bytes read + written);
 * what one replay of the decode graph runs: kernel count and device ms (matrix products,
   attention, the rest), so a gap to the floor can be told apart: launch-bound or not.
+With --lora-rank R, each model's decode steps run again on an engine holding a rank-R adapter
+on all seven projections (random small values; built with lora_max_rank=R, so the decode
+graphs capture its GEMMs), in the same run, and each row sets its step time beside the base's
+with the ratio (the goal: within 10%).
 Then the workload public engines publish: a Qwen3-0.6B shape, 256 sequences with prompt and
 output lengths uniform in [100, 1024], EOS ignored, temperature 0.6: output tokens / wall time
 of one generate call after a warm-up call.
@@ -56,13 +61,38 @@ def floor_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, prompt_len:
 
 
 def _engine(path: Path, *, max_num_seqs: int, max_model_len: int, device: torch.device,
-            dtype: torch.dtype, util: float):
+            dtype: torch.dtype, util: float, lora_max_rank: int | None = None):
     from handoff.config import RolloutConfig
     from handoff.rollout.engine import Engine
 
     cfg = RolloutConfig(gpu_memory_utilization=util, block_size=16, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, cuda_graphs=True)
-    return Engine(str(path), cfg, device=device, dtype=dtype)
+    return Engine(str(path), cfg, device=device, dtype=dtype, lora_max_rank=lora_max_rank)
+
+
+def random_adapter(path: Path, rank: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A PEFT-named rank-`rank` adapter on every decoder projection of the checkpoint at
+    `path`, small random A and B (shapes from its safetensors headers)."""
+    from safetensors import safe_open
+
+    from handoff.config.sections import LORA_TARGETS
+    from handoff.model_files import weight_files
+
+    gen = torch.Generator().manual_seed(seed)
+    adapter = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                module = name.removesuffix(".weight")
+                if not (name.startswith("model.layers.") and module.split(".")[-1]
+                        in LORA_TARGETS):
+                    continue
+                out_features, in_features = f.get_slice(name).get_shape()
+                adapter[f"{module}.lora_A.weight"] = torch.randn(
+                    rank, in_features, generator=gen) / in_features ** 0.5
+                adapter[f"{module}.lora_B.weight"] = 0.01 * torch.randn(
+                    out_features, rank, generator=gen)
+    return adapter
 
 
 def _timed_generate(engine, prompts, params) -> dict:
@@ -90,15 +120,20 @@ def _engine_facts(engine) -> dict:
 
 def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens: int,
                   device: torch.device, dtype: torch.dtype, util: float, bytes_per_s: float,
-                  seed: int = 0) -> dict:
-    """The engine's decode step at each batch size, with its HBM floor."""
+                  seed: int = 0, lora_rank: int = 0) -> dict:
+    """The engine's decode step at each batch size, with its HBM floor (lora_rank > 0: with a
+    random adapter of that rank loaded)."""
     from handoff.rollout.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
     engine = _engine(path, max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 1,
-                     device=device, dtype=dtype, util=util)
+                     device=device, dtype=dtype, util=util, lora_max_rank=lora_rank or None)
     build_s = time.perf_counter() - start
+    adapter = {name: t.to(device, dtype) for name, t in
+               random_adapter(path, lora_rank, seed=seed).items()} if lora_rank else {}
+    if adapter:
+        engine.load_adapter(adapter, alpha=2.0 * lora_rank, rank=lora_rank)
     vocab = engine.spec.vocab_size
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.generate(rng.integers(0, vocab, (min(4, max(batches)), prompt_len)).tolist(), warm)
@@ -118,7 +153,8 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
                      "floor_ms": floor, "over_floor": run["ms_per_step"] / floor,
                      "graph_kernels": kernels})
     result = {"build_s": build_s, "weight_bytes": weights, "kv_bytes_per_token": kv_token,
-              **_engine_facts(engine), "rows": rows}
+              "lora_rank": lora_rank, "adapter_tensors": len(adapter), **_engine_facts(engine),
+              "rows": rows}
     engine.sleep(2)  # region memory lives as long as the process unless released
     del engine
     free(device)
@@ -168,18 +204,19 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                      public: bool = True, public_model: str = "qwen3-0.6b",
                      public_seqs: int = 256, public_lengths: tuple[int, int] = (100, 1024),
                      util: float = 0.5, device: str = "cuda", dtype: str = "bfloat16",
-                     workdir: str | None = None) -> dict:
-    """Run every model x batch (engine, transformers) and the public workload; a JSON dict."""
+                     workdir: str | None = None, lora_rank: int = 0) -> dict:
+    """Run every model x batch (engine, transformers; with lora_rank, the engine again with an
+    adapter) and the public workload; a JSON dict."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise HandoffError("bench engine measures the engine on a GPU but no CUDA device is "
                            "visible: run it on the GPU machine (or pass --device cpu for a smoke run)")
     if not batches or min(batches) < 1 or prompt_len < 1 or new_tokens < 2 or \
             hf_new_tokens < 1 or len(public_lengths) != 2 or not 1 <= public_lengths[0] <= \
-            public_lengths[1]:
+            public_lengths[1] or lora_rank < 0:
         raise HandoffError("bench engine needs batches >= 1, --prompt-len >= 1, --new-tokens "
-                           ">= 2, --hf-new-tokens >= 1 and --public-lengths MIN,MAX with "
-                           "1 <= MIN <= MAX: fix the options")
+                           ">= 2, --hf-new-tokens >= 1, --public-lengths MIN,MAX with "
+                           "1 <= MIN <= MAX and --lora-rank >= 0: fix the options")
     torch_dtype = getattr(torch, dtype)
     own_dir = workdir is None
     root = Path(tempfile.mkdtemp(prefix="handoff-bench-engine-")) if own_dir else Path(workdir)
@@ -187,8 +224,8 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "device": props.name if props else "cpu", "torch": torch.__version__,
               "dtype": dtype, "prompt_len": prompt_len, "new_tokens": new_tokens,
-              "hf_new_tokens": hf_new_tokens, "copy_bytes_per_s": copy_bandwidth(dev),
-              "models": {}}
+              "hf_new_tokens": hf_new_tokens, "lora_rank": lora_rank,
+              "copy_bytes_per_s": copy_bandwidth(dev), "models": {}}
     try:
         for preset in models:
             path = _checkpoint(preset, root, dev, dtype)
@@ -203,6 +240,11 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                 row["hf_ms_per_step"] = base["ms_per_step"] if base else None
                 row["speedup_vs_hf"] = base["ms_per_step"] / row["ms_per_step"] if base else None
             entry["transformers"] = hf
+            if lora_rank:
+                entry["lora"] = _with_adapter(entry, engine_decode(
+                    path, batches, prompt_len=prompt_len, new_tokens=new_tokens, device=dev,
+                    dtype=torch_dtype, util=util, bytes_per_s=result["copy_bytes_per_s"],
+                    lora_rank=lora_rank))
             result["models"][preset] = entry
         if public:
             path = _checkpoint(public_model, root, dev, dtype)
@@ -217,6 +259,15 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
     return result
 
 
+def _with_adapter(entry: dict, lora: dict) -> dict:
+    """Each base row gets the adapter's step time at its batch and the ratio; returns `lora`."""
+    for row, lora_row in zip(entry["rows"], lora["rows"]):
+        assert row["batch"] == lora_row["batch"], (row["batch"], lora_row["batch"])
+        row["lora_ms_per_step"] = lora_row["ms_per_step"]
+        row["lora_over_base"] = lora_row["ms_per_step"] / row["ms_per_step"]
+    return lora
+
+
 def render(result: dict, console) -> None:
     """Print one table of decode steps and a line for the public workload."""
     from rich.table import Table
@@ -225,15 +276,20 @@ def render(result: dict, console) -> None:
                         f"{result['prompt_len']}-token prompts, {result['new_tokens']} new tokens "
                         f"(transformers timed over {result['hf_new_tokens']}); copy floor "
                         f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
-    for col in ("model", "batch", "engine ms/step", "host ms", "tok/s", "floor ms", "x floor",
-                "HF ms/step", "x HF", "kernels", "kernel ms (gemm/attn/other)", "graphs / pool"):
+    lora = result.get("lora_rank", 0)
+    lora_cols = (f"LoRA r{lora} ms/step", "x base") if lora else ()
+    for col in ("model", "batch", "engine ms/step", *lora_cols, "host ms", "tok/s", "floor ms",
+                "x floor", "HF ms/step", "x HF", "kernels", "kernel ms (gemm/attn/other)",
+                "graphs / pool"):
         table.add_column(col, justify="right")
     for preset, entry in result["models"].items():
         for r in entry["rows"]:
             hf, k = r["hf_ms_per_step"], r.get("graph_kernels") or {}
             kernels = (f"{k['kernel_ms']:.2f} ({k['gemm_ms']:.2f}/{k['attention_ms']:.2f}/"
                        f"{k['other_ms']:.2f})" if "kernel_ms" in k else k.get("error", "-")[:30])
-            table.add_row(preset, str(r["batch"]), f"{r['ms_per_step']:.2f}",
+            with_lora = ((f"{r['lora_ms_per_step']:.2f}", f"{r['lora_over_base']:.2f}")
+                         if lora else ())
+            table.add_row(preset, str(r["batch"]), f"{r['ms_per_step']:.2f}", *with_lora,
                           f"{r['host_ms_per_step']:.2f}", f"{r['tokens_per_s']:.0f}",
                           f"{r['floor_ms']:.2f}", f"{r['over_floor']:.2f}",
                           "-" if hf is None else f"{hf:.1f}",

@@ -85,8 +85,12 @@ def bench_engine_cmd(
     util: float = typer.Option(0.5, help="engine gpu_memory_utilization"),
     device: str = typer.Option("cuda", help="cuda | cpu (cpu: a smoke run with tiny models)"),
     dtype: str = typer.Option("bfloat16", help="model dtype"),
+    lora_rank: int = typer.Option(0, "--lora-rank", help="also decode with a random adapter "
+                                  "of this rank on all seven projections, beside the base "
+                                  "(0: off)"),
 ) -> None:
-    """Engine decode step vs transformers generate and the HBM floor; the public workload."""
+    """Engine decode step vs transformers generate and the HBM floor; the public workload;
+    with --lora-rank, the decode step with an adapter beside the one without."""
     from handoff.bench.engine import render, run_engine_bench
 
     positive(prompt_len=prompt_len, new_tokens=new_tokens, hf_new_tokens=hf_new_tokens,
@@ -97,7 +101,7 @@ def bench_engine_cmd(
         hf_new_tokens=hf_new_tokens, skip_hf=skip_hf, public=public, public_seqs=public_seqs,
         public_model=public_model,
         public_lengths=tuple(int_list(public_lengths, "--public-lengths")),
-        util=util, device=device, dtype=dtype)
+        util=util, device=device, dtype=dtype, lora_rank=lora_rank)
     _show_and_save(result, out, render)
 
 

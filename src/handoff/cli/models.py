@@ -85,15 +85,20 @@ def export_cmd(
                                        "(default: the latest complete one)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="write into a directory that "
                                    "already holds files (an earlier export's are replaced)"),
+    adapter: bool = typer.Option(False, "--adapter", help="a LoRA run: its PEFT adapter "
+                                 "directory (default: the adapter merged into the model)"),
 ) -> None:
     """A run's checkpoint as a Hugging Face model directory (safetensors in the trained dtype,
     config, generation config, tokenizer): transformers' from_pretrained and `handoff
-    generate --model DIR` load it."""
+    generate --model DIR` load it. A LoRA run's adapter is merged in, or with --adapter
+    written as a PEFT adapter directory (PeftModel.from_pretrained loads it)."""
     import json
 
     from handoff.export import export_model
 
-    path = export_model(run_dir, out, step=step, overwrite=overwrite)
+    path = export_model(run_dir, out, step=step, overwrite=overwrite, adapter=adapter)
     done = json.loads((path / "handoff_export.json").read_text())
-    console.print(f"exported step {done['step']} of {run_dir} ({done['checkpoint']}) to {path}",
-                  highlight=False)
+    what = (" (its LoRA adapter, for peft)" if adapter else
+            " (its LoRA adapter merged into the model)" if done["lora"] else "")
+    console.print(f"exported step {done['step']} of {run_dir} ({done['checkpoint']}) to {path}"
+                  f"{what}", highlight=False)
