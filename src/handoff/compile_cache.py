@@ -1,0 +1,90 @@
+"""The persistent compile cache: torch.compile's work kept across processes in handoff's cache.
+
+    compile_cache.activate()                 # before the first compile (trainer/compiled.py)
+    key = compile_cache.layer_key(shape, "bfloat16")
+    compile_cache.is_warm(key)               # the plan prices a warm start (plan/compile.py)
+    compile_cache.mark_warm(key)             # after a step that compiled (loop.py)
+
+Inductor's FX graph cache and AOTAutograd's cache (both on by default in torch) and the Triton
+kernels they build live under TORCHINDUCTOR_CACHE_DIR, read by torch at each use; activate()
+points it at $HANDOFF_CACHE/compile (default ~/.cache/handoff/compile) in this process and
+the ones it starts, so a second run of the same layer shape loads the compiled graphs instead
+of generating and building them again. One environment variable, no artefacts saved or
+loaded by hand: it works alike on torch 2.11 and 2.13. Nothing is read from a run's out_dir
+or a model directory.
+
+Off switch: HANDOFF_COMPILE_CACHE=0. Then torch keeps its own default (a per-user temporary
+directory, /tmp/torchinductor_$USER) and handoff writes nothing under its cache. A
+TORCHINDUCTOR_CACHE_DIR the user set is theirs: left as it is, and no warm marks are kept.
+
+A warm mark ($HANDOFF_CACHE/compile/handoff-warm/<key>, an empty file) says that a run of this
+torch compiled this layer shape into the cache: what the planner prices as a warm start.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+from pathlib import Path
+
+from handoff.demo_model import cache_root
+from handoff.plan.shapes import ModelShape
+
+OFF_SWITCH = "HANDOFF_COMPILE_CACHE"
+TORCH_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
+_WARM = "handoff-warm"
+
+
+def cache_dir() -> Path:
+    """Where handoff keeps torch.compile's caches."""
+    return cache_root() / "compile"
+
+
+def enabled() -> bool:
+    """The persistent cache is handoff's to use: not switched off, and no other directory
+    set for torch by the user (one handoff set earlier in this process is its own)."""
+    if os.environ.get(OFF_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    given = os.environ.get(TORCH_CACHE_VAR)
+    return given is None or Path(given) == cache_dir()
+
+
+def activate() -> bool:
+    """Point torch's compile caches at cache_dir() before the first compile; False (torch's
+    defaults kept) when switched off, the user chose a directory, or it cannot be made."""
+    if not enabled():
+        return False
+    where = cache_dir()
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    os.environ[TORCH_CACHE_VAR] = str(where)
+    return True
+
+
+def layer_key(shape: ModelShape, dtype: str) -> str:
+    """A decoder layer's compile identity: its type, widths and dtype, and torch's version."""
+    fields = (shape.model_type or "model", f"h{shape.hidden_size}",
+              f"i{shape.intermediate_size}", f"q{shape.num_heads}", f"kv{shape.num_kv_heads}",
+              f"d{shape.head_dim}", dtype, f"torch{importlib.metadata.version('torch')}")
+    return re.sub(r"[^A-Za-z0-9.+_-]", "_", "-".join(fields))
+
+
+def is_warm(key: str) -> bool:
+    """A run of this layer shape compiled into the persistent cache before (and it is on)."""
+    return enabled() and (cache_dir() / _WARM / key).is_file()
+
+
+def mark_warm(key: str) -> None:
+    """Remember that `key` is compiled in the cache; a cache that cannot be written is only
+    priced cold next time, never an error."""
+    if not enabled():
+        return
+    marks = cache_dir() / _WARM
+    try:
+        marks.mkdir(parents=True, exist_ok=True)
+        (marks / key).touch()
+    except OSError:
+        pass
