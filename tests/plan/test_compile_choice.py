@@ -66,6 +66,13 @@ def test_the_config_takes_auto_or_a_boolean(text, value):
     assert load_config(None).actor.compile == "auto"
 
 
+def test_a_compile_setting_that_is_not_auto_or_a_boolean_is_one_line():
+    from handoff.errors import HandoffError
+
+    with pytest.raises(HandoffError, match=r"actor.compile='maybe' is not a boolean"):
+        load_config(None, ["actor.compile=maybe"])
+
+
 def _h200_4b(*extra):
     return load_config("examples/h200-4b.yaml", ["model.path=qwen3-4b", *extra])
 

@@ -71,6 +71,16 @@ def test_the_switch_on_points_torch_at_handoffs_cache(tmp_path):
     assert Path(torch_cache_dir()) == tmp_path / "cache" / "compile"
 
 
+def test_an_unwritable_cache_leaves_torchs_default_and_no_error(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as torch_cache_dir
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("HANDOFF_CACHE", str(tmp_path / "a-file"))
+    assert compile_cache.activate() is False
+    assert not Path(torch_cache_dir()).is_relative_to(tmp_path)
+    compile_cache.mark_warm("some-shape")   # nothing to mark, nothing raised
+
+
 def test_a_directory_the_user_chose_for_torch_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert compile_cache.activate() is False
