@@ -41,7 +41,7 @@ def test_each_step_counts_the_graphs_it_compiled(model_dir, tmp_path, monkeypatc
     cfg = _cfg(model_dir, tmp_path / "run", "actor.compile=true")
     assert not RunPlan.build(cfg).compile.warm
     summary = Run(cfg).run()
-    assert "compiled layers on (actor.compile=true)" in capsys.readouterr().out
+    assert "compiled layers: on (actor.compile=true)" in capsys.readouterr().out
     rows = [json.loads(line)
             for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # Step 1 compiles (grad on and off); step 2's other lengths compile nothing.

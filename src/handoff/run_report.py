@@ -98,8 +98,8 @@ class RunReport:
         # a little more than the pool's tensors.
         self.plan = plan
         self.planned = planned_actions(plan, rates, kv_pool_bytes)
-        self.compile = plan.compile_on(meter.device.type)   # what the actor was built with
         self.metrics_path = out_dir / "metrics.jsonl"
+        self.compile = plan.compile_on(meter.device.type)   # what the actor was built with
         self._loggers: Loggers | None = None
         self._progress: Progress | None = None
 

@@ -56,7 +56,7 @@ class CompileChoice:
         return asdict(self)
 
     def text(self) -> str:
-        return f"compiled layers {'on' if self.on else 'off'} ({self.reason})"
+        return f"compiled layers: {'on' if self.on else 'off'} ({self.reason})"
 
 
 def named_device(cfg: Config, hw: HardwareProfile) -> str:
@@ -89,7 +89,7 @@ def price_compile(requested: bool | str, *, device_type: str, hardware: str,
                              warm=warm, reason=f"auto: {reason}")
 
     if device_type != "cuda":
-        return off("a CPU run stays eager (inductor's CPU compile is slow)")
+        return off("a CPU run stays eager, inductor's CPU compile being slow")
     if hardware == "cpu":
         return off("no GPU hardware profile to price the compile with (set hardware.name)")
     cost = WARM_COMPILE_SECONDS if warm else COLD_COMPILE_SECONDS

@@ -202,10 +202,10 @@ def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = Fal
         "pinned_host_bytes_per_node": pinned_per_node,
         "pinned_host_fits": pinned_per_node <= HOST_FRACTION * hw.host_ram_bytes,
         "host_ram_bytes": hw.host_ram_bytes,
-        "compile": choose_compile(cfg, shape, hw, device_type=named_device(cfg, hw),
-                                  warm=compile_warm).to_dict(),
         "verdict": verdict.to_dict(),
         "offload_sets": options,
+        "compile": choose_compile(cfg, shape, hw, device_type=named_device(cfg, hw),
+                                  warm=compile_warm).to_dict(),
     }
 
 
