@@ -28,9 +28,11 @@ def own_cache(tmp_path, monkeypatch):
 
 
 def _cfg(model_dir, out_dir, *extra):
-    return load_config("examples/cpu-tiny.yaml", [f"model.path={model_dir}",
-                                                   f"run.out_dir={out_dir}",
-                                                   "run.checkpoint=false", *extra])
+    # No reference and nothing offloaded: the least work around the trainer's passes.
+    return load_config("examples/cpu-tiny.yaml", [
+        f"model.path={model_dir}", f"run.out_dir={out_dir}", "run.checkpoint=false",
+        "actor.kl_coef=0", "memory.param_offload=false", "memory.optimizer_offload=false",
+        "memory.ref_offload=false", *extra])
 
 
 @pytest.mark.slow
@@ -44,7 +46,8 @@ def test_each_step_counts_the_graphs_it_compiled(model_dir, tmp_path, monkeypatc
     assert "compiled layers: on (actor.compile=true)" in capsys.readouterr().out
     rows = [json.loads(line)
             for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # Step 1 compiles (grad on and off); step 2's other lengths compile nothing.
+    # Step 1 compiles (the update's forward and backward); step 2's other lengths compile
+    # nothing.
     assert rows[0]["actor/compiles"] > 0 and rows[1]["actor/compiles"] == 0
     assert summary["compile"]["on"] and summary["compile"]["reason"] == "actor.compile=true"
     assert "Compiled layers: on" in (tmp_path / "run" / "summary.md").read_text()
