@@ -40,14 +40,16 @@ def test_each_step_counts_the_graphs_it_compiled(model_dir, tmp_path, monkeypatc
     # Dynamo's capture decides what compiles; its plain backend skips code generation.
     monkeypatch.setattr(compiled, "BACKEND", "eager")
     torch._dynamo.reset()
-    cfg = _cfg(model_dir, tmp_path / "run", "actor.compile=true")
+    cfg = _cfg(model_dir, tmp_path / "run", "actor.compile=true", "actor.micro_batch_tokens=64",
+               "rollout.response_lengths=uniform:min=1,max=8")
     assert not RunPlan.build(cfg).compile.warm
     summary = Run(cfg).run()
     assert "compiled layers: on (actor.compile=true)" in capsys.readouterr().out
     rows = [json.loads(line)
             for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # Step 1 compiles (the update's forward and backward); step 2's other lengths compile
-    # nothing.
+    # Step 1 compiles (the update's forward and backward); step 2's packed micro-batches of
+    # other token counts compile nothing.
+    assert rows[0]["train_tokens"] != rows[1]["train_tokens"]
     assert rows[0]["actor/compiles"] > 0 and rows[1]["actor/compiles"] == 0
     assert summary["compile"]["on"] and summary["compile"]["reason"] == "actor.compile=true"
     assert "Compiled layers: on" in (tmp_path / "run" / "summary.md").read_text()
