@@ -11,7 +11,8 @@ kernels they build live under TORCHINDUCTOR_CACHE_DIR, read by torch at each use
 points it at $HANDOFF_CACHE/compile (default ~/.cache/handoff/compile) in this process and
 the ones it starts, so a second run of the same layer shape loads the compiled graphs instead
 of generating and building them again. One environment variable, no artefacts saved or
-loaded by hand: it works alike on torch 2.11 and 2.13. Nothing is read from a run's out_dir
+loaded by hand (Mega-Cache's save/load is for moving a cache between machines; tested here on
+torch 2.13, whose variable torch 2.11 reads alike). Nothing is read from a run's out_dir
 or a model directory. (One exception is torch's: a CPU build keeps its C++ precompiled headers
 in torch's default directory whatever the variable says; CUDA's Triton kernels follow it.)
 
@@ -74,13 +75,27 @@ def layer_key(shape: ModelShape, dtype: str) -> str:
     """A decoder layer's compile identity: its type, widths and dtype, and torch's version."""
     fields = (shape.model_type or "model", f"h{shape.hidden_size}",
               f"i{shape.intermediate_size}", f"q{shape.num_heads}", f"kv{shape.num_kv_heads}",
-              f"d{shape.head_dim}", dtype, f"torch{importlib.metadata.version('torch')}")
+              f"d{shape.head_dim}", dtype, f"torch{_torch_version()}")
     return re.sub(r"[^A-Za-z0-9.+_-]", "_", "-".join(fields))
 
 
+def _torch_version() -> str:
+    """torch's version from its package metadata (torch itself not imported: the planner
+    runs without it); 'unknown' where the metadata cannot be read (a process whose user
+    cannot read site-packages): marks then match within that environment only."""
+    try:
+        return importlib.metadata.version("torch")
+    except (importlib.metadata.PackageNotFoundError, OSError):
+        return "unknown"
+
+
 def is_warm(key: str) -> bool:
-    """A run of this layer shape compiled into the persistent cache before (and it is on)."""
-    return not switched_off() and (cache_dir() / _WARM / key).is_file()
+    """A run of this layer shape compiled into the persistent cache before (and it is on);
+    a cache this process cannot read is not warm."""
+    try:
+        return not switched_off() and (cache_dir() / _WARM / key).is_file()
+    except OSError:
+        return False
 
 
 def mark_warm(key: str) -> None:
