@@ -15,6 +15,7 @@ FLOORS = {
     "reading": 0.5,   # bounded JSON/YAML reading: above errors, below everything that reads
     "config": 1, "demo_model": 1, "model_files": 1, "safe_files": 1,
     "plan": 2, "dist": 2, "tasks": 2,
+    "compile_cache": 2.5,   # torch.compile's persistent cache: the planner's shapes below it
     "memory": 3, "sync": 3, "runplan": 3, "rewards": 3,
     "rollout": 4, "trainer": 4, "modelzoo": 4,
     "calibrate": 5, "run_dir": 5, "loggers": 5, "model_source": 5,

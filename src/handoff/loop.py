@@ -13,7 +13,9 @@ generates nor the trainer computes (a wait for a copy or a map counts, and so do
 work between them, scoring; a checkpoint save does not): step - checkpoint - generation -
 trainer compute. With memory.overlap a copy is counted in the step it lands in: with an
 elastic KV pool a step's copies to the host land in the next step's generation (the last
-step's when the run ends, in no row).
+step's when the run ends, in no row). With compiled layers (actor.compile) `actor/compiles`
+counts the graphs torch.compile built during the step: the first step's compile, later a
+recompile (a new input shape or kind) that the step paid for.
 
 Under torchrun every rank runs this loop on its share of the step's prompts (data parallel);
 the trainer's FSDP2 group spans all ranks, rewards are averaged over ranks, and rank 0
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from handoff import compile_cache
 from handoff.config import Config
 from handoff.dist import mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
@@ -48,6 +51,7 @@ from handoff.runplan import RunPlan
 from handoff.startup import start_worker
 from handoff.tasks import build_eval_problems, build_task
 from handoff.trainer.batch import RolloutBatch
+from handoff.trainer.compiled import compiles_so_far, layers_compiled
 from handoff.trainer.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
                                      save_checkpoint)
 from handoff.switch import Generation, StepTimes, SwitchRecord
@@ -195,6 +199,7 @@ class Run:
         self.samples: list[tuple[str, str, float]] = []   # the last step's, for the report
         self.plan = plan or RunPlan.build(cfg)
         self.worker, self.rates = start_worker(cfg, self.plan)
+        self.compiled = layers_compiled(self.worker.actor.module)
         self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                        else self.tokenizer.eos_token_id)
         self.start_step = 0
@@ -266,6 +271,7 @@ class Run:
         worker = self.worker
         worker.begin_step(step)
         t_step = time.perf_counter()
+        compiles = compiles_so_far()
         problems, prompt_ids, indices, params = step_prompts(
             self.cfg, self.task, self.tokenizer, step, rank=self.rank, world=self.world,
             tp=worker.tp_size)
@@ -292,7 +298,13 @@ class Run:
         n = self.cfg.rollout.n
         order = sorted(range(len(scored.rewards)), key=lambda i: (i % n, i))
         self.samples = [(*scored.texts[i], scored.rewards[i]) for i in order]
-        return step_row(step, scored, update, gen, switch, times, host, world=self.world)
+        row = step_row(step, scored, update, gen, switch, times, host, world=self.world)
+        if self.compiled:
+            row["actor/compiles"] = compiles_so_far() - compiles
+            if row["actor/compiles"]:   # the next run of this shape is priced warm
+                compile_cache.mark_warm(compile_cache.layer_key(self.plan.shape,
+                                                                self.cfg.model.dtype))
+        return row
 
     def evaluate(self) -> dict[str, float]:
         """The evaluation set (data.eval_path, or arithmetic's held-out stream), one sample

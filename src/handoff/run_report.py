@@ -1,7 +1,7 @@
 """What a training run writes and prints: metrics, progress, planned vs measured, timeline.
 
     report = RunReport(plan, out_dir, rates=rates, meter=meter, kv_pool_bytes=pool_bytes)
-    report.start(first_step)
+    report.start(first_step)       # first, the compiled layers' decision and its reason
     report.log_step(row)           # metrics.jsonl + run.loggers + one console line
     report.log_samples(step, [(prompt, completion, reward), ...])   # samples.jsonl + loggers
     summary = report.finish()      # summary.md, memory_timeline.{jsonl,png}, a rich table
@@ -103,6 +103,7 @@ class RunReport:
         self.hw = rates.profile(plan.hardware)
         self.planned = planned_actions(plan, rates, self.hw, kv_pool_bytes)
         self.metrics_path = out_dir / "metrics.jsonl"
+        self.compile = plan.compile_on(meter.device.type)   # what the actor was built with
         self._loggers: Loggers | None = None
         self._progress: Progress | None = None
 
@@ -111,6 +112,7 @@ class RunReport:
         # metrics.jsonl to the steps before first_step.
         if first_step > 0 and self.metrics_path.is_file():
             self.rows = read_metrics(self.metrics_path)[0]
+        console.print(self.compile.text(), markup=False, highlight=False)
         with self._writing(self._loggers_path()):
             self._loggers = open_loggers(self.cfg, self.out_dir, first_step=first_step)
             self._loggers.log_config(to_dict(self.cfg))
@@ -192,6 +194,7 @@ class RunReport:
         k = max(1, len(self.rows) // 4)
         summary = {
             "steps": len(self.rows), "rates": self.rates, "planned": self.planned,
+            "compile": self.compile.to_dict(),
             "measured": measured, "step_seconds": step_s, "switch_seconds": switch_s,
             "switch_share": switch_s / step_s if step_s else None,
             # The measured exposed time holds host work the ledger does not price: the step's
@@ -317,6 +320,9 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
                   f"({_share(s)}){exposed}.",
               f"Mean reward: {s['reward_first']:.3f} over the first quarter of steps, "
               f"{s['reward_last']:.3f} over the last.", ""]
+    if "compile" in s:   # runs before actor.compile=auto have none
+        on = "on" if s["compile"]["on"] else "off"
+        lines[-1:] = [f"Compiled layers: {on} ({s['compile']['reason']}).", ""]
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ report and the checkpoint sizing, which used to rebuild them each on its own.
 
     plan = RunPlan.build(cfg)                      # no torch: the model's config.json only
     plan.shape, plan.hardware, plan.dtypes, plan.ref, plan.elastic_pool, plan.order
-    actor_cfg, choice = plan.actor_config(device_hbm_bytes)   # 'auto' resolved for a card
+    plan.compile.text()                            # actor.compile: on or off, and why
+    actor_cfg, choice = plan.actor_config(device_hbm_bytes, device_type="cuda")
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from handoff import compile_cache
 from handoff.config import ActorConfig, Config
+from handoff.plan.compile import CompileChoice, choose_compile, named_device
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.ledger import Dtypes, shard_size
 from handoff.plan.order import SwitchOrder, switch_order
@@ -24,8 +27,9 @@ from handoff.plan.trainer import MicroBatchChoice, pick_micro_batch
 class RunPlan:
     """What the ledger needs to know of a run: the model's shape, the hardware profile
     (cfg.hardware's overrides applied; the rates a run measures are applied by its report),
-    the dtypes, the FSDP shard, whether there is a reference, the KV pool's kind, and the
-    switch order those give."""
+    the dtypes, the FSDP shard, whether there is a reference, the KV pool's kind, the
+    switch order those give, and actor.compile decided for the device the config names
+    (run.device, else CUDA for a GPU profile)."""
 
     cfg: Config
     shape: ModelShape
@@ -35,25 +39,38 @@ class RunPlan:
     ref: bool
     elastic_pool: bool
     order: SwitchOrder
+    compile: CompileChoice
 
     @classmethod
     def build(cls, cfg: Config) -> "RunPlan":
         ref = cfg.actor.kl_coef > 0
         elastic = cfg.rollout.kv_pool == "elastic"
-        return cls(cfg=cfg, shape=load_shape(cfg.model.path),
-                   hardware=hardware_profile(cfg.hardware.name or "cpu", cfg.hardware),
+        shape = load_shape(cfg.model.path)
+        hw = hardware_profile(cfg.hardware.name or "cpu", cfg.hardware)
+        return cls(cfg=cfg, shape=shape, hardware=hw,
                    dtypes=Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype),
                    shard=shard_size(cfg.parallel), ref=ref, elastic_pool=elastic,
                    order=switch_order(cfg.memory, ref=ref, elastic_pool=elastic,
-                                      updates_per_step=cfg.actor.updates_per_step))
+                                      updates_per_step=cfg.actor.updates_per_step),
+                   compile=compile_for(cfg, shape, hw, named_device(cfg, hw)))
 
-    def actor_config(self, device_hbm_bytes: int | None = None
+    def compile_on(self, device_type: str | None = None) -> CompileChoice:
+        """actor.compile for a `device_type` card ('cuda', 'cpu'; None: the one the config
+        names): the planned choice, or the one priced for the device the run got."""
+        if device_type is None or device_type == named_device(self.cfg, self.hardware):
+            return self.compile
+        return compile_for(self.cfg, self.shape, self.hardware, device_type)
+
+    def actor_config(self, device_hbm_bytes: int | None = None, *,
+                     device_type: str | None = None
                      ) -> tuple[ActorConfig, MicroBatchChoice | None]:
-        """cfg.actor with 'auto' micro_batch_tokens / gradient_checkpointing decided from the
+        """cfg.actor with 'auto' resolved: compile for a `device_type` card (compile_on; None:
+        the device the config names), micro_batch_tokens / gradient_checkpointing from the
         memory the card has in the training phase (plan.trainer.pick_micro_batch: the
         profile's HBM, or the device's if smaller, less the trainer state and the resident
-        bytes); the choice is returned with its reason (None when nothing was auto)."""
-        a, cfg = self.cfg.actor, self.cfg
+        bytes); the micro-batch choice is returned with its reason (None when not auto)."""
+        cfg = self.cfg
+        a = dataclasses.replace(cfg.actor, compile=self.compile_on(device_type).on)
         if a.micro_batch_tokens != "auto" and a.gradient_checkpointing != "auto":
             return a, None
         hw = self.hardware
@@ -77,3 +94,11 @@ class RunPlan:
         master copy (none for fp32 params) and Adam's two fp32 moments."""
         d = self.dtypes
         return d.param_bytes + d.master_bytes + d.optimizer_bytes
+
+
+def compile_for(cfg: Config, shape: ModelShape, hw: HardwareProfile, device_type: str
+                ) -> CompileChoice:
+    """actor.compile priced for a run of `cfg` on a `device_type` card (plan.compile), warm
+    when the persistent cache holds this layer shape (handoff.compile_cache)."""
+    warm = compile_cache.is_warm(compile_cache.layer_key(shape, cfg.model.dtype))
+    return choose_compile(cfg, shape, hw, device_type=device_type, warm=warm)

@@ -1,4 +1,5 @@
-"""actor.compile: decoder layers through torch.compile give the eager path's numbers.
+"""actor.compile: decoder layers through torch.compile give the eager path's numbers, and new
+micro-batch lengths do not compile again.
 
 The graphs are built with dynamo's aot_eager backend (the same capture, autograd and graph
 breaks as inductor without its code generation, which takes minutes on a small CI host); the
@@ -12,10 +13,21 @@ from handoff.config import ActorConfig
 from handoff.modelzoo import init_model
 from handoff.trainer import compiled
 from handoff.trainer.actor import Actor
+from handoff.trainer.batch import RolloutBatch
 from handoff.trainer.grpo import group_advantages
 from handoff.trainer.model import ShardedModel
 
 from test_packing import long_tailed_batch
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """A compile's persistent cache in this test's directory; torch's variable restored."""
+    from handoff import compile_cache
+
+    monkeypatch.setenv("HANDOFF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(compile_cache, "_active", False)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +37,7 @@ def ckpt(tmp_path_factory):
 
 def _actor(ckpt, **kw):
     torch.manual_seed(0)
-    cfg = ActorConfig(micro_batch_tokens=48, logprob_chunk_tokens=16,
+    cfg = ActorConfig(micro_batch_tokens=kw.pop("micro_batch_tokens", 48), logprob_chunk_tokens=16,
                       gradient_checkpointing=kw.pop("gradient_checkpointing", False), **kw)
     return Actor(ckpt, actor=cfg, device="cpu", dtype="float32")
 
@@ -67,3 +79,28 @@ def test_compile_switches_off_and_on_again(ckpt, monkeypatch):
     compiled.set_compiled_layers(ref.module, True)
     compiled.set_compiled_layers(ref.module, True)        # idempotent: compiled once
     assert not hasattr(layer.__dict__["_handoff_eager_forward"], "_torchdynamo_orig_callable")
+
+
+def _batch(response_len, rows=4):
+    g = torch.Generator().manual_seed(response_len)
+    prompts = [[256, 7, 8]] * rows
+    responses = [torch.randint(0, 256, (response_len,), generator=g).tolist()] * rows
+    return RolloutBatch.from_tokens(prompts, responses, [0.0, 1.0] * (rows // 2), group_size=2,
+                                    pad_id=259)
+
+
+@pytest.mark.slow
+def test_new_lengths_do_not_compile_again(ckpt, monkeypatch):
+    # Dynamo's capture is what decides recompiles; its plain backend skips code generation.
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
+    torch._dynamo.reset()   # earlier tests' graphs of the same layer code
+    actor = _actor(ckpt, compile=True)   # packed micro-batches: their token count varies
+    counts = []
+    for length in (5, 11, 17):
+        batch = _batch(length)
+        batch.advantages = group_advantages(batch.rewards, batch.group_size)
+        before = compiled.compiles_so_far()
+        actor.log_probs(batch, with_entropy=False)   # without grad, then with it
+        actor.accumulate(batch)
+        counts.append(compiled.compiles_so_far() - before)
+    assert counts[0] > 0 and counts[1:] == [0, 0], counts

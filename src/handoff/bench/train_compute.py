@@ -62,9 +62,10 @@ def builtin_variants(micro_batch_size: int, gradient_checkpointing: bool) -> dic
     decoder layers through torch.compile (examples/h200-4b.yaml)."""
     return {"padded": {"micro_batch_tokens": 0, "logprob_chunk_tokens": 0,
                        "micro_batch_size": micro_batch_size,
-                       "gradient_checkpointing": gradient_checkpointing},
+                       "gradient_checkpointing": gradient_checkpointing, "compile": False},
             "packed": {"micro_batch_tokens": "auto", "logprob_chunk_tokens": 2048,
-                       "micro_batch_size": micro_batch_size, "gradient_checkpointing": "auto"},
+                       "micro_batch_size": micro_batch_size, "gradient_checkpointing": "auto",
+                       "compile": False},
             "compiled": {"micro_batch_tokens": "auto", "logprob_chunk_tokens": 2048,
                          "micro_batch_size": micro_batch_size, "gradient_checkpointing": "auto",
                          "compile": True}}

@@ -59,17 +59,23 @@ def plan_cmd(
     reason and a change that re-plans to a fit; the exit status is then 3."""
     import json
 
+    from handoff import compile_cache
     from handoff.model_source import resolve_model
     from handoff.plan.lora_report import build_lora_plan
     from handoff.plan.render import render_markdown, render_rich
     from handoff.plan.report import build_plan, plan_config
+    from handoff.plan.shapes import load_shape
 
     flags = dict(locals())
     cfg, auto_tp = plan_config(config, overrides, flags)
     # A Hub id is read from the local cache; a preset stays a shape (no weights written).
     cfg.model.path = resolve_model(cfg.model.path, materialise_presets=False)
-    build = build_lora_plan if cfg.actor.lora.rank else build_plan
-    report = build(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp)
+    if cfg.actor.lora.rank:
+        report = build_lora_plan(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp)
+    else:   # actor.compile=auto priced warm when the compile cache holds this layer shape
+        key = compile_cache.layer_key(load_shape(cfg.model.path), cfg.model.dtype)
+        report = build_plan(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp,
+                            compile_warm=compile_cache.is_warm(key))
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     elif markdown:

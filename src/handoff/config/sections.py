@@ -171,9 +171,11 @@ class ActorConfig:
         "the warm-up, constant, or a cosine or linear fall towards 0 at the last step"))
     warmup_steps: int = F(0, ge=0, help=(
         "optimizer steps of linear warm-up from actor.lr / warmup_steps to actor.lr"))
-    compile: bool = F(False, help=(
+    compile: bool | str = F("auto", auto=True, help=(
         "torch.compile each decoder layer's forward (actor and reference): norms, RoPE and "
-        "SwiGLU fused; the first micro-batches pay for the compile (handoff.trainer.compiled)"))
+        "SwiGLU fused; the first micro-batches pay for the compile (handoff.trainer.compiled; "
+        "kept across runs in $HANDOFF_CACHE/compile, HANDOFF_COMPILE_CACHE=0: off). auto: on "
+        "for a CUDA run whose steps repay the compile (handoff.plan.compile), off on CPU"))
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

@@ -152,6 +152,9 @@ def summary_lines(report: dict) -> list[str]:
                      f"{_secs(st['train_seconds'])} s "
                      f"({st['train_flops_per_s'] / 1e12:.0f} TFLOP/s per card) = "
                      f"{_secs(st['modelled_seconds'])} s modelled{given}")
+    if report.get("compile"):   # actor.compile as the run would decide it (plan/compile.py)
+        c = report["compile"]
+        lines.append(f"compiled layers: {'on' if c['on'] else 'off'} ({c['reason']})")
     v = report["verdict"]
     util = _util(v["max_utilization"])
     lines.append(f"verdict: {'fits' if v['fits'] else 'DOES NOT FIT'}; mode "

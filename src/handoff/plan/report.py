@@ -9,7 +9,8 @@ model, hardware, layout, workload, memory {train, generate}, switch {actions (ea
 exposed_seconds), total_bytes_per_card, total_seconds, exposed_seconds, share_of_step}, step
 {seconds, source, modelled_seconds, generation_seconds, switch_seconds (the exposed ones:
 plan.ledger.exposed_seconds), train_seconds, ...}, kv [rows], kv_gain,
-pinned_host_bytes_per_node, verdict {fits, mode, max_utilization, reasons, fix, advice}
+pinned_host_bytes_per_node, compile {on, requested, compile_seconds, saving_seconds, warm,
+reason} (actor.compile as the run decides it: plan/compile.py), verdict {fits, mode, max_utilization, reasons, fix, advice}
 (advice: {overrides, flags, mode} of a plan that fits, or null), offload_sets {sets
 [{offloads, fits, utilization, kv_pool_bytes, generation_seconds, switch_seconds,
 step_seconds}], recommended} (every offload set at its highest safe utilization; its
@@ -24,6 +25,7 @@ from handoff.config import Config, MemoryConfig
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.plan.advice import advice_text, find_fitting_plan, offload_options
+from handoff.plan.compile import choose_compile, named_device
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.kvpool import (Workload, engine_weight_bytes, generation_gain, kv_pool_bytes,
                                  kv_table)
@@ -110,11 +112,14 @@ def plan_workload(cfg: Config, gpus: int, hw: HardwareProfile) -> tuple[Workload
 
 
 def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = False,
-               auto_tp_size: bool = False, advise: bool = True) -> dict:
+               auto_tp_size: bool = False, advise: bool = True,
+               compile_warm: bool = False) -> dict:
     """Every table of `handoff plan` as one dict, whether the run fits or not; raises
     HandoffError only on unusable input. A plan that does not fit carries, with `advise`,
     the smallest change that re-plans to one that fits (plan/advice.py). A reference model
-    is priced when `ref`, by default when actor.kl_coef > 0 (a run builds one only then)."""
+    is priced when `ref`, by default when actor.kl_coef > 0 (a run builds one only then).
+    `compile_warm`: the persistent compile cache holds this layer shape (the CLI asks
+    handoff.compile_cache), so actor.compile=auto is priced at a warm start."""
     ref = cfg.actor.kl_coef > 0 if ref is None else ref
     shape = load_shape(cfg.model.path)
     hw = hardware_profile(cfg.hardware.name, cfg.hardware)
@@ -195,6 +200,8 @@ def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = Fal
                       pinned_per_node=pinned_per_node),
         "verdict": verdict.to_dict(),
         "offload_sets": options,
+        "compile": choose_compile(cfg, shape, hw, device_type=named_device(cfg, hw),
+                                  warm=compile_warm).to_dict(),
     }
 
 

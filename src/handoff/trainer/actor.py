@@ -53,7 +53,8 @@ class Actor(ShardedModel):
                  max_response_len: int | None = None, total_updates: int | None = None):
         """`max_response_len` (rollout.max_tokens): loss_agg=seq_mean_token_sum_norm's
         constant; `total_updates` (run.steps * updates_per_step): where a cosine or linear
-        lr_schedule reaches 0 (build_actor passes both from the run's config)."""
+        lr_schedule reaches 0 (build_actor passes both from the run's config). An
+        actor.compile left 'auto' (no plan priced it: an actor built by hand) stays eager."""
         self.cfg = actor
         if not isinstance(actor.micro_batch_tokens, int) or not isinstance(
                 actor.gradient_checkpointing, bool):
@@ -64,7 +65,7 @@ class Actor(ShardedModel):
                          arena=arena, gradient_checkpointing=actor.gradient_checkpointing,
                          micro_batch_tokens=actor.micro_batch_tokens,
                          logprob_chunk_tokens=actor.logprob_chunk_tokens,
-                         compile_layers=actor.compile)
+                         compile_layers=actor.compile is True)
         if actor.loss_agg == "seq_mean_token_sum_norm" and not max_response_len:
             raise HandoffError("actor.loss_agg=seq_mean_token_sum_norm needs the longest "
                                "response: build the actor with build_actor(cfg, ...) or pass "
@@ -202,12 +203,12 @@ class Actor(ShardedModel):
 def resolve_actor_config(plan: RunPlan, device: str | torch.device
                          ) -> tuple[ActorConfig, MicroBatchChoice | None]:
     """The run's actor config with 'auto' resolved for `device` (RunPlan.actor_config: a
-    CUDA card smaller than the profile's HBM sizes the budget)."""
+    CUDA card smaller than the profile's HBM sizes the budget; compile priced for its kind)."""
     dev = torch.device(device) if str(device) != "auto" else None
     total = None
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(dev).total_memory
-    return plan.actor_config(total)
+    return plan.actor_config(total, device_type=dev.type if dev is not None else None)
 
 
 def build_actor(cfg: Config, plan: RunPlan, *, device: str | torch.device,

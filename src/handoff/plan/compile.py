@@ -1,0 +1,118 @@
+"""Whether compiled decoder layers pay for their compile (`actor.compile=auto`).
+
+    choice = choose_compile(cfg, shape, hw, device_type="cuda", warm=False)
+    choice.on, choice.reason          # e.g. off: 4 steps save 8.0 s, the compile costs 31 s
+
+The compile is paid once per process (torch.compile's first micro-batches, the actor's graph
+with grad and the reference's without); every step after it saves a share of the trainer's
+compute. So auto turns it on when run.steps x that saving exceeds the compile's seconds:
+
+  saving per step = train_seconds (plan.trainer: model FLOPs / train_flops_per_s, the eager
+                    rate) x COMPILED_TRAIN_SAVING
+  compile seconds = COLD_COMPILE_SECONDS, or WARM_COMPILE_SECONDS when this layer shape was
+                    compiled into the persistent cache before (handoff.compile_cache)
+
+The trainer's tokens per card and step are the run's: data.prompts_per_step x rollout.n
+sequences over parallel.gpus cards, each workload.prompt_len + workload.response_len tokens
+(the response capped at rollout.max_tokens). A CPU run stays eager: inductor's CPU compile
+takes minutes on a small host and the CPU demo's numbers stay the eager path's.
+
+Where the constants come from (docs/PERF.md, "The trainer's compute", H200, 2026-12-04):
+* COMPILED_TRAIN_SAVING: `handoff bench train-compute` on the 4B colocated step's shape,
+  packed 7.74 s -> compiled 5.89 s (ref forward + actor forward/backward + optimizer, -24%);
+  in the colocated step `timing_s/train` 9.38 s -> 7.19 s (-23%).
+* COLD_COMPILE_SECONDS: the same colocated run's first step took 41.5 s compiled against 12.9 s
+  eager, and its training ran ~2.2 s faster than eager: ~31 s of compiling (4B, 36 layers of
+  one shape: the layers share one compiled code, so the figure is per layer shape).
+* WARM_COMPILE_SECONDS: NOT measured yet, an estimate (dynamo still traces each process; the
+  FX graph and AOTAutograd caches skip inductor's code generation and Triton's builds).
+  Measure it on the device with a second run of the same config (its step 1 less step 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from handoff.config import Config
+from handoff.plan.hardware import HardwareProfile
+from handoff.plan.shapes import ModelShape
+from handoff.plan.trainer import train_seconds
+
+COMPILED_TRAIN_SAVING = 0.24
+COLD_COMPILE_SECONDS = 31.0
+WARM_COMPILE_SECONDS = 8.0
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    on: bool                      # actor.compile, resolved
+    requested: str                # actor.compile as given: "auto", "true" or "false"
+    compile_seconds: float        # what the compile is expected to cost (0 when not priced)
+    saving_seconds: float         # what it saves over the run's steps (0 when not priced)
+    warm: bool                    # the persistent cache held this layer shape already
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        return f"compiled layers: {'on' if self.on else 'off'} ({self.reason})"
+
+
+def named_device(cfg: Config, hw: HardwareProfile) -> str:
+    """The device kind a config runs on: run.device, or for 'auto' CUDA on a GPU profile."""
+    if cfg.run.device != "auto":
+        return cfg.run.device
+    return "cpu" if hw.name == "cpu" else "cuda"
+
+
+def run_train_tokens_per_card(cfg: Config) -> float:
+    """Prompt + response tokens one card trains on per step (see the module docstring)."""
+    sequences = cfg.data.prompts_per_step * cfg.rollout.n / cfg.parallel.gpus
+    response = min(cfg.workload.response_len, cfg.rollout.max_tokens)
+    return sequences * (cfg.workload.prompt_len + response)
+
+
+def price_compile(requested: bool | str, *, device_type: str, hardware: str,
+                  train_seconds_per_step: float, steps: int, warm: bool,
+                  tokens_per_step: float | None = None) -> CompileChoice:
+    """actor.compile resolved: a boolean as given; 'auto' on only for a CUDA run priced on a
+    GPU profile whose `steps` save more than the compile costs (`tokens_per_step`, the
+    tokens a card trains on, only named in the reason)."""
+    if isinstance(requested, bool):
+        return CompileChoice(on=requested, requested=str(requested).lower(), compile_seconds=0.0,
+                             saving_seconds=0.0, warm=warm,
+                             reason=f"actor.compile={str(requested).lower()}")
+
+    def off(reason: str) -> CompileChoice:
+        return CompileChoice(on=False, requested="auto", compile_seconds=0.0, saving_seconds=0.0,
+                             warm=warm, reason=f"auto: {reason}")
+
+    if device_type != "cuda":
+        return off("a CPU run stays eager, inductor's CPU compile being slow")
+    if hardware == "cpu":
+        return off("no GPU hardware profile to price the compile with (set hardware.name)")
+    cost = WARM_COMPILE_SECONDS if warm else COLD_COMPILE_SECONDS
+    per_step = train_seconds_per_step * COMPILED_TRAIN_SAVING
+    saving = per_step * steps
+    on = saving > cost
+    cache = "the cache holds this layer shape" if warm else "a first compile"
+    tokens = f" of {tokens_per_step:,.0f} tokens" if tokens_per_step else ""
+    why = (f"auto: {steps} step(s) x {per_step:.2f} s saved ({COMPILED_TRAIN_SAVING:.0%} of "
+           f"{train_seconds_per_step:.2f} s training{tokens}) = {saving:.1f} s "
+           f"{'>' if on else '<='} {cost:.0f} s to compile ({cache})")
+    return CompileChoice(on=on, requested="auto", compile_seconds=cost, saving_seconds=saving,
+                         warm=warm, reason=why)
+
+
+def choose_compile(cfg: Config, shape: ModelShape, hw: HardwareProfile, *, device_type: str,
+                   warm: bool) -> CompileChoice:
+    """price_compile for the run `cfg` on a `device_type` card priced with `hw`."""
+    tokens = run_train_tokens_per_card(cfg)
+    seconds = train_seconds(shape, tokens, hw,
+                            ref=cfg.actor.kl_coef > 0,
+                            old_logprobs=cfg.actor.updates_per_step > 1,
+                            lora=cfg.actor.lora.rank > 0)
+    return price_compile(cfg.actor.compile, device_type=device_type, hardware=hw.name,
+                         train_seconds_per_step=seconds, steps=cfg.run.steps, warm=warm,
+                         tokens_per_step=tokens)
