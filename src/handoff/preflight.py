@@ -9,8 +9,11 @@ record too long for rollout.max_model_len.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
+
+from rich.console import Console
 
 from handoff.config import Config
 from handoff.dist import launch_env
@@ -26,14 +29,12 @@ def preflight(cfg: Config) -> RunPlan:
     """Raise HandoffError naming cause and fix when `cfg` cannot run; returns the run's plan
     (built once here, after the model's files are checked).
 
-    May lower rollout.max_model_len to the model's context length (with a warning)."""
-    if cfg.actor.lora.rank:
-        raise HandoffError(f"actor.lora.rank={cfg.actor.lora.rank}: LoRA training is not "
-                           "available yet (only `handoff plan` prices it): set "
-                           "actor.lora.rank=0 to train all parameters")
+    May lower rollout.max_model_len to the model's context length, and turn
+    memory.param_offload off under LoRA on a shared base (each with a warning)."""
     launch_env()   # torchrun's variables whole and in range, or one line
     check_model_dir(cfg.model.path, flag="model.path")
     cap_context(cfg)
+    lora_settings(cfg)
     check_prompt_lengths(cfg)
     check_out_dir(cfg)
     check_loggers(cfg.run.loggers)
@@ -58,6 +59,19 @@ def preflight(cfg: Config) -> RunPlan:
                            f"{advice_text(verdict['advice'])}. Run `handoff plan --config "
                            "CONFIG` for the full ledger")
     return run_plan
+
+
+def lora_settings(cfg: Config) -> None:
+    """Under LoRA on a shared base memory.param_offload has nothing to move (the base is the
+    engine's weights, the adapters stay on the card): turned off, with a warning."""
+    lora = cfg.actor.lora
+    if lora.rank and lora.share_base and cfg.memory.param_offload:
+        if os.environ.get("RANK", "0") == "0":
+            Console(stderr=True).print(
+                "[yellow]warning: memory.param_offload is off under actor.lora.share_base: the "
+                "base is the engine's weights and never moves, the adapters stay on the card[/]",
+                highlight=False)
+        cfg.memory.param_offload = False
 
 
 def check_prompt_lengths(cfg: Config) -> None:
