@@ -24,8 +24,8 @@ from handoff.plan.trainer import MicroBatchChoice, pick_micro_batch
 class RunPlan:
     """What the ledger needs to know of a run: the model's shape, the hardware profile
     (cfg.hardware's overrides applied; the rates a run measures are applied by its report),
-    the dtypes, the FSDP shard, whether there is a reference, the KV pool's kind, and the
-    switch order those give."""
+    the dtypes, the FSDP shard, whether there is a reference model (none under LoRA: the
+    actor with its adapters off), the KV pool's kind, and the switch order those give."""
 
     cfg: Config
     shape: ModelShape
@@ -38,14 +38,21 @@ class RunPlan:
 
     @classmethod
     def build(cls, cfg: Config) -> "RunPlan":
-        ref = cfg.actor.kl_coef > 0
+        lora = cfg.actor.lora
+        ref = cfg.actor.kl_coef > 0 and not lora.rank   # LoRA's: the actor, adapters off
         elastic = cfg.rollout.kv_pool == "elastic"
         return cls(cfg=cfg, shape=load_shape(cfg.model.path),
                    hardware=hardware_profile(cfg.hardware.name or "cpu", cfg.hardware),
                    dtypes=Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype),
                    shard=shard_size(cfg.parallel), ref=ref, elastic_pool=elastic,
                    order=switch_order(cfg.memory, ref=ref, elastic_pool=elastic,
-                                      updates_per_step=cfg.actor.updates_per_step))
+                                      updates_per_step=cfg.actor.updates_per_step,
+                                      lora=bool(lora.rank) and lora.share_base))
+
+    @property
+    def lora_shared(self) -> bool:
+        """LoRA on one copy of the base (actor.lora.share_base): plan.order's `lora` order."""
+        return self.order.mode == "lora"
 
     def actor_config(self, device_hbm_bytes: int | None = None
                      ) -> tuple[ActorConfig, MicroBatchChoice | None]:
