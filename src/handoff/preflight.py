@@ -62,9 +62,15 @@ def preflight(cfg: Config) -> RunPlan:
 
 
 def lora_settings(cfg: Config) -> None:
-    """Under LoRA on a shared base memory.param_offload has nothing to move (the base is the
-    engine's weights, the adapters stay on the card): turned off, with a warning."""
+    """LoRA on a shared base needs a whole engine per card (TP 1), and memory.param_offload
+    has nothing to move then (the base is the engine's weights, the adapters stay on the
+    card): turned off, with a warning. (`handoff plan` prices a TP engine and says why not.)"""
     lora = cfg.actor.lora
+    tp = cfg.parallel.tp
+    if lora.rank and lora.share_base and tp > 1:
+        raise HandoffError(f"actor.lora.share_base with parallel.tp={tp}: the trainer's base can "
+                           "only be a view of an engine that holds the whole model; set "
+                           "actor.lora.share_base=false (the trainer keeps its own sharded base)")
     if lora.rank and lora.share_base and cfg.memory.param_offload:
         if os.environ.get("RANK", "0") == "0":
             Console(stderr=True).print(

@@ -203,10 +203,6 @@ def _check_cross_fields(cfg: Config) -> None:
     if a.lora.rank and not a.lora.target_modules:
         raise ConfigError(f"actor.lora.rank={a.lora.rank} with no actor.lora.target_modules: "
                           "name the projections to adapt (e.g. [q_proj, v_proj]) or set rank 0")
-    if a.lora.rank and a.lora.share_base and p.tp > 1:
-        raise ConfigError(f"actor.lora.share_base with parallel.tp={p.tp}: the trainer's base can "
-                          "only be a view of an engine that holds the whole model; set "
-                          "actor.lora.share_base=false (the trainer keeps its own sharded base)")
     optimizer_steps = cfg.run.steps * a.updates_per_step
     if a.warmup_steps > optimizer_steps:
         raise ConfigError(f"actor.warmup_steps={a.warmup_steps} is longer than the run's "
