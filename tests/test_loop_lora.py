@@ -61,3 +61,23 @@ def test_a_lora_run_moves_the_adapters_only_and_resumes_bit_identically(model_di
     resumed.run()
     assert [{k: r.get(k) for k in COMPUTED} for r in _rows(tmp_path / "cut")] == \
         [{k: r.get(k) for k in COMPUTED} for r in rows]
+
+
+@pytest.mark.parametrize("extra", [("memory.overlap=false",), ("actor.lora.share_base=false",)],
+                         ids=["sequential", "own-base"])
+def test_lora_in_turn_or_on_its_own_base_runs_its_order(model_dir, tmp_path, extra):
+    run = _run(model_dir, tmp_path, "run.steps=2", "run.checkpoint=false", *extra)
+    shared = "actor.lora.share_base=false" not in extra
+    assert run.worker.order.mode == ("lora" if shared else "streamed")
+    actor = run.worker.actor
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in
+                        actor.module.named_parameters() if "lora_" in n)
+    base_bytes = sum(p.numel() * p.element_size() for n, p in
+                     actor.module.named_parameters() if "lora_" not in n)
+    run.run()
+    rows = _rows(tmp_path)
+    for row in rows:
+        # Its own base: the engine's sleep dropped the base, the sync sends it back too.
+        assert row["sync/bytes"] == adapter_bytes + (0 if shared else base_bytes)
+        assert (row["switch/params_d2h/bytes"] > 0) == (not shared)
+    assert rows[-1]["kl"] > 0
