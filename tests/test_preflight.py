@@ -149,3 +149,18 @@ def test_lora_on_a_shared_base_turns_param_offload_off_with_a_warning(cfg, capsy
     assert cfg.memory.param_offload is False
     assert "memory.param_offload is off under actor.lora.share_base" in capsys.readouterr().err
     assert plan.order.mode == "lora" and not plan.ref
+
+
+def test_a_lora_run_is_checked_against_the_lora_plan(cfg):
+    # Qwen3-8B on one H200: fits with LoRA on a shared base (README), not with its full state.
+    (Path(cfg.model.path) / "config.json").write_text(json.dumps(PRESETS["qwen3-8b"]))
+    cfg.hardware.name = "h200"
+    cfg.run.resume = False
+    cfg.rollout.max_model_len = 4096
+    cfg.run.checkpoint = False   # 8B's full checkpoints (115 GB) would not fit this disk
+    with pytest.raises(HandoffError, match="the planner says this run cannot fit"):
+        preflight(cfg)
+    cfg.actor.lora.rank = 16
+    cfg.run.checkpoint = True    # a LoRA checkpoint: the adapters (~0.7 GB with Adam)
+    assert preflight(cfg).order.mode == "lora"
+    assert checkpoint_bytes(RunPlan.build(cfg)) < 1e9

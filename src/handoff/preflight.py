@@ -20,6 +20,7 @@ from handoff.dist import launch_env
 from handoff.errors import HandoffError
 from handoff.loggers import check_loggers
 from handoff.model_files import cap_context, check_model_dir, load_tokenizer
+from handoff.plan.lora import adapter_params, adapter_tensors
 from handoff.run_dir import check_out_dir
 from handoff.runplan import RunPlan
 from handoff.tasks import DatasetTask, build_task
@@ -49,9 +50,13 @@ def preflight(cfg: Config) -> RunPlan:
     if cfg.hardware.name == "cpu":
         return run_plan
     from handoff.plan.advice import advice_text
+    from handoff.plan.lora_report import build_lora_plan
     from handoff.plan.report import build_plan
 
-    plan = build_plan(cfg, ref=cfg.actor.kl_coef > 0)
+    lora = cfg.actor.lora
+    # A base of its own (share_base=false) holds what full-parameter training holds, and more.
+    plan = (build_lora_plan(cfg) if lora.rank and lora.share_base
+            else build_plan(cfg, ref=cfg.actor.kl_coef > 0 and not lora.rank))
     verdict = plan["verdict"]
     if not verdict["fits"]:
         reasons = "; ".join(r for r in verdict["reasons"] if r.startswith("does not fit"))
@@ -130,12 +135,16 @@ def checkpoint_bytes(plan: RunPlan) -> int:
     14 GB per billion parameters; float32 params (no master) 4 + 8 = 12 GB per billion (the
     135M CPU demo: 1.6 GB a checkpoint, 3.2 GB for the two kept). The files' overhead is
     ~2 KB per tensor, nothing at scale (a tiny-qwen3 run's checkpoint measured 14.0 / 12.0 B
-    of tensors per param, its DCP metadata read back)."""
+    of tensors per param, its DCP metadata read back). Under LoRA: the adapters only."""
     from handoff.trainer.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
 
-    shape = plan.shape
-    files = shape.num_tensors * (1 + (1 if plan.dtypes.master_bytes else 0) + 2)
-    return (shape.num_params * plan.checkpoint_param_bytes()
+    shape, lora = plan.shape, plan.cfg.actor.lora
+    params, tensors = shape.num_params, shape.num_tensors
+    if lora.rank:   # a LoRA checkpoint holds the adapters and their optimizer state only
+        params = adapter_params(shape, lora.rank, lora.target_modules)
+        tensors = adapter_tensors(shape, lora.target_modules)
+    files = tensors * (1 + (1 if plan.dtypes.master_bytes else 0) + 2)
+    return (params * plan.checkpoint_param_bytes()
             + files * FILE_OVERHEAD_BYTES + plan.cfg.parallel.gpus * RNG_FILE_BYTES)
 
 
