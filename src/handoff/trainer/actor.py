@@ -20,6 +20,12 @@ all ranks' counts (token_mean: the response tokens), and FSDP's gradient average
 divides the world back out. The `loss` metric is the token mean of the per-token loss under
 every aggregation. The learning rate follows actor.lr_schedule (optim.LrSchedule), a
 function of the optimizer's step count, which every checkpoint keeps.
+
+LoRA (actor.lora.rank > 0, trainer/lora.py): only the adapters train, so grads and optimizer
+count them alone. With `engine_base` (actor.lora.share_base) the base is the engine's weights
+and the module is not FSDP-wrapped: each rank holds the whole adapters (the `params` part,
+the only one `to()` moves), a replica whose grads `step` averages over ranks first. The
+reference is this model with its adapters off (`base_log_probs`).
 """
 
 from __future__ import annotations

@@ -61,11 +61,11 @@ def adapter_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Param
 
 
 def share_base(model: torch.nn.Module, engine_tensor: Callable[[str], torch.Tensor], *,
-               device: torch.device, dtype: torch.dtype) -> int:
+               device: torch.device, dtype: torch.dtype) -> None:
     """Make every base parameter a view of `engine_tensor(HF name)` (the engine's copy) and
-    move the rest (adapters, buffers) to `device`; returns the bytes of the trainer's own
-    base copy, now freed. Refuses an engine of another dtype or device, or a tensor of
-    another shape, in one line, before anything is swapped."""
+    move the rest (adapters, buffers) to `device`; the trainer's own copy (loaded on the
+    host) is freed. Refuses an engine of another dtype or device, or a tensor of another
+    shape, in one line, before anything is swapped."""
     views = []
     for name, param in model.named_parameters():
         if is_adapter(name):
@@ -83,17 +83,9 @@ def share_base(model: torch.nn.Module, engine_tensor: Callable[[str], torch.Tens
                                "the whole tensor (parallel.tp > 1?); set "
                                "actor.lora.share_base=false")
         views.append((param, view))
-    freed = sum(p.numel() * p.element_size() for p, _ in views)
     for param, view in views:
         param.data = view
     model.to(device)   # the views are on `device` already: moved are the adapters and buffers
-    return freed
-
-
-def base_storages(model: torch.nn.Module) -> set[int]:
-    """The storage pointers of the base parameters (what share_base made the engine's)."""
-    return {p.untyped_storage().data_ptr() for n, p in model.named_parameters()
-            if not is_adapter(n)}
 
 
 @contextmanager
