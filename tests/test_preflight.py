@@ -126,7 +126,7 @@ def test_a_logger_whose_package_is_missing_fails_before_loading(cfg, monkeypatch
     preflight(cfg)
 
 
-def test_train_with_lora_is_refused_in_one_line_and_writes_nothing(cfg, tmp_path):
+def test_lora_sharing_the_base_with_a_tp_engine_is_refused_in_one_line(cfg, tmp_path):
     from typer.testing import CliRunner
 
     from handoff.cli import app
@@ -134,9 +134,33 @@ def test_train_with_lora_is_refused_in_one_line_and_writes_nothing(cfg, tmp_path
     out = tmp_path / "lora-run"
     res = CliRunner().invoke(app, ["train", "examples/cpu-tiny.yaml",
                                    f"model.path={cfg.model.path}", f"run.out_dir={out}",
-                                   "actor.lora.rank=16"])
+                                   "actor.lora.rank=16", "parallel.gpus=2", "parallel.tp=2"])
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1, res.output
-    assert "actor.lora.rank=16: LoRA training is not available yet" in lines[0]
-    assert "actor.lora.rank=0" in lines[0]
+    assert "actor.lora.share_base with parallel.tp=2" in lines[0]
+    assert "set actor.lora.share_base=false" in lines[0]
     assert not out.exists()
+
+
+def test_lora_on_a_shared_base_turns_param_offload_off_with_a_warning(cfg, capsys):
+    cfg.actor.lora.rank = 8
+    cfg.memory.param_offload = True
+    plan = preflight(cfg)
+    assert cfg.memory.param_offload is False
+    assert "memory.param_offload is off under actor.lora.share_base" in capsys.readouterr().err
+    assert plan.order.mode == "lora" and not plan.ref
+
+
+def test_a_lora_run_is_checked_against_the_lora_plan(cfg):
+    # Qwen3-8B on one H200: fits with LoRA on a shared base (README), not with its full state.
+    (Path(cfg.model.path) / "config.json").write_text(json.dumps(PRESETS["qwen3-8b"]))
+    cfg.hardware.name = "h200"
+    cfg.run.resume = False
+    cfg.rollout.max_model_len = 4096
+    cfg.run.checkpoint = False   # 8B's full checkpoints (115 GB) would not fit this disk
+    with pytest.raises(HandoffError, match="the planner says this run cannot fit"):
+        preflight(cfg)
+    cfg.actor.lora.rank = 16
+    cfg.run.checkpoint = True    # a LoRA checkpoint: the adapters (~0.7 GB with Adam)
+    assert preflight(cfg).order.mode == "lora"
+    assert checkpoint_bytes(RunPlan.build(cfg)) < 1e9

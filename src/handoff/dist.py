@@ -185,6 +185,13 @@ def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return t
 
 
+def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """In-place broadcast from rank `src` over the default group (nothing at world size 1)."""
+    if dist.get_world_size() > 1:
+        dist.broadcast(t, src=src)
+    return t
+
+
 def mean_over_ranks(values: list[float]) -> tuple[float, float, int]:
     """(mean, std, count) of per-sample values gathered over every rank."""
     world = world_rank_size()[1]

@@ -9,14 +9,18 @@ record too long for rollout.max_model_len.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
+
+from rich.console import Console
 
 from handoff.config import Config
 from handoff.dist import launch_env
 from handoff.errors import HandoffError
 from handoff.loggers import check_loggers
 from handoff.model_files import cap_context, check_model_dir, load_tokenizer
+from handoff.plan.lora import adapter_params, adapter_tensors
 from handoff.run_dir import check_out_dir
 from handoff.runplan import RunPlan
 from handoff.tasks import DatasetTask, build_task
@@ -26,14 +30,12 @@ def preflight(cfg: Config) -> RunPlan:
     """Raise HandoffError naming cause and fix when `cfg` cannot run; returns the run's plan
     (built once here, after the model's files are checked).
 
-    May lower rollout.max_model_len to the model's context length (with a warning)."""
-    if cfg.actor.lora.rank:
-        raise HandoffError(f"actor.lora.rank={cfg.actor.lora.rank}: LoRA training is not "
-                           "available yet (only `handoff plan` prices it): set "
-                           "actor.lora.rank=0 to train all parameters")
+    May lower rollout.max_model_len to the model's context length, and turn
+    memory.param_offload off under LoRA on a shared base (each with a warning)."""
     launch_env()   # torchrun's variables whole and in range, or one line
     check_model_dir(cfg.model.path, flag="model.path")
     cap_context(cfg)
+    lora_settings(cfg)
     check_prompt_lengths(cfg)
     check_out_dir(cfg)
     check_loggers(cfg.run.loggers)
@@ -48,9 +50,13 @@ def preflight(cfg: Config) -> RunPlan:
     if cfg.hardware.name == "cpu":
         return run_plan
     from handoff.plan.advice import advice_text
+    from handoff.plan.lora_report import build_lora_plan
     from handoff.plan.report import build_plan
 
-    plan = build_plan(cfg, ref=cfg.actor.kl_coef > 0)
+    lora = cfg.actor.lora
+    # A base of its own (share_base=false) holds what full-parameter training holds, and more.
+    plan = (build_lora_plan(cfg) if lora.rank and lora.share_base
+            else build_plan(cfg, ref=cfg.actor.kl_coef > 0 and not lora.rank))
     verdict = plan["verdict"]
     if not verdict["fits"]:
         reasons = "; ".join(r for r in verdict["reasons"] if r.startswith("does not fit"))
@@ -58,6 +64,25 @@ def preflight(cfg: Config) -> RunPlan:
                            f"{advice_text(verdict['advice'])}. Run `handoff plan --config "
                            "CONFIG` for the full ledger")
     return run_plan
+
+
+def lora_settings(cfg: Config) -> None:
+    """LoRA on a shared base needs a whole engine per card (TP 1), and memory.param_offload
+    has nothing to move then (the base is the engine's weights, the adapters stay on the
+    card): turned off, with a warning. (`handoff plan` prices a TP engine and says why not.)"""
+    lora = cfg.actor.lora
+    tp = cfg.parallel.tp
+    if lora.rank and lora.share_base and tp > 1:
+        raise HandoffError(f"actor.lora.share_base with parallel.tp={tp}: the trainer's base can "
+                           "only be a view of an engine that holds the whole model; set "
+                           "actor.lora.share_base=false (the trainer keeps its own sharded base)")
+    if lora.rank and lora.share_base and cfg.memory.param_offload:
+        if os.environ.get("RANK", "0") == "0":
+            Console(stderr=True).print(
+                "[yellow]warning: memory.param_offload is off under actor.lora.share_base: the "
+                "base is the engine's weights and never moves, the adapters stay on the card[/]",
+                highlight=False)
+        cfg.memory.param_offload = False
 
 
 def check_prompt_lengths(cfg: Config) -> None:
@@ -110,12 +135,16 @@ def checkpoint_bytes(plan: RunPlan) -> int:
     14 GB per billion parameters; float32 params (no master) 4 + 8 = 12 GB per billion (the
     135M CPU demo: 1.6 GB a checkpoint, 3.2 GB for the two kept). The files' overhead is
     ~2 KB per tensor, nothing at scale (a tiny-qwen3 run's checkpoint measured 14.0 / 12.0 B
-    of tensors per param, its DCP metadata read back)."""
+    of tensors per param, its DCP metadata read back). Under LoRA: the adapters only."""
     from handoff.trainer.checkpoint_files import FILE_OVERHEAD_BYTES, RNG_FILE_BYTES
 
-    shape = plan.shape
-    files = shape.num_tensors * (1 + (1 if plan.dtypes.master_bytes else 0) + 2)
-    return (shape.num_params * plan.checkpoint_param_bytes()
+    shape, lora = plan.shape, plan.cfg.actor.lora
+    params, tensors = shape.num_params, shape.num_tensors
+    if lora.rank:   # a LoRA checkpoint holds the adapters and their optimizer state only
+        params = adapter_params(shape, lora.rank, lora.target_modules)
+        tensors = adapter_tensors(shape, lora.target_modules)
+    files = tensors * (1 + (1 if plan.dtypes.master_bytes else 0) + 2)
+    return (params * plan.checkpoint_param_bytes()
             + files * FILE_OVERHEAD_BYTES + plan.cfg.parallel.gpus * RNG_FILE_BYTES)
 
 

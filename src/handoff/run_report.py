@@ -33,6 +33,7 @@ from handoff.loggers import Loggers, open_loggers
 from handoff.memory.meter import MemoryMeter, plot_timeline
 from handoff.plan.hardware import HardwareProfile
 from handoff.plan.ledger import SWITCH_ACTIONS, switch_actions
+from handoff.plan.lora import lora_switch_actions
 from handoff.plan.trainer import exposed_behind_compute
 from handoff.reading import expect, read_json
 from handoff.run_dir import read_metrics
@@ -50,6 +51,14 @@ def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,
     profile's). The worker's sync is in-process on every rank (no IPC), whatever the shard
     group."""
     cfg = plan.cfg
+    if plan.lora_shared:   # the base never moves: the KV's sleep and wake, the adapters' sync
+        lora = cfg.actor.lora
+        actions = lora_switch_actions(plan.shape, cfg.memory, rates.profile(plan.hardware),
+                                      rank=lora.rank, targets=lora.target_modules,
+                                      kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes,
+                                      elastic_pool=plan.elastic_pool)
+        return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
+                for a in actions}
     parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
     actions = switch_actions(plan.shape, parallel, cfg.memory, hw,
                              kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes, ref=plan.ref,
@@ -72,7 +81,7 @@ def planned_exposure(plan: RunPlan, hw: HardwareProfile, planned: dict[str, dict
         {a: p["seconds"] for a, p in planned.items()}, cfg.memory, plan.shape, train_tokens,
         hw, ref=plan.ref,
         updates_per_step=cfg.actor.updates_per_step, generation_seconds=generation_seconds,
-        elastic_pool=plan.elastic_pool)[1]
+        elastic_pool=plan.elastic_pool, lora=plan.lora_shared)[1]
 
 
 def step_probes(timeline: list[dict], step: int) -> list[dict]:
@@ -206,6 +215,7 @@ class RunReport:
             "host_seconds": host_s, "flush_seconds": flush_s, "queue_seconds": queue_s,
             "planned_exposed_seconds": sum(exposure.values()) + host_s + flush_s + queue_s,
             "exposed_seconds": median("switch/exposed_s"), "raw_seconds": median("switch/raw_s"),
+            "lora": _lora_text(self.cfg),
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
         }
@@ -216,6 +226,16 @@ class RunReport:
                 replace_file(self.out_dir / name, text.encode(), self.out_dir)
         console.print(summary_table(summary))
         return summary
+
+
+def _lora_text(cfg) -> str | None:
+    """What the summary says of LoRA (None: full-parameter training)."""
+    lora = cfg.actor.lora
+    if not lora.rank:
+        return None
+    base = ("the base held once (the engine's weights)" if lora.share_base
+            else "the base held twice (trainer and engine)")
+    return f"LoRA rank {lora.rank} (alpha {lora.alpha:g}), {base}"
 
 
 def step_line(row: dict, *, kl: bool) -> str:
@@ -262,7 +282,8 @@ def _caption(s: dict) -> str:
     if "exposed_seconds" in s:
         why = f", {HOST_WORK}" if s["exposed_seconds"] > s.get("raw_seconds", math.inf) else ""
         exposed = f" (exposed {s['exposed_seconds']:.2f} s{why})"
-    return (f"switch {s['switch_seconds']:.2f} s{exposed} of a {s['step_seconds']:.2f} s step "
+    lora = f"{s['lora']}; " if s.get("lora") else ""
+    return (f"{lora}switch {s['switch_seconds']:.2f} s{exposed} of a {s['step_seconds']:.2f} s step "
             f"({_share(s)}); reward {s['reward_first']:.3f} (first quarter) -> "
             f"{s['reward_last']:.3f} (last quarter)")
 
@@ -289,7 +310,7 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
     """summary.md: the same table as Markdown, with the rates it was priced at."""
     r = s["rates"]
     lines = [
-        f"# Run summary: {model}", "",
+        f"# Run summary: {model}", "", *([f"{s['lora']}.", ""] if s.get("lora") else []),
         f"{s['steps']} steps on {device}; link rates measured at start: "
         f"D2H {r['d2h_bps'] / 1e9:.1f} GB/s, H2D {r['h2d_bps'] / 1e9:.1f} GB/s"
         f"{_kernel_text(r)}, "

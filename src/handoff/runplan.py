@@ -27,9 +27,10 @@ from handoff.plan.trainer import MicroBatchChoice, pick_micro_batch
 class RunPlan:
     """What the ledger needs to know of a run: the model's shape, the hardware profile
     (cfg.hardware's overrides applied; the rates a run measures are applied by its report),
-    the dtypes, the FSDP shard, whether there is a reference, the KV pool's kind, the
-    switch order those give, and actor.compile decided for the device the config names
-    (run.device, else CUDA for a GPU profile)."""
+    the dtypes, the FSDP shard, whether there is a reference model (none under LoRA: the
+    actor with its adapters off), the KV pool's kind, the switch order those give, and
+    actor.compile decided for the device the config names (run.device, else CUDA for a GPU
+    profile)."""
 
     cfg: Config
     shape: ModelShape
@@ -43,7 +44,8 @@ class RunPlan:
 
     @classmethod
     def build(cls, cfg: Config) -> "RunPlan":
-        ref = cfg.actor.kl_coef > 0
+        lora = cfg.actor.lora
+        ref = cfg.actor.kl_coef > 0 and not lora.rank   # LoRA's: the actor, adapters off
         elastic = cfg.rollout.kv_pool == "elastic"
         shape = load_shape(cfg.model.path)
         hw = hardware_profile(cfg.hardware.name or "cpu", cfg.hardware)
@@ -51,8 +53,14 @@ class RunPlan:
                    dtypes=Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype),
                    shard=shard_size(cfg.parallel), ref=ref, elastic_pool=elastic,
                    order=switch_order(cfg.memory, ref=ref, elastic_pool=elastic,
-                                      updates_per_step=cfg.actor.updates_per_step),
+                                      updates_per_step=cfg.actor.updates_per_step,
+                                      lora=bool(lora.rank) and lora.share_base),
                    compile=compile_for(cfg, shape, hw, named_device(cfg, hw)))
+
+    @property
+    def lora_shared(self) -> bool:
+        """LoRA on one copy of the base (actor.lora.share_base): plan.order's `lora` order."""
+        return self.order.mode == "lora"
 
     def compile_on(self, device_type: str | None = None) -> CompileChoice:
         """actor.compile for a `device_type` card ('cuda', 'cpu'; None: the one the config

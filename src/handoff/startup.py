@@ -10,9 +10,17 @@
    read from an earlier run's summary.json: run.rates_file);
 5. the engine, which sizes its KV pool from what is free now, and (CUDA, when the rates were
    measured here) its decode step at one and at max_num_seqs sequences.
+
+LoRA on one copy of the base (actor.lora.share_base) puts the engine first: the actor's
+frozen base is a view of its weights (trainer/lora.py), which never move, so its KV pool
+sleeps while the actor is built and the rates measured, and wakes last. memory.param_offload
+has nothing to move then (the base stays, the adapters are megabytes): it is turned off,
+said once. Under LoRA the engine's decode graphs capture adapter buffers of the run's rank.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -28,6 +36,7 @@ from handoff.rollout.engine import Engine
 from handoff.rollout.parallel import init_tp_group
 from handoff.runplan import RunPlan
 from handoff.trainer.actor import build_actor, build_reference
+from handoff.switch.lora import shares_base
 from handoff.switch.worker import HybridWorker
 
 
@@ -43,7 +52,13 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
     pool.meter = meter
     # Read and checked once: the trainer and the engine load these very files.
     files = ModelFiles.open(cfg.model.path, flag="model.path")
-    actor = build_actor(cfg, plan, device=device, arena=arena, files=files)
+    engine = None
+    if shares_base(cfg):
+        cfg = _shared_base_memory(cfg)
+        engine = _engine(cfg, files, device, pool)
+        engine.sleep_kv()
+    actor = build_actor(cfg, plan, device=device, arena=arena, files=files,
+                        engine_base=engine.export_weight if engine is not None else None)
     ref = build_reference(cfg, plan, device=device, arena=arena, files=files)
     mem = cfg.memory
     if ref is not None and mem.ref_offload:
@@ -52,9 +67,23 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
         actor.to("host", params=mem.param_offload, optimizer=mem.optimizer_offload).wait()
     aggressive_empty_cache()
     rates = Rates.load(cfg.run.rates_file) if cfg.run.rates_file else calibrate(cfg, plan, actor, pool)
-    engine = Engine(files, cfg.rollout, device=device, dtype=cfg.model.dtype, pool=pool,
-                    tp=init_tp_group(cfg.parallel.tp))
+    if engine is None:
+        engine = _engine(cfg, files, device, pool)
+    else:
+        engine.wake_up(["kv_cache"])
     if device.type == "cuda" and not cfg.run.rates_file:
         rates = Rates({**rates.values,
                        **measure_decode_rates(engine, batch=cfg.rollout.max_num_seqs)})
     return HybridWorker(cfg, actor=actor, ref=ref, engine=engine, pool=pool, meter=meter), rates
+
+
+def _engine(cfg: Config, files: ModelFiles, device: torch.device, pool: RegionPool) -> Engine:
+    lora = cfg.actor.lora
+    return Engine(files, cfg.rollout, device=device, dtype=cfg.model.dtype, pool=pool,
+                  tp=init_tp_group(cfg.parallel.tp), lora_max_rank=lora.rank or None)
+
+
+def _shared_base_memory(cfg: Config) -> Config:
+    """`cfg` with memory.param_offload off: on a shared base the params part is the
+    adapters, which stay on the card (the preflight said so when the config asked for it)."""
+    return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, param_offload=False))

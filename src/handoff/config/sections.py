@@ -120,19 +120,21 @@ class RolloutConfig:
 
 # The Linear projections of a dense decoder layer a LoRA adapter may target (HF names).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_NOT_BUILT = "planned by handoff plan; training with LoRA is not built yet"
 
 
 @dataclass
 class LoraConfig:
-    rank: int = F(0, ge=0, help=f"LoRA rank of the actor's adapters (0: off, full-parameter "
-                  f"training); {LORA_NOT_BUILT}")
-    alpha: float = F(16.0, gt=0, help=f"LoRA scaling numerator (the update is alpha / rank x "
-                     f"B A); {LORA_NOT_BUILT}")
-    dropout: float = F(0.0, ge=0, lt=1, help=f"dropout on the adapters' input; {LORA_NOT_BUILT}")
+    rank: int = F(0, ge=0, help="LoRA rank of the actor's adapters (0: off, full-parameter "
+                  "training; the reference is then the actor with its adapters off)")
+    alpha: float = F(16.0, gt=0, help="LoRA scaling numerator (the update is alpha / rank x B A)")
+    dropout: float = F(0.0, ge=0, lt=1, help="dropout on the adapters' input")
     target_modules: list[str] = F(default_factory=lambda: list(LORA_TARGETS), choices=LORA_TARGETS,
-                                  help=f"the projections of every decoder layer that get an "
-                                  f"adapter; {LORA_NOT_BUILT}")
+                                  help="the projections of every decoder layer that get an "
+                                  "adapter")
+    share_base: bool = F(True, help="one copy of the base per card: the trainer's frozen base is "
+                         "a view of the engine's weights, which never move (false: the trainer "
+                         "keeps its own FSDP-sharded base, and the engine sleeps and reloads "
+                         "it as in full-parameter training; needed with parallel.tp > 1)")
 
 
 @dataclass

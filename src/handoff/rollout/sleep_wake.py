@@ -2,7 +2,8 @@
 
 Sleep levels: 0 pauses generation only; 1 backs the weights up to pinned host memory and
 drops the KV; 2 drops both (the trainer sends new weights anyway), and generation is refused
-until `load_weights` has refilled every parameter. `EngineSleepWake` is a part of `Engine`
+until `load_weights` has refilled every parameter. `sleep_kv` drops the KV only (LoRA on a
+base the trainer shares). `EngineSleepWake` is a part of `Engine`
 (rollout/engine.py), which owns the state these methods use.
 """
 
@@ -33,6 +34,14 @@ class EngineSleepWake:
         self.pool.sleep(["kv_cache"], level=2)
         if level == 2:
             self._missing_weights = self.model.weight_keys()
+
+    def sleep_kv(self) -> None:
+        """Drop the KV pool only, the weights stay mapped: under LoRA on a shared base they are
+        the trainer's frozen base too (trainer/lora.py); `wake_up(["kv_cache"])` maps it back."""
+        self._paused = True
+        if self.pool.is_awake("kv_cache"):
+            self.blocks.reset_prefix_cache()
+        self.pool.sleep(["kv_cache"], level=2)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Map the regions of `tags` again (default both)."""

@@ -39,6 +39,7 @@ from handoff.plan.order import Move, switch_order
 from handoff.rollout.engine import Engine
 from handoff.switch.clock import StepClock, StepTimes
 from handoff.switch.copies import CopiesInFlight
+from handoff.switch.lora import shares_base, sleep_engine, sync_lora, weights_to_send
 from handoff.switch.record import Generation, SwitchRecord
 from handoff.sync.weights import sync_weights
 from handoff.trainer.actor import Actor
@@ -77,8 +78,10 @@ class HybridWorker:
         self.device = pool.device
         self.actor, self.ref, self.engine = actor, ref, engine
         self.pool, self.meter = pool, meter
+        self.lora_shared = shares_base(cfg)   # switch/lora.py: the base never moves
         self.order = switch_order(cfg.memory, ref=ref is not None, elastic_pool=engine.elastic,
-                                  updates_per_step=cfg.actor.updates_per_step)
+                                  updates_per_step=cfg.actor.updates_per_step,
+                                  lora=self.lora_shared)
         # Generation starts while the copies to the host run: a fixed pool must be mapped
         # whole at its wake.
         self.streams_to_host = cfg.memory.overlap and engine.elastic
@@ -147,7 +150,7 @@ class HybridWorker:
         """
         mem = self.cfg.memory
         self.settle()
-        self.engine.sleep(2)
+        sleep_engine(self.engine, self.cfg)
         aggressive_empty_cache()
         if mem.param_offload or mem.optimizer_offload:
             self.actor.to("device", params=mem.param_offload,
@@ -228,7 +231,8 @@ class HybridWorker:
     # ---------------------------------------------------------------- the switch to training
 
     def to_train(self) -> SwitchRecord:
-        """Engine sleep(2) (weights and KV discarded), then the order's `to_train` moves; the
+        """Engine sleep(2) (weights and KV discarded; the KV only under LoRA on a shared base:
+        switch/lora.py), then the order's `to_train` moves; the
         `first_pass` ones are left due, queued beside the first pass with room for them."""
         record = SwitchRecord()
         for move in self.order.at("to_train"):
@@ -239,7 +243,7 @@ class HybridWorker:
 
     def _to_train_move(self, record: SwitchRecord, move: Move) -> None:
         if move.action == "engine_sleep":
-            self._timed(record, "engine_sleep", lambda: self.engine.sleep(2))
+            self._timed(record, "engine_sleep", lambda: sleep_engine(self.engine, self.cfg))
             self.clock.flush()
             self.probe("after engine sleep")
         elif move.action == "ref_h2d":   # the ref's forward waits for it
@@ -280,6 +284,9 @@ class HybridWorker:
                 moved = self.ref.to("host", params=True,
                                     copy=down.how != "drop").wait()["params"]
                 record.add("ref_d2h", moved["seconds"], moved["bytes"])
+        elif self.actor.lora is not None and self.cfg.actor.kl_coef > 0:   # adapters off
+            ref = self.clock.compute("ref_forward", lambda: self.actor.base_log_probs(
+                batch, hooks=self._copies_beside(record, self.actor)))
         self.probe("after ref forward")   # with no ref too: every step has the same probes
         return {"old": old, "ref": ref}, record
 
@@ -310,7 +317,7 @@ class HybridWorker:
         record = SwitchRecord()
         hooks = None
         back = self.order.get("optimizer_h2d")
-        if self.order.mode == "streamed":
+        if self.cfg.memory.overlap:   # the streamed order, or LoRA's streamed
             hooks = self._copies_beside(record, self.actor, last=True, backward=True)
         elif back is not None:
             record.add_moves(self.actor.to("device", optimizer=True).wait(), "h2d")
@@ -352,14 +359,19 @@ class HybridWorker:
             self.engine.wake_up(["weights"])
 
     def _sync_weights(self, record: SwitchRecord) -> None:
+        if self.lora_shared:   # the engine's weights are the base: the adapters, in place
+            record.sync = sync_lora(self.actor, self.engine)
+            return
         t0 = time.perf_counter()
         self._wake_weights(record)
         record.weights_wake_seconds = time.perf_counter() - t0
         record.sync = sync_weights(
-            self.actor.full_params(self.engine.dtype), self.engine.load_weights,
+            weights_to_send(self.actor, self.engine), self.engine.load_weights,
             bucket_bytes=self.cfg.sync.bucket_mb << 20, device=self.device,
             readback=self.engine.export_weight if self.cfg.sync.verify else None,
             select=self.engine.weight_shard)
+        if self.actor.lora is not None:   # the base held twice: then the adapters beside it
+            record.sync = sync_lora(self.actor, self.engine, base=record.sync)
 
     def _hand_back_in_turn(self, record: SwitchRecord) -> None:
         """The copies to the host waited for one after the other, before the KV pool maps."""

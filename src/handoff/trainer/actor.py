@@ -20,12 +20,18 @@ all ranks' counts (token_mean: the response tokens), and FSDP's gradient average
 divides the world back out. The `loss` metric is the token mean of the per-token loss under
 every aggregation. The learning rate follows actor.lr_schedule (optim.LrSchedule), a
 function of the optimizer's step count, which every checkpoint keeps.
+
+LoRA (actor.lora.rank > 0, trainer/lora.py): only the adapters train, so grads and optimizer
+count them alone. With `engine_base` (actor.lora.share_base) the base is the engine's weights
+and the module is not FSDP-wrapped: each rank holds the whole adapters (the `params` part,
+the only one `to()` moves), a replica whose grads `step` averages over ranks first. The
+reference is this model with its adapters off (`base_log_probs`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -37,8 +43,10 @@ from handoff.plan.trainer import MicroBatchChoice
 from handoff.runplan import RunPlan
 from handoff.trainer import grpo
 from handoff.trainer.batch import RolloutBatch
-from handoff.dist import all_reduce_
+from handoff.dist import all_reduce_, broadcast_
 from handoff.trainer.forward import token_forward
+from handoff.trainer.lora import (adapter_parameters, adapters_disabled, hf_name, inject_adapters,
+                                  is_adapter, share_base)
 from handoff.trainer.model import PassHooks, ShardedModel
 from handoff.trainer.optim import LrSchedule, MixedPrecisionAdamW, local_shard
 
@@ -50,12 +58,21 @@ class Actor(ShardedModel):
     def __init__(self, path: str | ModelFiles, *, actor: ActorConfig, device: str | torch.device = "cpu",
                  dtype: str = "bfloat16", offload_mode: str = "arena",
                  arena: PinnedArena | None = None, role: str = "actor",
-                 max_response_len: int | None = None, total_updates: int | None = None):
+                 max_response_len: int | None = None, total_updates: int | None = None,
+                 engine_base: Callable[[str], torch.Tensor] | None = None):
         """`max_response_len` (rollout.max_tokens): loss_agg=seq_mean_token_sum_norm's
         constant; `total_updates` (run.steps * updates_per_step): where a cosine or linear
         lr_schedule reaches 0 (build_actor passes both from the run's config). An
-        actor.compile left 'auto' (no plan priced it: an actor built by hand) stays eager."""
+        actor.compile left 'auto' (no plan priced it: an actor built by hand) stays eager.
+        `engine_base` (actor.lora with share_base): HF name -> the engine's tensor, which the
+        frozen base becomes a view of (trainer/lora.py); the module is then not sharded."""
         self.cfg = actor
+        self.lora = actor.lora if actor.lora.rank else None
+        if engine_base is not None and self.lora is None:
+            raise HandoffError("engine_base is the base a LoRA actor shares: set actor.lora.rank")
+        self._engine_base = engine_base
+        # Data-parallel replicas of the adapters: grads averaged by hand (_average_grads).
+        self.replicated = engine_base is not None
         if not isinstance(actor.micro_batch_tokens, int) or not isinstance(
                 actor.gradient_checkpointing, bool):
             raise HandoffError("actor.micro_batch_tokens / gradient_checkpointing are 'auto': "
@@ -77,13 +94,58 @@ class Actor(ShardedModel):
                                              weight_decay=actor.weight_decay)
         self._parts["grads"] = self._grad_tensors
         self._parts["optimizer"] = lambda: list(self.optimizer.tensors().values())
+        # Under LoRA only the adapters have grads.
+        self._grad_bytes = self._param_bytes if self.lora is None else self._unique_bytes(
+            [local_shard(p.detach()) for p in self.optimizer.params])
+
+    # ---- LoRA (trainer/lora.py) -----------------------------------------------------------
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.lora is None:
+            return super()._wrap(model)
+        model = inject_adapters(model, self.lora)
+        if self._engine_base is None:
+            return self._shard(model)
+        share_base(model, self._engine_base, device=self.device, dtype=self.dtype)
+        # Same seed, same init on every rank already; rank 0's copy makes it certain.
+        for _, p in adapter_parameters(model):
+            broadcast_(p.data)
+        return model
+
+    def _param_tensors(self) -> list[torch.Tensor]:
+        if self.replicated:   # the base is the engine's: "params" are the adapters only
+            return [p.detach() for _, p in adapter_parameters(self.module)]
+        return super()._param_tensors()
+
+    def adapter_tensors(self, dtype: torch.dtype | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(peft name, whole adapter tensor cast to `dtype`), gathered from the shards without
+        share_base (collective then: every rank runs it to the end)."""
+        self.require_on_device("params")
+        for name, p in adapter_parameters(self.module):
+            full = self._gather(p)
+            yield name, (full if dtype is None or full.dtype == dtype else full.to(dtype))
+
+    def base_tensors(self, dtype: torch.dtype | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of the base, as full_params gives them (share_base=false:
+        the engine's sleep drops its copy, so the sync sends the base back)."""
+        for name, full in self.full_params(dtype):
+            if not is_adapter(name):
+                yield hf_name(name), full
+
+    def base_log_probs(self, batch: RolloutBatch, *, hooks: PassHooks | None = None
+                       ) -> torch.Tensor:
+        """The reference's log-probs under LoRA: this model with its adapters off."""
+        with adapters_disabled(self.module):
+            return self.log_probs(batch, with_entropy=False, hooks=hooks)[0]
 
     def _grad_tensors(self) -> list[torch.Tensor]:
         return [local_shard(p.grad) for p in self.optimizer.params if p.grad is not None]
 
     def memory_parts(self) -> dict[str, int]:
         # A grad shard has its param's dtype and FSDP's padded shard size.
-        return {"params": self._param_bytes, "grads": self._param_bytes,
+        return {"params": self._param_bytes, "grads": self._grad_bytes,
                 "optimizer": self.optimizer.nbytes()}
 
     # ---- the GRPO update ------------------------------------------------------------------
@@ -181,6 +243,8 @@ class Actor(ShardedModel):
         running is waited for here, after the norm has synced the compute stream, so the
         wait is exactly the time the copy outlived the forwards and backwards."""
         self.require_on_device("params", "grads")
+        if self.replicated:
+            self._average_grads()
         grad_norm = self._grad_norm()
         self.require_on_device("optimizer")
         self.optimizer.lr = self.schedule.lr_at(self.optimizer.step_count + 1)
@@ -197,7 +261,21 @@ class Actor(ShardedModel):
         sq = torch.zeros((), dtype=torch.float32, device=where)
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-        return math.sqrt(float(all_reduce_(sq).item()))
+        # Shards add up over ranks; replicas hold the whole (averaged) grads each.
+        return math.sqrt(float((sq if self.replicated else all_reduce_(sq)).item()))
+
+    def _average_grads(self) -> None:
+        """The replicas' adapter grads averaged over ranks in fp32, one all-reduce (megabytes):
+        what FSDP's reduce-scatter does for a sharded model."""
+        grads = self._grad_tensors()
+        if self.world_size == 1 or not grads:
+            return
+        flat = all_reduce_(torch.cat([g.reshape(-1).float() for g in grads]))
+        flat /= self.world_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def resolve_actor_config(plan: RunPlan, device: str | torch.device
@@ -212,15 +290,18 @@ def resolve_actor_config(plan: RunPlan, device: str | torch.device
 
 
 def build_actor(cfg: Config, plan: RunPlan, *, device: str | torch.device,
-                arena: PinnedArena | None = None, files: ModelFiles | None = None) -> Actor:
+                arena: PinnedArena | None = None, files: ModelFiles | None = None,
+                engine_base: Callable[[str], torch.Tensor] | None = None) -> Actor:
     """The actor from a run config: model.path (or `files`, the run's opened model.path) /
     model.dtype, actor.* ('auto' resolved by resolve_actor_config, the choice kept as
-    actor.micro_batch_choice), memory.offload_mode."""
+    actor.micro_batch_choice), memory.offload_mode; `engine_base`: the engine's tensors a
+    LoRA actor's base shares (Actor)."""
     actor_cfg, choice = resolve_actor_config(plan, device)
     actor = Actor(files or cfg.model.path, actor=actor_cfg, device=device, dtype=cfg.model.dtype,
                   offload_mode=cfg.memory.offload_mode, arena=arena,
                   max_response_len=cfg.rollout.max_tokens,
-                  total_updates=cfg.run.steps * actor_cfg.updates_per_step)
+                  total_updates=cfg.run.steps * actor_cfg.updates_per_step,
+                  engine_base=engine_base)
     actor.micro_batch_choice = choice
     return actor
 
@@ -228,9 +309,10 @@ def build_actor(cfg: Config, plan: RunPlan, *, device: str | torch.device,
 def build_reference(cfg: Config, plan: RunPlan, *, device: str | torch.device,
                     arena: PinnedArena | None = None,
                     files: ModelFiles | None = None) -> ShardedModel | None:
-    """The frozen reference model, or None when actor.kl_coef == 0 (no KL term at all); its
+    """The frozen reference model, or None when actor.kl_coef == 0 (no KL term at all) or
+    under LoRA (the reference is the actor with its adapters off: Actor.base_log_probs); its
     forwards use the actor's micro-batches, log-prob head and compiled layers."""
-    if cfg.actor.kl_coef == 0:
+    if cfg.actor.kl_coef == 0 or cfg.actor.lora.rank:
         return None
     actor_cfg, _ = resolve_actor_config(plan, device)
     return ShardedModel(files or cfg.model.path, role="ref", device=device, dtype=cfg.model.dtype,

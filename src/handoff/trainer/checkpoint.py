@@ -7,6 +7,8 @@
 Layout under the root:
   step_00000010_<id>/   torch.distributed.checkpoint files (every rank's shards of the params
                         and of the fp32 master / Adam moments), rng_rank<r>.json, meta.json
+                        (under LoRA: the adapters and their optimizer state only, meta.json's
+                        `lora` names rank, alpha and targets; a full checkpoint has lora null)
   latest                the name of the newest complete directory (one line)
 A save writes everything into `.tmp_<name>/` with fsync, renames it into place, then replaces
 `latest` atomically (write latest.tmp, fsync, rename). A process killed at any moment leaves
@@ -57,15 +59,27 @@ _NAME = re.compile(r"step_\d+_[A-Za-z0-9]+")   # what `latest` may name: no path
 
 
 def _state(actor: Actor) -> dict:
-    """Every tensor to save, as DTensors sharing storage with the live ones (load is in place)."""
+    """Every tensor to save, sharing storage with the live ones (load is in place): DTensors
+    of FSDP's shards, or a LoRA replica's whole tensors. Under LoRA the `model` part is the
+    adapters only (trainer/lora.py's names), never the frozen base."""
     params = dict(actor.module.named_parameters())
-    model = {name: p.detach() for name, p in params.items()}
+    model = {name: p.detach() for name, p in params.items()
+             if actor.lora is None or p.requires_grad}
     optim = {}
     for key, t in actor.optimizer.tensors().items():
         p = params[key.rsplit("/", 1)[0]]
-        optim[key] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
-                                        shape=p.shape, stride=p.stride())
+        optim[key] = t if not isinstance(p, DTensor) else DTensor.from_local(
+            t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     return {"model": model, "optim": optim}
+
+
+def lora_meta(actor: Actor) -> dict | None:
+    """What meta.json records of a LoRA checkpoint (None: full parameters); a resume must
+    match it."""
+    lora = actor.lora
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
 
 
 def _fsync(path: Path) -> None:
@@ -134,7 +148,7 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
             meta = {"format": FORMAT, "step": step, "optimizer_step": actor.optimizer.step_count,
                     "world_size": actor.world_size, "extra": extra or {},
                     "model": model_identity(actor.module, actor.dtype),
-                    "files": file_hashes(tmp)}
+                    "lora": lora_meta(actor), "files": file_hashes(tmp)}
             _write_durable(tmp / META, json.dumps(meta).encode())
             _fsync(tmp)
     except (Exception, CheckpointException, KeyboardInterrupt) as e:   # DCP's: BaseException
@@ -161,6 +175,13 @@ def checkpoint_bytes(actor: Actor) -> int:
     tensors = [t for part in state.values() for t in part.values()]
     return (sum(t.numel() * t.element_size() for t in tensors)
             + len(tensors) * FILE_OVERHEAD_BYTES + actor.world_size * RNG_FILE_BYTES)
+
+
+def _kind(lora: object) -> str:
+    if not isinstance(lora, dict):
+        return "full parameters"
+    return (f"a LoRA adapter (rank {lora.get('rank')}, alpha {lora.get('alpha')}, "
+            f"{', '.join(map(str, lora.get('target_modules') or []))})")
 
 
 def _causes(error: BaseException) -> list[BaseException]:
@@ -309,6 +330,10 @@ def load_checkpoint(root: str | Path, actor: Actor) -> dict | None:
                            "verified; resume it with the handoff that wrote it, or start over "
                            "with --overwrite")
     step = checkpoint_step(path)
+    if meta.get("lora") != lora_meta(actor):
+        raise HandoffError(f"checkpoint {path} holds {_kind(meta.get('lora'))}, this run trains "
+                           f"{_kind(lora_meta(actor))}: resume with the actor.lora settings that "
+                           "wrote it, or start over with --overwrite")
     check_identity(path, meta.get("model"), model_identity(actor.module, actor.dtype))
     _on_rank0(lambda: verify_files(path, meta.get("files")))
     if dist.get_rank() == 0:

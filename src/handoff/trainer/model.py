@@ -40,7 +40,8 @@ import time
 from typing import Callable, Iterator, Protocol
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
 from torch.distributed.tensor import DTensor
 
 from handoff.errors import HandoffError
@@ -160,7 +161,7 @@ class ShardedModel:
         model = load_hf_model(path, self.dtype, gradient_checkpointing and self.trainable)
         if not self.trainable:
             model.requires_grad_(False)
-        self.module = self._shard(model)
+        self.module = self._wrap(model)
         # After sharding: FSDP2's hooks stay outside the compiled forwards (trainer/compiled.py).
         set_compiled_layers(self.module, compile_layers)
         self._parts = {"params": self._param_tensors}
@@ -171,6 +172,10 @@ class ShardedModel:
         self._param_bytes = self._unique_bytes(self._param_tensors())
 
     # ---- sharding -------------------------------------------------------------------------
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module this model computes with (the actor's LoRA wraps it first)."""
+        return self._shard(model)
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
@@ -224,7 +229,8 @@ class ShardedModel:
         if to_host:
             # FSDP2 keeps the root's parameters gathered after a forward that no backward
             # follows (the ref's): shard them again, so what moves is always the shards.
-            self.module.reshard()
+            if isinstance(self.module, FSDPModule):   # a LoRA actor on a shared base is not
+                self.module.reshard()
         transfers: dict[str, Transfer | None] = {}
         for part in (p for p in self._parts if parts.get(p)):
             if self.offload_mode == "fsdp" or (part in self._host) == to_host:
@@ -369,6 +375,8 @@ class ShardedModel:
             # parameter on the H200's host, a third of the sync's host time).
             shard = local_shard(p).detach()
             return shard if self.offload_mode == "arena" else shard.to(self.device)
+        if not isinstance(p, DTensor):   # a replica's tensor (LoRA on a shared base): whole
+            return p.detach()
         shard = local_shard(p.detach())
         if shard.device != self.device:   # CPUOffloadPolicy keeps shards on the host
             p = DTensor.from_local(shard.to(self.device), p.device_mesh, p.placements,
