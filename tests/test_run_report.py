@@ -5,9 +5,9 @@ import pytest
 
 from handoff.calibrate import Rates
 from handoff.config import load_config
-from handoff.memory.meter import MemoryMeter
+from handoff.memory.meter import MemoryMeter, step_probes
 from handoff.plan.shapes import load_shape
-from handoff.run_report import RunReport, planned_actions, step_probes
+from handoff.run_report import RunReport, planned_actions
 from handoff.runplan import RunPlan
 
 

@@ -4,7 +4,7 @@
     report.start(first_step)       # first, the compiled layers' decision and its reason
     report.log_step(row)           # metrics.jsonl + run.loggers + one console line
     report.log_samples(step, [(prompt, completion, reward), ...])   # samples.jsonl + loggers
-    summary = report.finish()      # summary.md, memory_timeline.{jsonl,png}, a rich table
+    summary = report.finish()      # summary.{md,json}, memory_timeline.{jsonl,png}, a table
 
 The planned column is the ledger (handoff.plan.ledger) for this model and these offloads,
 fed with the rates this run measured at its start (handoff.calibrate), so the gap between
@@ -30,7 +30,7 @@ from rich.table import Table
 from handoff.calibrate import Rates
 from handoff.config import Config, to_dict
 from handoff.loggers import Loggers, open_loggers
-from handoff.memory.meter import MemoryMeter, plot_timeline
+from handoff.memory.meter import MemoryMeter
 from handoff.plan.hardware import HardwareProfile
 from handoff.plan.ledger import SWITCH_ACTIONS, switch_actions
 from handoff.plan.lora import lora_switch_actions
@@ -53,7 +53,7 @@ def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,
     cfg = plan.cfg
     if plan.lora_shared:   # the base never moves: the KV's sleep and wake, the adapters' sync
         lora = cfg.actor.lora
-        actions = lora_switch_actions(plan.shape, cfg.memory, rates.profile(plan.hardware),
+        actions = lora_switch_actions(plan.shape, cfg.memory, hw,
                                       rank=lora.rank, targets=lora.target_modules,
                                       kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes,
                                       elastic_pool=plan.elastic_pool)
@@ -82,18 +82,6 @@ def planned_exposure(plan: RunPlan, hw: HardwareProfile, planned: dict[str, dict
         hw, ref=plan.ref,
         updates_per_step=cfg.actor.updates_per_step, generation_seconds=generation_seconds,
         elastic_pool=plan.elastic_pool, lora=plan.lora_shared)[1]
-
-
-def step_probes(timeline: list[dict], step: int) -> list[dict]:
-    """The probes of `step` (0-based), after the card as the step found it: the last probe
-    before it (the previous switch's KV wake, which an elastic pool grows from), named with
-    its step counted from 1. The whole timeline if the step has none."""
-    probes = [p for p in timeline if p.get("step") == step]
-    if not probes:
-        return timeline
-    before = [p for p in timeline if p.get("step", 0) < step]
-    return ([dict(before[-1], name=f"{before[-1]['name']} (step {step})")] if before else []
-            ) + probes
 
 
 class RunReport:
@@ -178,14 +166,6 @@ class RunReport:
         if self._loggers is not None:
             with self._writing(self._loggers_path()):
                 self._loggers.close()
-        meter = self.meter
-        with self._writing(self.out_dir / "memory_timeline.jsonl"):
-            meter.write_jsonl(self.out_dir / "memory_timeline.jsonl")
-        last_step = self.rows[-1]["step"] - 1 if self.rows else 0
-        with self._writing(self.out_dir / "memory_timeline.png"):
-            plot_timeline(step_probes(meter.timeline, last_step),
-                          self.out_dir / "memory_timeline.png",
-                          title=f"memory by owner, step {last_step + 1}")
         measured = self._measured()
         rows = self.rows[1:] or self.rows
 
@@ -219,11 +199,14 @@ class RunReport:
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
         }
-        for name, text in (("summary.md", summary_markdown(summary, self.cfg.model.path,
-                                                             str(self.meter.device))),
-                           ("summary.json", json.dumps(summary, indent=1))):
+        last_step = self.rows[-1]["step"] - 1 if self.rows else 0
+        files = {**self.meter.report_files(last_step),
+                 "summary.md": summary_markdown(summary, self.cfg.model.path,
+                                                str(self.meter.device)).encode(),
+                 "summary.json": json.dumps(summary, indent=1).encode()}
+        for name, data in files.items():   # each whole or not at all, none through a link
             with self._writing(self.out_dir / name):
-                replace_file(self.out_dir / name, text.encode(), self.out_dir)
+                replace_file(self.out_dir / name, data, self.out_dir)
         console.print(summary_table(summary))
         return summary
 

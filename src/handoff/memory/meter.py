@@ -96,17 +96,39 @@ class MemoryMeter:
         self.timeline.append(record)
         return record
 
+    def timeline_jsonl(self) -> bytes:
+        """The whole timeline, one JSON object per probe."""
+        return "".join(json.dumps(record) + "\n" for record in self.timeline).encode()
+
     def write_jsonl(self, path: str | Path) -> Path:
-        """Write the whole timeline, one JSON object per probe; returns the path."""
+        """Write the whole timeline (timeline_jsonl); returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = "".join(json.dumps(record) + "\n" for record in self.timeline)
-        replace_file(path, text.encode(), path.parent)   # whole or not at all; no link followed
+        replace_file(path, self.timeline_jsonl(), path.parent)   # whole or not at all; no link followed
         return path
 
     def plot(self, path: str | Path, *, title: str | None = None) -> Path:
         """Render memory by owner over the probes as a PNG (see plot_timeline)."""
         return plot_timeline(self.timeline, path, title=title)
+
+    def report_files(self, step: int) -> dict[str, bytes]:
+        """What a run's report writes of the meter: memory_timeline.jsonl (every probe) and
+        memory_timeline.png (the probes of `step`, 0-based: step_probes)."""
+        return {"memory_timeline.jsonl": self.timeline_jsonl(),
+                "memory_timeline.png": timeline_png(step_probes(self.timeline, step),
+                                                    title=f"memory by owner, step {step + 1}")}
+
+
+def step_probes(timeline: list[dict], step: int) -> list[dict]:
+    """The probes of `step` (0-based), after the card as the step found it: the last probe
+    before it (the previous switch's KV wake, which an elastic pool grows from), named with
+    its step counted from 1. The whole timeline if the step has none."""
+    probes = [p for p in timeline if p.get("step") == step]
+    if not probes:
+        return timeline
+    before = [p for p in timeline if p.get("step", 0) < step]
+    return ([dict(before[-1], name=f"{before[-1]['name']} (step {step})")] if before else []
+            ) + probes
 
 
 def owners(record: dict) -> dict[str, int]:
@@ -134,12 +156,18 @@ def owners(record: dict) -> dict[str, int]:
 
 
 def plot_timeline(timeline: list[dict], path: str | Path, *, title: str | None = None) -> Path:
+    """Write timeline_png to `path`; returns it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(path, timeline_png(timeline, title=title), path.parent)
+    return path
+
+
+def timeline_png(timeline: list[dict], *, title: str | None = None) -> bytes:
     """Stacked bars of memory by owner per probe (top) and pinned host bytes (bottom)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     split = [owners(r) for r in timeline]
     keys = list(dict.fromkeys(k for parts in split for k in parts))
     palette = ["#DD8452", "#55A868", "#C44E52", "#8172B3", "#CCB974", "#64B5CD", "#DA8BC3"]
@@ -184,5 +212,4 @@ def plot_timeline(timeline: list[dict], path: str | Path, *, title: str | None =
     ax_pin.grid(axis="y", alpha=0.3)
     png = io.BytesIO()
     fig.savefig(png, format="png", bbox_inches="tight")
-    replace_file(path, png.getvalue(), path.parent)
-    return path
+    return png.getvalue()
