@@ -33,7 +33,7 @@ from handoff.loggers import Loggers, open_loggers
 from handoff.memory.meter import MemoryMeter
 from handoff.plan.hardware import HardwareProfile
 from handoff.plan.ledger import SWITCH_ACTIONS, switch_actions
-from handoff.plan.lora import lora_switch_actions
+from handoff.plan.lora import held_twice_actions, lora_switch_actions
 from handoff.plan.trainer import exposed_behind_compute
 from handoff.reading import expect, read_json
 from handoff.run_dir import read_metrics
@@ -66,6 +66,11 @@ def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,
                              weights_map_bps=rates.get("weights_map_bps"),
                              h2d_bps=rates.get("h2d_bps"), elastic_pool=plan.elastic_pool,
                              updates_per_step=cfg.actor.updates_per_step)
+    if cfg.actor.lora.rank:   # its own base, which the engine backs up and restores, never syncs
+        lora = cfg.actor.lora
+        actions = held_twice_actions(actions, plan.shape, hw, tp=parallel.tp, rank=lora.rank,
+                                     targets=lora.target_modules, dtypes=plan.dtypes,
+                                     h2d_bps=rates.get("h2d_bps"))
     return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
             for a in actions}
 

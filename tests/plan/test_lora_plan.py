@@ -12,9 +12,9 @@ from handoff.cli import app
 from handoff.config import LORA_TARGETS, MemoryConfig, load_config
 from handoff.errors import ConfigError, HandoffError
 from handoff.plan.hardware import hardware_profile
-from handoff.plan.ledger import SWITCH_ACTIONS, exposed_seconds
-from handoff.plan.lora import (adapter_params, adapter_tensors, lora_switch_actions,
-                               projection_shapes)
+from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, exposed_seconds
+from handoff.plan.lora import (adapter_params, adapter_sync_seconds, adapter_tensors,
+                               held_twice_actions, lora_switch_actions, projection_shapes)
 from handoff.plan.lora_report import build_lora_plan
 from handoff.plan.order import switch_order
 from handoff.plan.report import build_plan
@@ -93,6 +93,32 @@ def test_the_switch_moves_the_kv_and_the_adapters_only():
     kept = build_lora_plan(_cfg("qwen3-8b", "memory.optimizer_offload=false"), advise=False)
     assert kept["switch"]["total_bytes_per_card"] == 0
     assert kept["memory"]["generate"]["trainer_left"] == 14 * n   # params + master + Adam
+
+
+def test_a_base_held_twice_is_backed_up_and_restored_and_only_the_adapters_synced():
+    from handoff.config import ParallelConfig
+    from handoff.plan.kvpool import engine_weight_bytes
+    from handoff.plan.ledger import switch_actions
+
+    shape, hw = load_shape("qwen3-8b"), hardware_profile("h200")
+    full = switch_actions(shape, ParallelConfig(gpus=1), MemoryConfig(), hw, kv_pool_bytes=40e9,
+                          ref=False)
+    held = {a.name: a for a in held_twice_actions(full, shape, hw, tp=1, rank=16,
+                                                  targets=LORA_TARGETS)}
+    full = {a.name: a for a in full}
+    weights = engine_weight_bytes(shape, 1, 2)
+    assert held["engine_sleep"].bytes_per_card == weights   # level 1: the base to the host
+    assert held["engine_sleep"].seconds == pytest.approx(
+        weights / hw.pinned_pcie_bps + full["engine_sleep"].seconds)
+    assert held["engine_weights_sync"].bytes_per_card == weights + 2 * adapter_params(
+        shape, 16, LORA_TARGETS)
+    assert held["engine_weights_sync"].seconds == pytest.approx(
+        weights / hw.pinned_pcie_bps + adapter_sync_seconds(shape, hw, rank=16,
+                                                            targets=LORA_TARGETS,
+                                                            dtypes=Dtypes()))
+    for name in SWITCH_ACTIONS:   # the trainer's own moves are full-parameter training's
+        if name not in ("engine_sleep", "engine_weights_sync"):
+            assert held[name] == full[name]
 
 
 @pytest.mark.parametrize("overlap, elastic", [(True, True), (True, False), (False, False)])

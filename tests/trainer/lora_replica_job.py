@@ -63,10 +63,9 @@ def main(ckpt: str, out: str, share: bool) -> None:
         batch = global_batch(seed)
         grad_norms.append(actor.update(batch.rows(*ROWS[rank]) if world > 1 else batch)[
             "grad_norm"])
-        if not share:
-            engine.sleep(2)
+        if not share:   # its own base: the engine's backed up to the host and restored
+            engine.sleep(1)
             engine.wake_up(["weights"])
-            engine.load_weights(actor.base_tensors(engine.dtype))
         sync_lora(actor, engine)
     slot = engine.lora.linears["model.layers.0.mlp.gate_up_proj"].lora
     torch.save({"adapters": {n: t.clone() for n, t in actor.adapter_tensors()},

@@ -133,8 +133,9 @@ class LoraConfig:
                                   "adapter")
     share_base: bool = F(True, help="one copy of the base per card: the trainer's frozen base is "
                          "a view of the engine's weights, which never move (false: the trainer "
-                         "keeps its own FSDP-sharded base, and the engine sleeps and reloads "
-                         "it as in full-parameter training; needed with parallel.tp > 1)")
+                         "keeps its own FSDP-sharded base, and the engine's sleep backs its "
+                         "base up to pinned host memory, its wake restores it; the sync copies "
+                         "the adapters only either way; needed with parallel.tp > 1)")
 
 
 @dataclass

@@ -17,13 +17,21 @@ The switch (plan.order's `lora` moves, the nine SWITCH_ACTIONS names kept): the 
 the KV pool only, the weight sync copies the adapters (2 B each, a copy per tensor), the wake
 maps the KV pool; the adapters' optimizer state goes to the host and back only when
 memory.optimizer_offload is on; params and reference move nothing.
+
+With a base of the trainer's own (actor.lora.share_base=false: the base held twice, as a TP
+engine needs) the full-parameter actions hold for the trainer, and the engine's two change
+(held_twice_actions): its sleep backs the unchanging base up to pinned host memory (level 1)
+and its wake restores it at the PCIe rate, so the sync copies the adapters only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from handoff.config import MemoryConfig
 from handoff.errors import HandoffError
 from handoff.plan.hardware import GB, HardwareProfile
+from handoff.plan.kvpool import engine_weight_bytes
 from handoff.plan.ledger import HOST_LINK, Dtypes, SwitchAction
 from handoff.plan.order import switch_order
 from handoff.plan.shapes import ModelShape
@@ -98,6 +106,30 @@ def adapter_sync_seconds(shape: ModelShape, hw: HardwareProfile, *, rank: int,
     nbytes = adapter_params(shape, rank, targets) * dtypes.param_bytes
     return max(2 * nbytes / hw.sync_copy_bps,
                adapter_tensors(shape, targets) * hw.sync_tensor_seconds)
+
+
+def held_twice_actions(actions: list[SwitchAction], shape: ModelShape, hw: HardwareProfile, *,
+                       tp: int, rank: int, targets: list[str] | tuple[str, ...],
+                       dtypes: Dtypes = Dtypes(), h2d_bps: float | None = None
+                       ) -> list[SwitchAction]:
+    """The full-parameter `actions` (plan.ledger.switch_actions) of a LoRA run whose trainer
+    holds its own base: the engine's sleep copies its base to pinned host memory besides
+    unmapping, the sync restores it from there and copies the adapters in place."""
+    weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
+    adapters = adapter_params(shape, rank, targets) * dtypes.engine_bytes
+    gb = weights / GB
+    changed = {
+        "engine_sleep": lambda a: dataclasses.replace(
+            a, direction="D2H", bytes_per_card=weights, link=HOST_LINK,
+            seconds=weights / hw.pinned_pcie_bps + a.seconds,
+            note=f"level 1: the base ({gb:.1f} GB, never changed) to pinned host, KV discarded"),
+        "engine_weights_sync": lambda a: dataclasses.replace(
+            a, direction="H2D", bytes_per_card=weights + adapters, link=HOST_LINK,
+            seconds=weights / (h2d_bps or hw.pinned_pcie_bps) + adapter_sync_seconds(
+                shape, hw, rank=rank, targets=targets, dtypes=dtypes),
+            note="the base restored from pinned host, then the adapters only, in place"),
+    }
+    return [changed[a.name](a) if a.name in changed else a for a in actions]
 
 
 def lora_switch_actions(shape: ModelShape, memory: MemoryConfig, hw: HardwareProfile, *,

@@ -5,8 +5,10 @@
 
 With actor.lora.share_base (plan/order.py's `lora` order) the engine's weights are the
 trainer's frozen base: its sleep drops the KV only, the sync copies the adapters in place,
-the wake maps the KV. Without (the base held twice), the engine sleeps and reloads the base
-as in full-parameter training, then takes the adapters beside it.
+the wake maps the KV. Without (the base held twice: the trainer's own, FSDP-sharded, as a TP
+engine needs) the base still never changes, so the engine's sleep backs it up to pinned host
+memory (level 1, the source's choice for LoRA) and its wake restores it at the PCIe rate:
+the sync copies the adapters only there too (plan/lora.py: held_twice_actions prices it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from handoff.config import Config
 from handoff.rollout.engine import Engine
 from handoff.sync.adapters import sync_adapters
-from handoff.sync.weights import SyncStats, WeightIter
+from handoff.sync.weights import SyncStats
 from handoff.trainer.actor import Actor
 
 
@@ -24,31 +26,17 @@ def shares_base(cfg: Config) -> bool:
 
 
 def sleep_engine(engine: Engine, cfg: Config) -> None:
-    """The switch's engine sleep: KV only on a shared base, else weights and KV (level 2)."""
+    """The switch's engine sleep: KV only on a shared base; under LoRA with a base of the
+    trainer's own, the base to pinned host memory and the KV dropped (level 1); in
+    full-parameter training weights and KV dropped (level 2): the sync refills them."""
     if shares_base(cfg):
         engine.sleep_kv()
     else:
-        engine.sleep(2)
+        engine.sleep(1 if cfg.actor.lora.rank else 2)
 
 
-def weights_to_send(actor: Actor, engine: Engine) -> WeightIter:
-    """What a full sync sends: every parameter, or under LoRA (share_base=false) the base's
-    under their HF names (the adapters follow through `add_adapters`)."""
-    if actor.lora is None:
-        return actor.full_params(engine.dtype)
-    return actor.base_tensors(engine.dtype)
-
-
-def sync_lora(actor: Actor, engine: Engine, base: SyncStats | None = None) -> SyncStats:
-    """The adapters into the engine (in place); with `base` (the base's sync just run), one
-    record of both."""
+def sync_lora(actor: Actor, engine: Engine) -> SyncStats:
+    """The adapters into the engine, in place."""
     lora = actor.lora
-    stats = sync_adapters(actor.adapter_tensors(engine.dtype), engine.load_adapter,
-                          alpha=lora.alpha, rank=lora.rank, device=engine.device)
-    if base is None:
-        return stats
-    base.num_tensors += stats.num_tensors
-    base.bytes += stats.bytes
-    base.seconds += stats.seconds
-    base.host_seconds += stats.host_seconds
-    return base
+    return sync_adapters(actor.adapter_tensors(engine.dtype), engine.load_adapter,
+                         alpha=lora.alpha, rank=lora.rank, device=engine.device)

@@ -39,7 +39,7 @@ from handoff.plan.order import Move, switch_order
 from handoff.rollout.engine import Engine
 from handoff.switch.clock import StepClock, StepTimes
 from handoff.switch.copies import CopiesInFlight
-from handoff.switch.lora import shares_base, sleep_engine, sync_lora, weights_to_send
+from handoff.switch.lora import shares_base, sleep_engine, sync_lora
 from handoff.switch.record import Generation, SwitchRecord
 from handoff.sync.weights import sync_weights
 from handoff.trainer.actor import Actor
@@ -359,19 +359,21 @@ class HybridWorker:
             self.engine.wake_up(["weights"])
 
     def _sync_weights(self, record: SwitchRecord) -> None:
-        if self.lora_shared:   # the engine's weights are the base: the adapters, in place
+        """Full-parameter: the engine's weights mapped, then every param sent. LoRA: the
+        adapters only, in place (switch/lora.py), after the wake restored a base of the
+        trainer's own from the host (a shared one never left)."""
+        if not self.lora_shared:
+            t0 = time.perf_counter()
+            self._wake_weights(record)
+            record.weights_wake_seconds = time.perf_counter() - t0
+        if self.actor.lora is not None:
             record.sync = sync_lora(self.actor, self.engine)
             return
-        t0 = time.perf_counter()
-        self._wake_weights(record)
-        record.weights_wake_seconds = time.perf_counter() - t0
         record.sync = sync_weights(
-            weights_to_send(self.actor, self.engine), self.engine.load_weights,
+            self.actor.full_params(self.engine.dtype), self.engine.load_weights,
             bucket_bytes=self.cfg.sync.bucket_mb << 20, device=self.device,
             readback=self.engine.export_weight if self.cfg.sync.verify else None,
             select=self.engine.weight_shard)
-        if self.actor.lora is not None:   # the base held twice: then the adapters beside it
-            record.sync = sync_lora(self.actor, self.engine, base=record.sync)
 
     def _hand_back_in_turn(self, record: SwitchRecord) -> None:
         """The copies to the host waited for one after the other, before the KV pool maps."""

@@ -45,8 +45,8 @@ from handoff.trainer import grpo
 from handoff.trainer.batch import RolloutBatch
 from handoff.dist import all_reduce_, broadcast_
 from handoff.trainer.forward import token_forward
-from handoff.trainer.lora import (adapter_parameters, adapters_disabled, hf_name, inject_adapters,
-                                  is_adapter, share_base)
+from handoff.trainer.lora import (adapter_parameters, adapters_disabled, inject_adapters,
+                                  share_base)
 from handoff.trainer.model import PassHooks, ShardedModel
 from handoff.trainer.optim import LrSchedule, MixedPrecisionAdamW, local_shard
 
@@ -125,14 +125,6 @@ class Actor(ShardedModel):
         for name, p in adapter_parameters(self.module):
             full = self._gather(p)
             yield name, (full if dtype is None or full.dtype == dtype else full.to(dtype))
-
-    def base_tensors(self, dtype: torch.dtype | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) of the base, as full_params gives them (share_base=false:
-        the engine's sleep drops its copy, so the sync sends the base back)."""
-        for name, full in self.full_params(dtype):
-            if not is_adapter(name):
-                yield hf_name(name), full
 
     def base_log_probs(self, batch: RolloutBatch, *, hooks: PassHooks | None = None
                        ) -> torch.Tensor:
