@@ -207,3 +207,23 @@ def test_the_measured_wake_leaves_the_margin_beside_the_held_weights(model_dir, 
     small_kv, small_weights, _ = calibrate_module._switch_sizes(cfg, RunPlan.build(cfg), pool)
     assert small_weights == weights and small_kv <= kv // 2
     assert small_kv + small_weights + margin <= free
+
+
+def test_lora_on_a_shared_base_measures_the_kv_wake_beside_the_weights_it_holds(
+        model_dir, tmp_path, monkeypatch):
+    import handoff.calibrate as calibrate_module
+
+    cfg = _cfg(model_dir, tmp_path, "actor.lora.rank=4")
+    plan = RunPlan.build(cfg)
+    assert plan.lora_shared
+    margin = 1 << 30
+    pool = RegionPool(torch.device("cpu"), wake_margin_bytes=margin)
+    kv, weights, freed = calibrate_module._switch_sizes(cfg, plan, pool)
+    # The engine's weights are the trainer's base, mapped already (free memory excludes them):
+    # nothing of their size is held beside the wake again or mapped on its own, and no
+    # full-parameter optimizer or bucket is freed before it.
+    assert weights == 0 and freed == []
+    free = margin + (1 << 30) + kv // 2
+    monkeypatch.setattr(calibrate_module, "host_memory", lambda: (0, free))
+    small_kv, _, _ = calibrate_module._switch_sizes(cfg, plan, pool)
+    assert small_kv == kv // 2   # all the room is the KV's: no weights subtracted again

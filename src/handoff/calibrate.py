@@ -106,8 +106,10 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
                                       held_during_wake=weight_bytes, freed_before_wake=freed,
                                       settle_s=2.0 if on_cuda else 0.0))
-    weights = measure_remap_rates(device, weight_bytes, pool=pool, tag="calibrate_weights")
-    values.update(weights_map_bps=weights["map_bps"], weights_remap_bytes=weights["remap_bytes"])
+    if weight_bytes:   # none under LoRA on a shared base: its weights never leave the card
+        weights = measure_remap_rates(device, weight_bytes, pool=pool, tag="calibrate_weights")
+        values.update(weights_map_bps=weights["map_bps"],
+                      weights_remap_bytes=weights["remap_bytes"])
     in_flight = actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload else 0
     values["tensor_host_s"] = measure_tensor_host_seconds(device, module=actor.module,
                                                           d2h_in_flight_bytes=in_flight)
@@ -116,7 +118,8 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
 
 def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, int, list]:
     """(KV pool, engine weights) bytes the engine is about to take, each at most what is free
-    now less the wake margin and 1 GiB; and [(bytes, seconds before the KV wake)] that
+    now less the wake margin and 1 GiB (weights 0 under LoRA on a shared base: mapped
+    already, and they stay); and [(bytes, seconds before the KV wake)] that
     to_rollout hands back to the driver: the optimizer once its copy ends (the params' copy
     still to go), then the params and the sync's two buckets right before the wake. The pool
     is sized by the engine's own rule, with the planner's activation peak and graph pool for
@@ -132,6 +135,9 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, in
                             hbm_bytes=total, weights_bytes=weights,
                             overhead_bytes=int(hw.activation_peak_bytes + hw.graph_pool_bytes))
     room = free - pool.wake_margin_bytes - (1 << 30)
+    if plan.lora_shared:   # the weights are mapped already (the trainer's base) and `free`
+        # excludes them; nothing but the adapters' Adam state (megabytes) leaves before the wake
+        return int(max(min(blocks * block, room), block)), 0, []
     weights = int(max(min(weights, room), 1))
     owners = trainer_bytes(shape, plan.shard, dtypes, ref=False)
     params = owners["params"] if cfg.memory.param_offload else 0
