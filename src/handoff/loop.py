@@ -206,10 +206,9 @@ class Run:
         self.pending_checkpoint: Path | None = None
         if cfg.run.resume:
             self._resume()
-        if self.rank == 0:
-            trim_metrics(self.out_dir, self.start_step)
         self.report = (RunReport(self.plan, self.out_dir, rates=self.rates, meter=self.worker.meter,
-                                 kv_pool_bytes=self.worker.kv_pool_bytes)
+                                 kv_pool_bytes=self.worker.kv_pool_bytes,
+                                 rows=trim_metrics(self.out_dir, self.start_step))
                        if self.rank == 0 else None)
 
     # ---------------------------------------------------------------- checkpoints

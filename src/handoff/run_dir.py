@@ -156,8 +156,9 @@ def read_metrics(path: Path, *, required: tuple[str, ...] = ()) -> tuple[list[di
     return rows, None
 
 
-def trim_metrics(out_dir: Path, start_step: int) -> None:
-    """Keep the metrics rows of steps up to start_step (none on a fresh start), say what goes.
+def trim_metrics(out_dir: Path, start_step: int) -> list[dict]:
+    """Keep the metrics rows of steps up to start_step (none on a fresh start), say what goes;
+    returns the rows kept.
 
     Rows after a resumed checkpoint's step came from steps that never completed their
     checkpoint: dropped, so no step is counted twice. A summary goes too: until this run
@@ -166,7 +167,7 @@ def trim_metrics(out_dir: Path, start_step: int) -> None:
         (out_dir / name).unlink(missing_ok=True)
     path = out_dir / "metrics.jsonl"
     if not path.is_file():
-        return
+        return []
     rows, problem = read_metrics(path)
     if problem:
         console.print(f"[yellow]{escape(problem)}[/]", highlight=False, soft_wrap=True)
@@ -177,6 +178,7 @@ def trim_metrics(out_dir: Path, start_step: int) -> None:
                       highlight=False, soft_wrap=True)
     with failing_write_is_one_line(path, "metrics.jsonl is as it was"):
         replace_file(path, "".join(json.dumps(row) + "\n" for row in kept).encode(), out_dir)
+    return kept
 
 
 # ---------------------------------------------------------------- an interrupted run

@@ -50,27 +50,24 @@ def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,
     measured in it (`rates.profile(plan.hardware)`: a rate it could not measure keeps the
     profile's). The worker's sync is in-process on every rank (no IPC), whatever the shard
     group."""
-    cfg = plan.cfg
-    if plan.lora_shared:   # the base never moves: the KV's sleep and wake, the adapters' sync
-        lora = cfg.actor.lora
+    cfg, lora = plan.cfg, plan.cfg.actor.lora
+    if not plan.lora_shared:
+        parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
+        actions = switch_actions(plan.shape, parallel, cfg.memory, hw,
+                                 kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes, ref=plan.ref,
+                                 bucket_bytes=cfg.sync.bucket_mb << 20, in_process=True,
+                                 weights_map_bps=rates.get("weights_map_bps"),
+                                 h2d_bps=rates.get("h2d_bps"), elastic_pool=plan.elastic_pool,
+                                 updates_per_step=cfg.actor.updates_per_step)
+        if lora.rank:   # its own base, which the engine backs up and restores, never syncs
+            actions = held_twice_actions(actions, plan.shape, hw, tp=parallel.tp,
+                                         rank=lora.rank, targets=lora.target_modules,
+                                         dtypes=plan.dtypes, h2d_bps=rates.get("h2d_bps"))
+    else:   # the base never moves: the KV's sleep and wake, the adapters' sync
         actions = lora_switch_actions(plan.shape, cfg.memory, hw,
                                       rank=lora.rank, targets=lora.target_modules,
                                       kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes,
                                       elastic_pool=plan.elastic_pool)
-        return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
-                for a in actions}
-    parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
-    actions = switch_actions(plan.shape, parallel, cfg.memory, hw,
-                             kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes, ref=plan.ref,
-                             bucket_bytes=cfg.sync.bucket_mb << 20, in_process=True,
-                             weights_map_bps=rates.get("weights_map_bps"),
-                             h2d_bps=rates.get("h2d_bps"), elastic_pool=plan.elastic_pool,
-                             updates_per_step=cfg.actor.updates_per_step)
-    if cfg.actor.lora.rank:   # its own base, which the engine backs up and restores, never syncs
-        lora = cfg.actor.lora
-        actions = held_twice_actions(actions, plan.shape, hw, tp=parallel.tp, rank=lora.rank,
-                                     targets=lora.target_modules, dtypes=plan.dtypes,
-                                     h2d_bps=rates.get("h2d_bps"))
     return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
             for a in actions}
 
@@ -93,11 +90,13 @@ class RunReport:
     """Rank 0's view of a run: files under out_dir and the console."""
 
     def __init__(self, plan: RunPlan, out_dir: Path, *, rates: Rates, meter: MemoryMeter,
-                 kv_pool_bytes: int):
+                 kv_pool_bytes: int, rows: list[dict] = ()):
+        """`rows`: metrics.jsonl's rows of the steps before this run's first (a resumed run's
+        summary covers the whole run; run_dir.trim_metrics gives them)."""
         self.cfg = cfg = plan.cfg
         self.out_dir = out_dir
         self.meter = meter
-        self.rows: list[dict] = []
+        self.rows: list[dict] = list(rows)
         self.rates = rates.values
         # The pool as its wake maps it: CUDA maps whole allocator segments (2 MiB-rounded),
         # a little more than the pool's tensors.
@@ -110,10 +109,6 @@ class RunReport:
         self._progress: Progress | None = None
 
     def start(self, first_step: int) -> None:
-        # A resumed run's summary covers the whole run: the loop has already trimmed
-        # metrics.jsonl to the steps before first_step.
-        if first_step > 0 and self.metrics_path.is_file():
-            self.rows = read_metrics(self.metrics_path)[0]
         console.print(self.compile.text(), markup=False, highlight=False)
         with self._writing(self._loggers_path()):
             self._loggers = open_loggers(self.cfg, self.out_dir, first_step=first_step)
