@@ -6,11 +6,6 @@ uneven row counts per rank, token-mean aggregation across ranks, clipping and th
 fp32-master AdamW must all add up to the same loss, gradients and weights.
 """
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,39 +14,17 @@ from safetensors.torch import load_file
 
 import dist_train_job as job
 from handoff.modelzoo import init_model
+from rank_jobs import run_ranks
 
 HERE = Path(__file__).parent
 ATOL = 2e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     ckpt = str(init_model("tiny-qwen3", tmp_path_factory.mktemp("m"), dtype="float32", seed=3))
     out = tmp_path_factory.mktemp("out")
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "dist_train_job.py"), ckpt,
-                                       str(out)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    deadline = time.time() + 240
-    while any(p.poll() is None for p in procs) and time.time() < deadline:
-        if any(p.poll() not in (None, 0) for p in procs):
-            break   # one rank failed: the other would wait in a collective forever
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    logs = [p.communicate()[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    run_ranks(HERE / "dist_train_job.py", [ckpt, str(out)], timeout_s=240)
     return ckpt, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -3,7 +3,6 @@ transformers + peft's `get_peft_model` (tiny Qwen3 and Llama); the base shared w
 engine's weights, never written; the reference is the actor with its adapters off; the
 parts count the adapters only; a checkpoint holds the adapters only."""
 
-import dataclasses
 import hashlib
 
 import pytest
@@ -17,9 +16,9 @@ from handoff.rollout.sampling import SamplingParams
 from handoff.switch.lora import sync_lora
 from handoff.trainer import grpo
 from handoff.trainer.actor import Actor
-from handoff.trainer.batch import RolloutBatch
 from handoff.trainer.checkpoint import load_checkpoint, save_checkpoint
 from handoff.trainer.optim import local_shard
+from test_actor import make_batch
 
 RANK, ALPHA = 4, 8
 LORA = LoraConfig(rank=RANK, alpha=ALPHA)
@@ -32,17 +31,9 @@ def model_dir(request, tmp_path_factory):
 
 
 def _batch(seed=0, groups=2, n=4):
-    g = torch.Generator().manual_seed(seed)
-    prompts, responses = [], []
-    for _ in range(groups):
-        prompt = [256] + torch.randint(0, 256, (int(torch.randint(1, 5, (1,), generator=g)),),
-                                       generator=g).tolist()
-        for _ in range(n):
-            prompts.append(prompt)
-            length = int(torch.randint(1, 7, (1,), generator=g))
-            responses.append(torch.randint(0, 256, (length,), generator=g).tolist())
-    rewards = [float(i % 3 == 0) for i in range(groups * n)]
-    batch = RolloutBatch.from_tokens(prompts, responses, rewards, group_size=n, pad_id=259)
+    """test_actor's batch with rewards that vary inside every group (adapters' grads nonzero)."""
+    batch = make_batch(seed, groups, n)
+    batch.rewards = torch.tensor([float(i % 3 == 0) for i in range(groups * n)])
     batch.advantages = grpo.group_advantages(batch.rewards, batch.group_size)
     return batch
 

@@ -7,46 +7,20 @@ With share_base=false the base is FSDP-sharded and the adapters gathered for the
 same adapters again, in every rank's engine.
 """
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from handoff.modelzoo import init_model
+from rank_jobs import run_ranks
 
 HERE = Path(__file__).parent
-SRC = HERE.parents[1] / "src"
 
 
 def _launch(ckpt, out, share: bool, world: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
-        if world > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "lora_replica_job.py"), str(ckpt), str(out),
-             "1" if share else "0"], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))
-    deadline = time.time() + 300
-    while any(p.poll() is None for p in procs) and time.time() < deadline:
-        if any(p.poll() not in (None, 0) for p in procs):
-            break   # one rank failed: the other would wait in a collective forever
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    logs = [p.communicate()[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    run_ranks(HERE / "lora_replica_job.py", [str(ckpt), str(out), "1" if share else "0"],
+              world=world)
     return [torch.load(out / f"{world}_rank{r}.pt", weights_only=False) for r in range(world)]
 
 
