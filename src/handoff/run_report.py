@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from handoff.calibrate import Rates
-from handoff.config import Config, to_dict
+from handoff.config import to_dict
 from handoff.loggers import Loggers, open_loggers
 from handoff.memory.meter import MemoryMeter
 from handoff.plan.hardware import HardwareProfile
@@ -93,7 +93,7 @@ class RunReport:
                  kv_pool_bytes: int, rows: list[dict] = ()):
         """`rows`: metrics.jsonl's rows of the steps before this run's first (a resumed run's
         summary covers the whole run; run_dir.trim_metrics gives them)."""
-        self.cfg = cfg = plan.cfg
+        self.cfg = plan.cfg
         self.out_dir = out_dir
         self.meter = meter
         self.rows: list[dict] = list(rows)
