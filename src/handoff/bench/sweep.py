@@ -38,7 +38,7 @@ from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.kvpool import Workload, kv_row
-from handoff.plan.ledger import Dtypes, SWITCH_ACTIONS
+from handoff.plan.ledger import Dtypes
 from handoff.plan.shapes import load_shape
 from handoff.plan.verdict import max_safe_utilization
 

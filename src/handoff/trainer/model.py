@@ -37,7 +37,7 @@ Shape legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
