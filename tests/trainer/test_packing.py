@@ -5,6 +5,7 @@ gradient must agree within float tolerance for any token budget and chunk size; 
 never attend across the sequences packed beside it.
 """
 
+import dataclasses
 import pytest
 import torch
 
@@ -167,6 +168,8 @@ def test_auto_micro_batching_resolves_to_numbers_and_explicit_values_stay():
     assert actor_cfg.micro_batch_tokens == choice.tokens >= 256
     assert actor_cfg.gradient_checkpointing is False and "recompute off" in choice.reason
     explicit = load_config(None, ["model.path=tiny-qwen3", "actor.micro_batch_tokens=512"])
-    assert resolve_actor_config(RunPlan.build(explicit), "cpu") == (explicit.actor, None)
+    # Explicit values stay; actor.compile's auto resolves too (off on a CPU).
+    assert resolve_actor_config(RunPlan.build(explicit), "cpu") == (
+        dataclasses.replace(explicit.actor, compile=False), None)
     with pytest.raises(HandoffError, match="build_actor"):
         Actor("unused", actor=cfg.actor)
