@@ -6,6 +6,7 @@ never attend across the sequences packed beside it.
 """
 
 import dataclasses
+
 import pytest
 import torch
 
