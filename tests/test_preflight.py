@@ -151,6 +151,19 @@ def test_lora_on_a_shared_base_turns_param_offload_off_with_a_warning(cfg, capsy
     assert plan.order.mode == "lora" and not plan.ref
 
 
+def test_lora_on_a_shared_base_moves_the_adapters_state_through_the_arena(cfg, capsys):
+    cfg.actor.lora.rank = 8
+    cfg.memory.param_offload = False
+    cfg.memory.offload_mode = "fsdp"
+    preflight(cfg)
+    assert cfg.memory.offload_mode == "arena"
+    assert "memory.offload_mode is arena under actor.lora.share_base" in capsys.readouterr().err
+    cfg.actor.lora.share_base = False   # its own FSDP-wrapped base: FSDP's offload stays
+    cfg.memory.offload_mode = "fsdp"
+    preflight(cfg)
+    assert cfg.memory.offload_mode == "fsdp"
+
+
 def test_a_lora_run_is_checked_against_the_lora_plan(cfg):
     # Qwen3-8B on one H200: fits with LoRA on a shared base (README), not with its full state.
     (Path(cfg.model.path) / "config.json").write_text(json.dumps(PRESETS["qwen3-8b"]))

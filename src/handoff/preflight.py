@@ -69,20 +69,30 @@ def preflight(cfg: Config) -> RunPlan:
 def lora_settings(cfg: Config) -> None:
     """LoRA on a shared base needs a whole engine per card (TP 1), and memory.param_offload
     has nothing to move then (the base is the engine's weights, the adapters stay on the
-    card): turned off, with a warning. (`handoff plan` prices a TP engine and says why not.)"""
+    card): turned off, with a warning; memory.offload_mode=fsdp has no FSDP to act in (the
+    shared base is not wrapped): the adapters' state moves through the arena, with a
+    warning. (`handoff plan` prices a TP engine and says why not.)"""
     lora = cfg.actor.lora
     tp = cfg.parallel.tp
     if lora.rank and lora.share_base and tp > 1:
         raise HandoffError(f"actor.lora.share_base with parallel.tp={tp}: the trainer's base can "
                            "only be a view of an engine that holds the whole model; set "
                            "actor.lora.share_base=false (the trainer keeps its own sharded base)")
-    if lora.rank and lora.share_base and cfg.memory.param_offload:
-        if os.environ.get("RANK", "0") == "0":
-            Console(stderr=True).print(
-                "[yellow]warning: memory.param_offload is off under actor.lora.share_base: the "
-                "base is the engine's weights and never moves, the adapters stay on the card[/]",
-                highlight=False)
+    if not (lora.rank and lora.share_base):
+        return
+    warnings = []
+    if cfg.memory.param_offload:
+        warnings.append("memory.param_offload is off under actor.lora.share_base: the base is "
+                        "the engine's weights and never moves, the adapters stay on the card")
         cfg.memory.param_offload = False
+    if cfg.memory.offload_mode == "fsdp":
+        warnings.append("memory.offload_mode is arena under actor.lora.share_base: the shared "
+                        "base is not FSDP-wrapped, so FSDP's CPU offload would move nothing; the "
+                        "adapters' optimizer state moves through the pinned arena")
+        cfg.memory.offload_mode = "arena"
+    if warnings and os.environ.get("RANK", "0") == "0":
+        for text in warnings:
+            Console(stderr=True).print(f"[yellow]warning: {text}[/]", highlight=False)
 
 
 def check_prompt_lengths(cfg: Config) -> None:
