@@ -104,3 +104,37 @@ def test_new_lengths_do_not_compile_again(ckpt, monkeypatch):
         actor.accumulate(batch)
         counts.append(compiled.compiles_so_far() - before)
     assert counts[0] > 0 and counts[1:] == [0, 0], counts
+
+
+def test_compiled_lora_layers_match_eager_with_adapters_on_and_off(ckpt, monkeypatch):
+    """peft's LoRA layers inside the compiled decoder layers (actor.compile with actor.lora):
+    the reference's log-probs (the adapters switched off: a flag the compiled code must guard
+    on), then the policy's loss sums and the adapters' grads (adapters on) are the eager
+    path's."""
+    from handoff.config import LoraConfig
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+
+    def numbers(compile_layers):
+        actor = _actor(ckpt, compile=compile_layers, lora=LoraConfig(rank=4, alpha=8))
+        for name, p in actor.module.named_parameters():   # B live, so adapters change outputs
+            if "lora_B" in name:
+                local = p.to_local() if hasattr(p, "to_local") else p   # FSDP's shard (all of it)
+                with torch.no_grad():
+                    local.copy_(torch.randn(local.shape,
+                                            generator=torch.Generator().manual_seed(7)))
+        batch = long_tailed_batch()
+        batch.advantages = group_advantages(batch.rewards, batch.group_size)
+        batch.ref_logprobs = actor.base_log_probs(batch)
+        sums = actor.accumulate(batch)
+        grads = {n: p.grad.full_tensor().clone() for n, p in actor.module.named_parameters()
+                 if p.grad is not None}
+        return batch.ref_logprobs, sums, grads
+
+    (base, sums, grads), (got_base, got_sums, got_grads) = numbers(False), numbers(True)
+    assert torch.allclose(got_base, base, atol=1e-5)
+    assert torch.allclose(got_sums, sums, atol=1e-5)
+    assert sorted(got_grads) == sorted(grads) and grads and all("lora_" in n for n in grads)
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0
+        assert torch.allclose(got_grads[name], grad, atol=1e-6), name
