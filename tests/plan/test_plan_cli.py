@@ -19,7 +19,7 @@ import handoff.plan, handoff.plan.hardware, handoff.plan.shapes, handoff.plan.le
 import handoff.plan.kvpool, handoff.plan.verdict, handoff.plan.report, handoff.plan.render
 import handoff.cli
 from handoff.cli import app
-sys.argv = ["handoff", "plan", "--model", "qwen3-32b", "--gpus", "8", "--json"]
+sys.argv = ["handoff", "plan", *sys.argv[1:], "--json"]
 try:
     app()
 except SystemExit as e:
@@ -29,12 +29,18 @@ assert not loaded, loaded
 """
 
 
-def test_plan_imports_no_torch():
-    """What keeps `handoff plan` fast and laptop-friendly: no torch, triton or transformers is
-    imported on its path (its speed is measured in docs/PERF.md, not asserted here)."""
-    proc = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True)
+@pytest.mark.parametrize("args, key, value", [
+    (["--model", "qwen3-32b", "--gpus", "8"], ("model", "name"), "qwen3-32b"),
+    (["--lora-rank", "16", "--model", "qwen3-8b", "--hardware", "h200"], ("lora", "rank"), 16),
+], ids=["full", "lora"])
+def test_plan_imports_no_torch(args, key, value):
+    """What keeps `handoff plan` fast and laptop-friendly, with or without LoRA: no torch,
+    triton or transformers is imported on its path (its speed is measured in docs/PERF.md,
+    not asserted here)."""
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True,
+                          text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout)["model"]["name"] == "qwen3-32b"
+    assert json.loads(proc.stdout)[key[0]][key[1]] == value
 
 
 def invoke(*args):
