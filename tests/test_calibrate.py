@@ -215,7 +215,7 @@ def test_lora_on_a_shared_base_measures_the_kv_wake_beside_the_weights_it_holds(
 
     cfg = _cfg(model_dir, tmp_path, "actor.lora.rank=4")
     plan = RunPlan.build(cfg)
-    assert plan.lora_shared
+    assert cfg.actor.lora.shares_base and plan.order.mode == "lora"
     margin = 1 << 30
     pool = RegionPool(torch.device("cpu"), wake_margin_bytes=margin)
     kv, weights, freed = calibrate_module._switch_sizes(cfg, plan, pool)

@@ -135,7 +135,7 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, in
                             hbm_bytes=total, weights_bytes=weights,
                             overhead_bytes=int(hw.activation_peak_bytes + hw.graph_pool_bytes))
     room = free - pool.wake_margin_bytes - (1 << 30)
-    if plan.lora_shared:   # the weights are mapped already (the trainer's base) and `free`
+    if cfg.actor.lora.shares_base:   # the weights are mapped already (the trainer's base) and `free`
         # excludes them; nothing but the adapters' Adam state (megabytes) leaves before the wake
         return int(max(min(blocks * block, room), block)), 0, []
     weights = int(max(min(weights, room), 1))

@@ -55,7 +55,7 @@ def preflight(cfg: Config) -> RunPlan:
 
     lora = cfg.actor.lora
     # A base of its own (share_base=false) holds what full-parameter training holds, and more.
-    plan = (build_lora_plan(cfg) if lora.rank and lora.share_base
+    plan = (build_lora_plan(cfg) if lora.shares_base
             else build_plan(cfg, ref=cfg.actor.kl_coef > 0 and not lora.rank))
     verdict = plan["verdict"]
     if not verdict["fits"]:
@@ -74,11 +74,11 @@ def lora_settings(cfg: Config) -> None:
     warning. (`handoff plan` prices a TP engine and says why not.)"""
     lora = cfg.actor.lora
     tp = cfg.parallel.tp
-    if lora.rank and lora.share_base and tp > 1:
+    if lora.shares_base and tp > 1:
         raise HandoffError(f"actor.lora.share_base with parallel.tp={tp}: the trainer's base can "
                            "only be a view of an engine that holds the whole model; set "
                            "actor.lora.share_base=false (the trainer keeps its own sharded base)")
-    if not (lora.rank and lora.share_base):
+    if not lora.shares_base:
         return
     warnings = []
     if cfg.memory.param_offload:

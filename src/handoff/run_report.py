@@ -51,7 +51,7 @@ def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,
     profile's). The worker's sync is in-process on every rank (no IPC), whatever the shard
     group."""
     cfg, lora = plan.cfg, plan.cfg.actor.lora
-    if not plan.lora_shared:
+    if not lora.shares_base:
         parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
         actions = switch_actions(plan.shape, parallel, cfg.memory, hw,
                                  kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes, ref=plan.ref,
@@ -83,7 +83,7 @@ def planned_exposure(plan: RunPlan, hw: HardwareProfile, planned: dict[str, dict
         {a: p["seconds"] for a, p in planned.items()}, cfg.memory, plan.shape, train_tokens,
         hw, ref=plan.ref,
         updates_per_step=cfg.actor.updates_per_step, generation_seconds=generation_seconds,
-        elastic_pool=plan.elastic_pool, lora=plan.lora_shared)[1]
+        elastic_pool=plan.elastic_pool, lora=cfg.actor.lora.shares_base)[1]
 
 
 class RunReport:

@@ -54,13 +54,9 @@ class RunPlan:
                    shard=shard_size(cfg.parallel), ref=ref, elastic_pool=elastic,
                    order=switch_order(cfg.memory, ref=ref, elastic_pool=elastic,
                                       updates_per_step=cfg.actor.updates_per_step,
-                                      lora=bool(lora.rank) and lora.share_base),
+                                      lora=lora.shares_base),
                    compile=compile_for(cfg, shape, hw, named_device(cfg, hw)))
 
-    @property
-    def lora_shared(self) -> bool:
-        """LoRA on one copy of the base (actor.lora.share_base): plan.order's `lora` order."""
-        return self.order.mode == "lora"
 
     def compile_on(self, device_type: str | None = None) -> CompileChoice:
         """actor.compile for a `device_type` card ('cuda', 'cpu'; None: the one the config

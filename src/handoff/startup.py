@@ -36,7 +36,6 @@ from handoff.rollout.engine import Engine
 from handoff.rollout.parallel import init_tp_group
 from handoff.runplan import RunPlan
 from handoff.trainer.actor import build_actor, build_reference
-from handoff.switch.lora import shares_base
 from handoff.switch.worker import HybridWorker
 
 
@@ -53,7 +52,7 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
     # Read and checked once: the trainer and the engine load these very files.
     files = ModelFiles.open(cfg.model.path, flag="model.path")
     engine = None
-    if shares_base(cfg):
+    if cfg.actor.lora.shares_base:
         cfg = _shared_base_memory(cfg)
         engine = _engine(cfg, files, device, pool)
         engine.sleep_kv()

@@ -137,6 +137,12 @@ class LoraConfig:
                          "base up to pinned host memory, its wake restores it; the sync copies "
                          "the adapters only either way; needed with parallel.tp > 1)")
 
+    @property
+    def shares_base(self) -> bool:
+        """LoRA on one copy of the base: the engine's weights are the trainer's frozen base
+        (plan.order's `lora` order)."""
+        return self.rank > 0 and self.share_base
+
 
 @dataclass
 class ActorConfig:

@@ -1,6 +1,6 @@
 """The switch under LoRA (actor.lora.rank > 0): what the worker does differently.
 
-    if shares_base(cfg): engine.sleep_kv()        # the engine's weights are the actor's base
+    if cfg.actor.lora.shares_base: engine.sleep_kv()   # the engine's weights: the actor's base
     stats = sync_lora(actor, engine, cfg, base_stats=None)
 
 With actor.lora.share_base (plan/order.py's `lora` order) the engine's weights are the
@@ -20,16 +20,11 @@ from handoff.sync.weights import SyncStats
 from handoff.trainer.actor import Actor
 
 
-def shares_base(cfg: Config) -> bool:
-    """LoRA with the engine's weights as the trainer's base (plan.order's `lora` order)."""
-    return bool(cfg.actor.lora.rank) and cfg.actor.lora.share_base
-
-
 def sleep_engine(engine: Engine, cfg: Config) -> None:
     """The switch's engine sleep: KV only on a shared base; under LoRA with a base of the
     trainer's own, the base to pinned host memory and the KV dropped (level 1); in
     full-parameter training weights and KV dropped (level 2): the sync refills them."""
-    if shares_base(cfg):
+    if cfg.actor.lora.shares_base:
         engine.sleep_kv()
     else:
         engine.sleep(1 if cfg.actor.lora.rank else 2)

@@ -39,7 +39,7 @@ from handoff.plan.order import Move, switch_order
 from handoff.rollout.engine import Engine
 from handoff.switch.clock import StepClock, StepTimes
 from handoff.switch.copies import CopiesInFlight
-from handoff.switch.lora import shares_base, sleep_engine, sync_lora
+from handoff.switch.lora import sleep_engine, sync_lora
 from handoff.switch.record import Generation, SwitchRecord
 from handoff.sync.weights import sync_weights
 from handoff.trainer.actor import Actor
@@ -78,7 +78,7 @@ class HybridWorker:
         self.device = pool.device
         self.actor, self.ref, self.engine = actor, ref, engine
         self.pool, self.meter = pool, meter
-        self.lora_shared = shares_base(cfg)   # switch/lora.py: the base never moves
+        self.lora_shared = cfg.actor.lora.shares_base   # switch/lora.py: the base never moves
         self.order = switch_order(cfg.memory, ref=ref is not None, elastic_pool=engine.elastic,
                                   updates_per_step=cfg.actor.updates_per_step,
                                   lora=self.lora_shared)
