@@ -1,7 +1,7 @@
 """The switch under LoRA (actor.lora.rank > 0): what the worker does differently.
 
     if cfg.actor.lora.shares_base: engine.sleep_kv()   # the engine's weights: the actor's base
-    stats = sync_lora(actor, engine, cfg, base_stats=None)
+    stats = sync_lora(actor, engine)                       # the adapters, in place
 
 With actor.lora.share_base (plan/order.py's `lora` order) the engine's weights are the
 trainer's frozen base: its sleep drops the KV only, the sync copies the adapters in place,
