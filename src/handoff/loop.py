@@ -270,7 +270,7 @@ class Run:
         worker = self.worker
         worker.begin_step(step)
         t_step = time.perf_counter()
-        compiles = compiles_so_far()
+        compiles = compiles_so_far() if self.compiled else 0   # an eager run skips dynamo
         problems, prompt_ids, indices, params = step_prompts(
             self.cfg, self.task, self.tokenizer, step, rank=self.rank, world=self.world,
             tp=worker.tp_size)
