@@ -28,10 +28,8 @@ class EngineSleepWake:
         self._paused = True
         if level == 0:
             return
-        if self.pool.is_awake("kv_cache"):
-            self.blocks.reset_prefix_cache()
         self.pool.sleep(["weights"], level=level)
-        self.pool.sleep(["kv_cache"], level=2)
+        self.sleep_kv()
         if level == 2:
             self._missing_weights = self.model.weight_keys()
 
