@@ -60,8 +60,9 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     directory (a LoRA run: merged; with `adapter`, its PEFT adapter directory); returns `out`."""
     run_dir, out = Path(run_dir), Path(out)
     _check_out(out, overwrite=overwrite)   # refused before a large checkpoint is read
-    model_dir = _run_model_dir(run_dir)
-    lora = run_lora(run_dir)
+    run_config, run_file = _run_config(run_dir)
+    model_dir = _run_model_dir(run_config, run_file)
+    lora = run_lora(run_config, run_file)
     if adapter and lora is None:
         raise HandoffError(f"--adapter exports a LoRA adapter, but {run_dir} trained every "
                            "parameter (its config.json has no actor.lora.rank > 0): leave "
@@ -100,13 +101,18 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
 # ---------------------------------------------------------------- reading the run
 
 
-def _run_model_dir(run_dir: Path) -> str:
-    """The model the run trained: run_dir/config.json's model.path, as a directory."""
+def _run_config(run_dir: Path) -> tuple[dict, Path]:
+    """run_dir/config.json, the run's resolved config, and its path."""
     file = run_dir / "config.json"
     if not file.is_file():
         raise HandoffError(f"{run_dir} is not a handoff run directory (no config.json): pass "
                            "the run.out_dir of a `handoff train` run")
-    model = read_json(file).get("model")
+    return read_json(file), file
+
+
+def _run_model_dir(run_config: dict, file: Path) -> str:
+    """The model the run trained: its config.json's model.path, as a directory."""
+    model = run_config.get("model")
     path = model.get("path") if isinstance(model, dict) else None
     if not isinstance(path, str):
         raise HandoffError(f"{file} does not record model.path (truncated or edited): "

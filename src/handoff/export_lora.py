@@ -1,6 +1,6 @@
 """`handoff export` of a LoRA run: the adapter as PEFT saves it, or merged into the base.
 
-    lora = run_lora(run_dir)              # None: the run trained every parameter
+    lora = run_lora(run_config, file)     # None: the run trained every parameter
     pairs = check_adapter(part.tensors, model_dir, lora, ckpt)   # {base weight: (A, B)}
     write_adapter(part, pairs, adapter_config(lora, model_dir), staging)   # --adapter
     weights = MergedWeights(model_dir, part, pairs, lora)   # else: written as a full part
@@ -21,16 +21,14 @@ to the trained dtype; every other base tensor is cast to that dtype, as the trai
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from handoff.config.sections import LORA_TARGETS
+from handoff.config import ConfigError, LoraConfig, read_section
 from handoff.errors import HandoffError
 from handoff.model_files import weight_files
-from handoff.reading import read_json
 
 if TYPE_CHECKING:   # peft is imported where an adapter is written, with its own message
     from peft import LoraConfig as PeftLoraConfig
@@ -51,37 +49,18 @@ class CheckpointTensors(Protocol):
     def load(self, names: list[str]) -> dict[str, torch.Tensor]: ...
 
 
-@dataclass(frozen=True)
-class LoraRun:
-    """A run's actor.lora as its config.json recorded it."""
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: tuple[str, ...]
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-def run_lora(run_dir: Path) -> LoraRun | None:
-    """The run's actor.lora (None when rank is 0 or absent: a full-parameter run)."""
-    file = run_dir / "config.json"
-    actor = read_json(file).get("actor")
+def run_lora(run_config: dict, file: Path) -> LoraConfig | None:
+    """The actor.lora of a run's config.json (`file`, read as `run_config`), checked as a
+    config file's is; None when rank is 0 or absent: a full-parameter run."""
+    actor = run_config.get("actor")
     lora = actor.get("lora") if isinstance(actor, dict) else None
     if not isinstance(lora, dict) or lora.get("rank", 0) == 0:
         return None
-    rank, alpha = lora.get("rank"), lora.get("alpha")
-    dropout, targets = lora.get("dropout", 0.0), lora.get("target_modules")
-    if (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1
-            or not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0
-            or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1
-            or not isinstance(targets, list) or not targets
-            or not set(targets) <= set(LORA_TARGETS)):
-        raise HandoffError(f"{file} records an actor.lora export cannot read ({lora}): it "
-                           "needs rank >= 1, alpha > 0, 0 <= dropout < 1 and target_modules "
-                           f"among {', '.join(LORA_TARGETS)}; restore the run's config.json")
-    return LoraRun(rank, float(alpha), float(dropout), tuple(targets))
+    try:
+        return read_section(LoraConfig, lora, "actor.lora")
+    except ConfigError as e:
+        raise HandoffError(f"{file} records an actor.lora export cannot read ({e}): restore "
+                           "the run's config.json") from None
 
 
 def _base_index(model_dir: str) -> dict[str, tuple[Path, list[int]]]:
@@ -95,7 +74,7 @@ def _base_index(model_dir: str) -> dict[str, tuple[Path, list[int]]]:
     return index
 
 
-def check_adapter(tensors: dict[str, torch.Tensor], model_dir: str, lora: LoraRun,
+def check_adapter(tensors: dict[str, torch.Tensor], model_dir: str, lora: LoraConfig,
                   ckpt: Path) -> dict[str, tuple[str, str]]:
     """{base weight name: (lora_A name, lora_B name)}: every checkpoint tensor an adapter
     half of a targeted base projection at the run's rank, each with its other half, every
@@ -129,7 +108,7 @@ def check_adapter(tensors: dict[str, torch.Tensor], model_dir: str, lora: LoraRu
     return {weight: (h["A"], h["B"]) for weight, h in halves.items()}
 
 
-def adapter_config(lora: LoraRun, model_dir: str) -> PeftLoraConfig:
+def adapter_config(lora: LoraConfig, model_dir: str) -> PeftLoraConfig:
     """peft's LoraConfig of the run's adapter (built before anything is written)."""
     try:
         from peft import LoraConfig
@@ -160,8 +139,9 @@ class MergedWeights:
     export's writer shards and writes it."""
 
     def __init__(self, model_dir: str, part: CheckpointTensors,
-                 pairs: dict[str, tuple[str, str]], lora: LoraRun):
-        self.ckpt, self.part, self.pairs, self.scale = part.ckpt, part, pairs, lora.scale
+                 pairs: dict[str, tuple[str, str]], lora: LoraConfig):
+        self.ckpt, self.part, self.pairs = part.ckpt, part, pairs
+        self.scale = lora.alpha / lora.rank
         self.dtype = next(iter(part.tensors.values())).dtype   # the trained dtype
         self.index = _base_index(model_dir)
         self.tensors = {name: torch.empty(shape, dtype=self.dtype, device="meta")

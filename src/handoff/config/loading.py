@@ -15,13 +15,15 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from handoff.config.sections import Config
 from handoff.errors import ConfigError
 from handoff.lengths import ResponseLengths
+
+T = TypeVar("T")
 from handoff.reading import read_yaml
 
 
@@ -116,6 +118,16 @@ def set_key(cfg: Config, dotted: str, raw: str) -> None:
     for part in reversed(parts):
         nested = {part: nested}
     _apply(cfg, nested, "")
+
+
+def read_section(cls: type[T], data: Any, key: str) -> T:
+    """One config section (`key` as a config file nests it, e.g. "actor.lora") from the
+    mapping a config file or a run's config.json holds, refused as load_config refuses a bad
+    value (ConfigError naming the key)."""
+    section = cls()
+    _apply(section, data, f"{key}.")
+    validate(section, f"{key}.")
+    return section
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
