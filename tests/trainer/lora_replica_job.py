@@ -21,23 +21,16 @@ from handoff.switch.lora import sync_lora
 from handoff.trainer.actor import Actor
 from handoff.trainer.batch import RolloutBatch
 from handoff.trainer.grpo import group_advantages
+from test_actor import make_batch
 
 RANK = 4
 ROWS = {0: (0, 4), 1: (4, 8)}   # two groups of two per rank
 
 
 def global_batch(seed: int) -> RolloutBatch:
-    g = torch.Generator().manual_seed(seed)
-    prompts, responses = [], []
-    for _ in range(4):
-        prompt = [256] + torch.randint(0, 256, (int(torch.randint(1, 4, (1,), generator=g)),),
-                                       generator=g).tolist()
-        for _ in range(2):
-            prompts.append(prompt)
-            n = int(torch.randint(1, 6, (1,), generator=g))
-            responses.append(torch.randint(0, 256, (n,), generator=g).tolist())
-    rewards = [1.0, 0.0, 0.5, 0.0, 0.0, 2.0, 1.0, 0.2]
-    batch = RolloutBatch.from_tokens(prompts, responses, rewards, group_size=2, pad_id=259)
+    """test_actor's random batch in four groups of two, with rewards that differ in each."""
+    batch = make_batch(seed, groups=4, n=2)
+    batch.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0, 1.0, 0.2])
     batch.advantages = group_advantages(batch.rewards, batch.group_size)
     return batch
 
