@@ -101,3 +101,23 @@ def test_handoff_plan_shows_the_decision():
     assert line.startswith("compiled layers: on (auto: 200 step(s)")
     warm = build_plan(_h200_4b("run.steps=200"), advise=False, compile_warm=True)
     assert warm["compile"]["compile_seconds"] == WARM_COMPILE_SECONDS
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_modelled_step_trains_at_the_compiled_rate_when_compile_is_on(lora):
+    extra = ["actor.lora.rank=16"] if lora else []
+    if lora:
+        from handoff.plan.lora_report import build_lora_plan as build
+    else:
+        build = build_plan
+    eager = build(_h200_4b("actor.compile=false", *extra), advise=False)
+    compiled = build(_h200_4b("actor.compile=true", *extra), advise=False)
+    assert compiled["compile"]["on"] and not eager["compile"]["on"]
+    e, c = eager["step"], compiled["step"]
+    assert c["train_flops_per_card"] == e["train_flops_per_card"]
+    assert c["train_flops_per_s"] == pytest.approx(e["train_flops_per_s"]
+                                                   / (1 - COMPILED_TRAIN_SAVING))
+    # Less compute to hide the copies behind can expose more of them; the step is shorter.
+    assert c["modelled_seconds"] < e["modelled_seconds"]
+    assert c["modelled_seconds"] - c["switch_seconds"] == pytest.approx(
+        e["modelled_seconds"] - e["switch_seconds"] - COMPILED_TRAIN_SAVING * e["train_seconds"])

@@ -70,12 +70,11 @@ def plan_cmd(
     cfg, auto_tp = plan_config(config, overrides, flags)
     # A Hub id is read from the local cache; a preset stays a shape (no weights written).
     cfg.model.path = resolve_model(cfg.model.path, materialise_presets=False)
-    if cfg.actor.lora.rank:
-        report = build_lora_plan(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp)
-    else:   # actor.compile=auto priced warm when the compile cache holds this layer shape
-        key = compile_cache.layer_key(load_shape(cfg.model.path), cfg.model.dtype)
-        report = build_plan(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp,
-                            compile_warm=compile_cache.is_warm(key))
+    # actor.compile=auto priced warm when the compile cache holds this layer shape
+    warm = compile_cache.is_warm(compile_cache.layer_key(load_shape(cfg.model.path),
+                                                         cfg.model.dtype))
+    build = build_lora_plan if cfg.actor.lora.rank else build_plan
+    report = build(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp, compile_warm=warm)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     elif markdown:

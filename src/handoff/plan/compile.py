@@ -27,10 +27,15 @@ Where the constants come from (docs/PERF.md, "The trainer's compute", H200, 2026
 * WARM_COMPILE_SECONDS: NOT measured yet, an estimate (dynamo still traces each process; the
   FX graph and AOTAutograd caches skip inductor's code generation and Triton's builds).
   Measure it on the device with a second run of the same config (its step 1 less step 2).
+
+The plan's modelled step trains at the compiled rate when the choice is on (`compiled_rate`:
+the profile's eager train_flops_per_s / (1 - COMPILED_TRAIN_SAVING), 317 -> 417 TFLOP/s on
+the h200 profile against 408 measured); the compile itself is the choice's one-off cost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from handoff.config import Config
@@ -116,3 +121,12 @@ def choose_compile(cfg: Config, shape: ModelShape, hw: HardwareProfile, *, devic
     return price_compile(cfg.actor.compile, device_type=device_type, hardware=hw.name,
                          train_seconds_per_step=seconds, steps=cfg.run.steps, warm=warm,
                          tokens_per_step=tokens)
+
+
+def compiled_rate(hw: HardwareProfile, choice: CompileChoice) -> HardwareProfile:
+    """`hw` with the trainer's rate of compiled layers when `choice` turns them on (a GPU
+    profile: the saving was measured on one); otherwise `hw` itself."""
+    if not choice.on or hw.name == "cpu":
+        return hw
+    return dataclasses.replace(hw, train_flops_per_s=hw.train_flops_per_s
+                               / (1 - COMPILED_TRAIN_SAVING))

@@ -21,6 +21,7 @@ import dataclasses
 
 from handoff.config import Config
 from handoff.plan.advice import advice_text, find_fitting_lora_plan
+from handoff.plan.compile import choose_compile, compiled_rate, named_device
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.kvpool import kv_pool_bytes, kv_table
 from handoff.plan.ledger import Dtypes, offloaded_bytes_per_card, switch_summary
@@ -52,10 +53,12 @@ def lora_advice(name: str, gpus: int, hardware: str, rank: int, *, lora_fits: bo
 
 
 def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = False,
-                    auto_tp_size: bool = False, advise: bool = True) -> dict:
+                    auto_tp_size: bool = False, advise: bool = True,
+                    compile_warm: bool = False) -> dict:
     """Every table of `handoff plan` in LoRA mode (actor.lora.rank > 0) as one dict; with
     `advise`, the full-parameter plan of the same config decides the advice line. A
-    reference forward is priced when `ref` (default: actor.kl_coef > 0); it holds no bytes."""
+    reference forward is priced when `ref` (default: actor.kl_coef > 0); it holds no bytes.
+    `compile_warm`: as build_plan's."""
     ref = cfg.actor.kl_coef > 0 if ref is None else ref
     lora = cfg.actor.lora
     shape = load_shape(cfg.model.path)
@@ -86,9 +89,12 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
                     best=best if best > 0 else None, weight_bytes=dtypes.engine_bytes,
                     kv_bytes=dtypes.kv_bytes, extra_weight_bytes=engine_adapters)
     req_row = next(r for r in rows if r.requested)
-    step, exposed = step_time(shape, hw, workload, actions, req_row.generation_seconds,
-                              memory=memory, elastic_pool=elastic, given=cfg.workload.step_seconds,
-                              ref=ref, updates_per_step=cfg.actor.updates_per_step, lora=True)
+    compiled = choose_compile(cfg, shape, hw, device_type=named_device(cfg, hw),
+                              warm=compile_warm)
+    step, exposed = step_time(shape, compiled_rate(hw, compiled), workload, actions,
+                              req_row.generation_seconds, memory=memory, elastic_pool=elastic,
+                              given=cfg.workload.step_seconds, ref=ref,
+                              updates_per_step=cfg.actor.updates_per_step, lora=True)
     verdict = decide_lora(shape, parallel, memory, hw, adapters=adapters, workload=workload,
                           utilization=util, pinned_per_node=pinned_per_node,
                           sync_seconds=sync_seconds, generation_seconds=req_row.generation_seconds,
@@ -137,6 +143,7 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
                       pinned_per_node=pinned_per_node),
         "verdict": verdict.to_dict(),
         "offload_sets": None,
+        "compile": compiled.to_dict(),
         "lora": {"rank": lora.rank, "alpha": lora.alpha,
                  "target_modules": list(lora.target_modules),
                  "adapter_params": adapters, "adapter_bytes": engine_adapters,

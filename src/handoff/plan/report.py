@@ -25,7 +25,7 @@ from handoff.config import Config, MemoryConfig
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.plan.advice import advice_text, find_fitting_plan, offload_options
-from handoff.plan.compile import choose_compile, named_device
+from handoff.plan.compile import choose_compile, compiled_rate, named_device
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.kvpool import (Workload, engine_weight_bytes, generation_gain, kv_pool_bytes,
                                  kv_table)
@@ -60,7 +60,8 @@ def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
               updates_per_step: int, lora: bool = False) -> tuple[dict, dict]:
     """The step's seconds and each switch action's exposed seconds. The step: the given one,
     else generation + the switch's exposed seconds + the trainer's compute (plan.trainer:
-    model FLOPs of the card's prompt + response tokens / train_flops_per_s); with
+    model FLOPs of the card's prompt + response tokens / train_flops_per_s, the compiled
+    rate when actor.compile resolves on: plan.compile.compiled_rate); with
     memory.overlap the copies back hide behind its forwards before the update
     (plan.ledger.exposed_seconds); `lora`: a frozen base's compute and LoRA's switch order."""
     responses = workload.tokens_per_card / workload.response_len
@@ -152,8 +153,10 @@ def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = Fal
                     best=best if best > 0 else None, weight_bytes=dtypes.engine_bytes,
                     kv_bytes=dtypes.kv_bytes)
     req_row = next(r for r in rows if r.requested)
-    step, exposed = step_time(shape, hw, workload, actions, req_row.generation_seconds,
-                              memory=memory, elastic_pool=elastic,
+    compiled = choose_compile(cfg, shape, hw, device_type=named_device(cfg, hw),
+                              warm=compile_warm)
+    step, exposed = step_time(shape, compiled_rate(hw, compiled), workload, actions,
+                              req_row.generation_seconds, memory=memory, elastic_pool=elastic,
                               given=wl_cfg.step_seconds, ref=ref,
                               updates_per_step=cfg.actor.updates_per_step)
     switch = switch_summary(actions, step["seconds"], exposed=exposed)
@@ -200,8 +203,7 @@ def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = Fal
                       pinned_per_node=pinned_per_node),
         "verdict": verdict.to_dict(),
         "offload_sets": options,
-        "compile": choose_compile(cfg, shape, hw, device_type=named_device(cfg, hw),
-                                  warm=compile_warm).to_dict(),
+        "compile": compiled.to_dict(),
     }
 
 
