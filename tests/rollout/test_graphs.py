@@ -10,7 +10,7 @@ import torch
 
 from handoff.rollout.engine import Engine
 from handoff.rollout.graphs import DecodeInputs, bucket, graph_batch_sizes
-from handoff.rollout.sampling import SamplingParams
+from handoff.rollout.sampling import SamplingBatch, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, n=2, max_tokens=12)
 
@@ -60,6 +60,22 @@ def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
         _fill(inputs, tables, [0, 1], [1, 1], padded=1)
 
 
+def test_sampling_inputs_are_staged_with_greedy_padding():
+    inputs = DecodeInputs(8, 2, 4, torch.device("cpu"))
+    batch = SamplingBatch(temperature=np.array([0.7, 0.0, 1.0], np.float32),
+                          top_p=np.array([0.9, 1.0, 0.5], np.float32),
+                          top_k=np.array([0, 4, 0], np.int64), uniform=np.array([0.1, 0.2, 0.3]))
+    inputs.fill_sampling(batch, padded_rows=4)
+    assert inputs.sampler_rows(0, 4, "greedy") is None
+    plain = inputs.sampler_rows(1, 4, "sample")
+    assert plain.top_k_B is None and plain.top_p_B is None
+    assert plain.temperature_B.tolist() == [0.0, 1.0, 0.0]  # the padding row draws greedily
+    assert plain.uniform_B.dtype == torch.float64 and plain.uniform_B.tolist() == [0.2, 0.3, 0.0]
+    cut = inputs.sampler_rows(0, 4, "truncate")
+    assert cut.top_k_B.tolist() == [0, 4, 0, 0] and cut.top_p_B.tolist() == pytest.approx(
+        [0.9, 1.0, 0.5, 1.0])
+
+
 def _tokens_and_logprobs(outs):
     return ([s.token_ids for o in outs for s in o.outputs],
             torch.tensor([lp for o in outs for s in o.outputs for lp in s.logprobs]))
@@ -81,6 +97,55 @@ def test_padded_decode_matches_exact_batches_and_writes_only_the_null_block(qwen
     stats = padded.stats()
     assert stats["graph_captures"] == 0 and stats["graph_pool_bytes"] == 0
     assert 0 < stats["host_ms_per_step"] <= stats["decode_ms_per_step"]
+
+
+class _CallGraphs:
+    """CPU stand-in for DecodeGraphs: 'capture' keeps the steps, 'replay' calls them, so the
+    runner's graph path (static buffers, two replays a step, the mode's sampler) runs on CPU."""
+
+    def __init__(self, sizes):
+        self.sizes, self.steps, self.replays = list(sizes), {}, []
+        self.num_captures, self.pool_bytes, self.driver_bytes = 0, 0, 0
+
+    def capture(self, steps, device):
+        self.steps = dict(steps)
+        self.num_captures = len(steps)
+
+    def replay(self, batch, part="model"):
+        self.replays.append((batch, part))
+        self.steps[batch, part]()
+
+
+@pytest.mark.parametrize("graph_sampling", [True, False])
+def test_graph_path_with_the_sampler_captured_matches_exact_batches(qwen3_dir, ref, monkeypatch,
+                                                                    graph_sampling):
+    import handoff.rollout.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "DecodeGraphs", _CallGraphs)
+    exact = Engine(str(qwen3_dir), ref.cfg())
+    graphs = Engine(str(qwen3_dir), ref.cfg())
+    runner = graphs.runner
+    runner.pad_decode = runner.use_graphs = True
+    runner.sample_in_graph = graph_sampling
+    runner.sizes = graph_batch_sizes(graphs.cfg.max_num_seqs)
+    runner.bind_tables(graphs.blocks.tables)
+    parts = 4 if graph_sampling else 1  # the model, and the sampler in each of its 3 modes
+    assert runner.graphs.num_captures == parts * len(runner.sizes)
+    prompts = ref.mixed_prompts  # 5 prompts x 2 samples: 10 rows run as 16
+    for mode, params in (("greedy", GREEDY),
+                         ("sample", SamplingParams(temperature=0.9, n=2, seed=3, max_tokens=12)),
+                         ("truncate", SamplingParams(temperature=1.0, top_p=0.8, top_k=20, n=2,
+                                                     seed=4, max_tokens=12))):
+        runner.graphs.replays.clear()
+        want_tokens, want_logprobs = _tokens_and_logprobs(exact.generate(prompts, params))
+        got_tokens, got_logprobs = _tokens_and_logprobs(graphs.generate(prompts, params))
+        assert got_tokens == want_tokens
+        assert torch.allclose(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
+        # Every decode step replays the model, then (graph_sampling) its mode's sampler.
+        want = [(16, "model"), (16, mode)] if graph_sampling else [(16, "model")]
+        assert runner.graphs.replays[:len(want)] == want
+        assert {part for _, part in runner.graphs.replays} == {part for _, part in want}
+    assert graphs.stats()["graph_sampling"] is graph_sampling
 
 
 def _varlen_on_cpu(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, *, scale):

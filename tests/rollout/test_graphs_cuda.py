@@ -41,7 +41,9 @@ def test_graph_decode_equals_eager(qwen3_dir, ref):
     eager = Engine(str(qwen3_dir), _cfg(ref, cuda_graphs=False), dtype="bfloat16")
     graph = Engine(str(qwen3_dir), _cfg(ref), dtype="bfloat16")
     stats = graph.stats()
-    assert stats["graph_captures"] == len(graph_batch_sizes(64)) == len(stats["graph_batch_sizes"])
+    # Per ladder size: the model, and the LM head with the sampler in each of its 3 modes.
+    assert stats["graph_captures"] == 4 * len(graph_batch_sizes(64)) == \
+        4 * len(stats["graph_batch_sizes"]) and stats["graph_sampling"]
     assert stats["graph_pool_bytes"] > 0 and eager.stats()["graph_captures"] == 0
     prompts = _prompts(19)
     # n=2 with different lengths: 38 rows (bucket 48) shrinking through 32, 16, 8, ... as
@@ -61,6 +63,29 @@ def test_graph_decode_equals_eager(qwen3_dir, ref):
           f"eager {eager.stats()['decode_ms_per_step']:.3f} ms/step")
     eager.sleep(2)
     graph.sleep(2)
+
+
+def test_the_sampler_in_the_graphs_draws_what_it_draws_outside(qwen3_dir, ref):
+    """rollout.graph_sampling on and off: the same tokens and log-probs, bit for bit (the same
+    ops on the same padded rows), greedy, sampled and truncated."""
+    engines = {on: Engine(str(qwen3_dir), _cfg(ref, graph_sampling=on), dtype="bfloat16")
+               for on in (True, False)}
+    assert engines[False].stats()["graph_captures"] == len(graph_batch_sizes(64))
+    prompts = _prompts(21)
+    for params in (SamplingParams(temperature=0.0, n=2, max_tokens=16),
+                   SamplingParams(temperature=0.8, n=2, seed=1, max_tokens=16),
+                   SamplingParams(temperature=1.0, top_p=0.9, top_k=40, n=2, seed=2,
+                                  max_tokens=16)):
+        want = _outputs(engines[False].generate(prompts, params))
+        got = _outputs(engines[True].generate(prompts, params))
+        assert got[0] == want[0] and torch.equal(got[1], want[1])
+    stats = {on: e.stats() for on, e in engines.items()}
+    print(f"\nhost ms/step, sampler in / outside the graphs: {stats[True]['host_ms_per_step']:.3f}"
+          f" / {stats[False]['host_ms_per_step']:.3f}; graph pool "
+          f"{stats[True]['graph_pool_bytes'] / 2**20:.1f} / "
+          f"{stats[False]['graph_pool_bytes'] / 2**20:.1f} MiB")
+    for engine in engines.values():
+        engine.sleep(2)
 
 
 def test_graph_pool_is_reserved_before_the_kv_pool(qwen3_dir, ref):

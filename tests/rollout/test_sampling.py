@@ -8,7 +8,8 @@ import torch
 
 from handoff.config import RolloutConfig
 from handoff.errors import HandoffError
-from handoff.rollout.sampling import SamplingBatch, SamplingParams, sample, sample_key, uniforms
+from handoff.rollout.sampling import (SamplerRows, SamplingBatch, SamplingParams, draw, sample,
+                                     sample_key, sampling_mode, uniforms)
 
 
 def _batch(rows: int, *, temperature=1.0, top_p=1.0, top_k=0, seed=0) -> SamplingBatch:
@@ -87,3 +88,27 @@ def test_a_row_samples_the_same_whatever_shares_its_batch():
                             mixed.top_k[i:i + 1], mixed.uniform[i:i + 1])
         alone, _ = sample(logits[i:i + 1], one)
         assert alone.item() == together[i].item()
+
+
+def _on_device(batch: SamplingBatch) -> SamplerRows:
+    return SamplerRows(temperature_B=torch.from_numpy(batch.temperature),
+                       uniform_B=torch.from_numpy(batch.uniform),
+                       top_k_B=torch.from_numpy(batch.top_k), top_p_B=torch.from_numpy(batch.top_p))
+
+
+@pytest.mark.parametrize("case", ["greedy", "sample", "truncate", "mixed"])
+def test_draw_on_staged_rows_equals_sample_in_every_mode(case):
+    """What the decode graphs capture (draw on device tensors, greedy rows always honoured)
+    draws what `sample` draws from the host's batch."""
+    logits = torch.randn(12, 300, generator=torch.Generator().manual_seed(2)) * 3
+    batch = _batch(12, temperature=0.0 if case == "greedy" else 0.8,
+                   top_p=0.7 if case == "truncate" else 1.0, seed=5)
+    if case == "mixed":
+        batch.temperature[[1, 4]] = 0.0
+        batch.top_k[7:] = 3
+    mode = sampling_mode(batch)
+    assert mode == {"greedy": "greedy", "sample": "sample"}.get(case, "truncate")
+    want = sample(logits, batch)
+    rows = None if mode == "greedy" else _on_device(batch)
+    got = draw(logits, rows, truncate=mode == "truncate")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -88,26 +88,21 @@ def transformers_ms_per_step(path: Path, batches: list[int], *, prompt_len: int,
 
 
 def graph_kernel_profile(runner, batch: int, repeats: int = 3) -> dict:
-    """Kernels per replay of the decode graph that serves `batch` rows, and their device ms.
+    """Kernels per replay of the decode graphs that serve `batch` rows, and their device ms:
+    the model's (matrix products, attention, the rest) and, with graph_sampling, the greedy
+    LM head and sampler's (`sampler_*`).
 
     Replays the last staged step again (it rewrites the same K/V into the same slots).
     """
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     from handoff.rollout.graphs import bucket
 
     rows = bucket(batch, runner.sizes)
     if runner.graphs is None or rows is None:
         return {}
-    runner.graphs.replay(rows)  # outside the profile: no first-replay upload in the numbers
-    torch.cuda.synchronize(runner.device)
     try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(repeats):
-                runner.graphs.replay(rows)
-            torch.cuda.synchronize(runner.device)
-        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        kernels = _replayed_kernels(runner, (rows, "model"), repeats)
+        sampler = (_replayed_kernels(runner, (rows, "greedy"), repeats)
+                   if runner.graphs.has(rows, "greedy") else None)
     except Exception as e:  # no CUPTI on the machine: the rest of the bench still counts
         return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     ms = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
@@ -117,6 +112,24 @@ def graph_kernel_profile(runner, batch: int, repeats: int = 3) -> dict:
                 "attention" if _ATTENTION.search(event.name) else "other")
         ms[kind] += event.time_range.elapsed_us() / 1e3 / repeats
         counts[kind] += 1
-    return {"graph_rows": rows, "kernels": len(kernels) // repeats,
-            "kernel_ms": sum(ms.values()), **{f"{k}_ms": v for k, v in ms.items()},
-            **{f"{k}_kernels": n // repeats for k, n in counts.items()}}
+    out = {"graph_rows": rows, "kernels": len(kernels) // repeats,
+           "kernel_ms": sum(ms.values()), **{f"{k}_ms": v for k, v in ms.items()},
+           **{f"{k}_kernels": n // repeats for k, n in counts.items()}}
+    if sampler is not None:
+        out["sampler_kernels"] = len(sampler) // repeats
+        out["sampler_ms"] = sum(e.time_range.elapsed_us() for e in sampler) / 1e3 / repeats
+    return out
+
+
+def _replayed_kernels(runner, key: tuple[int, str], repeats: int) -> list:
+    """The CUDA kernel events of `repeats` replays of the graph `key`."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.graphs.replay(*key)  # outside the profile: no first-replay upload in the numbers
+    torch.cuda.synchronize(runner.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            runner.graphs.replay(*key)
+        torch.cuda.synchronize(runner.device)
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]

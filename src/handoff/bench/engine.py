@@ -3,6 +3,7 @@
     handoff bench engine --out engine.json                    # full run (CUDA; ~5 min on an H200)
     handoff bench engine --models qwen3-1.7b --batches 1,32 --skip-hf --no-public
     handoff bench engine --lora-rank 16 --skip-hf --no-public   # with an adapter vs without
+    handoff bench engine --no-graph-sampling                  # the LM head and sampler eager
 
 Per model shape (random init, bf16, written with handoff.modelzoo.init_model): B prompts of P
 random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B:
@@ -61,12 +62,14 @@ def floor_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, prompt_len:
 
 
 def _engine(path: Path, *, max_num_seqs: int, max_model_len: int, device: torch.device,
-            dtype: torch.dtype, util: float, lora_max_rank: int | None = None):
+            dtype: torch.dtype, util: float, lora_max_rank: int | None = None,
+            graph_sampling: bool = True):
     from handoff.config import RolloutConfig
     from handoff.rollout.engine import Engine
 
     cfg = RolloutConfig(gpu_memory_utilization=util, block_size=16, max_num_seqs=max_num_seqs,
-                        max_model_len=max_model_len, cuda_graphs=True)
+                        max_model_len=max_model_len, cuda_graphs=True,
+                        graph_sampling=graph_sampling)
     return Engine(str(path), cfg, device=device, dtype=dtype, lora_max_rank=lora_max_rank)
 
 
@@ -120,7 +123,7 @@ def _engine_facts(engine) -> dict:
 
 def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens: int,
                   device: torch.device, dtype: torch.dtype, util: float, bytes_per_s: float,
-                  seed: int = 0, lora_rank: int = 0) -> dict:
+                  seed: int = 0, lora_rank: int = 0, graph_sampling: bool = True) -> dict:
     """The engine's decode step at each batch size, with its HBM floor (lora_rank > 0: with a
     random adapter of that rank loaded)."""
     from handoff.rollout.sampling import SamplingParams
@@ -128,7 +131,8 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
     engine = _engine(path, max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 1,
-                     device=device, dtype=dtype, util=util, lora_max_rank=lora_rank or None)
+                     device=device, dtype=dtype, util=util, lora_max_rank=lora_rank or None,
+                     graph_sampling=graph_sampling)
     build_s = time.perf_counter() - start
     adapter = {name: t.to(device, dtype) for name, t in
                random_adapter(path, lora_rank, seed=seed).items()} if lora_rank else {}
@@ -163,14 +167,14 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
 
 def public_workload(path: Path, *, num_seqs: int, lengths: tuple[int, int],
                     device: torch.device, dtype: torch.dtype, util: float,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, graph_sampling: bool = True) -> dict:
     """num_seqs sequences, prompt and output lengths uniform in `lengths`, EOS ignored."""
     from handoff.rollout.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
     lo, hi = lengths
     engine = _engine(path, max_num_seqs=num_seqs, max_model_len=2 * hi, device=device,
-                     dtype=dtype, util=util)
+                     dtype=dtype, util=util, graph_sampling=graph_sampling)
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
     prompt_lens = rng.integers(lo, hi + 1, num_seqs)
     output_lens = rng.integers(lo, hi + 1, num_seqs)
@@ -204,7 +208,8 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                      public: bool = True, public_model: str = "qwen3-0.6b",
                      public_seqs: int = 256, public_lengths: tuple[int, int] = (100, 1024),
                      util: float = 0.5, device: str = "cuda", dtype: str = "bfloat16",
-                     workdir: str | None = None, lora_rank: int = 0) -> dict:
+                     workdir: str | None = None, lora_rank: int = 0,
+                     graph_sampling: bool = True) -> dict:
     """Run every model x batch (engine, transformers; with lora_rank, the engine again with an
     adapter) and the public workload; a JSON dict."""
     dev = torch.device(device)
@@ -225,6 +230,7 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
               "device": props.name if props else "cpu", "torch": torch.__version__,
               "dtype": dtype, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "hf_new_tokens": hf_new_tokens, "lora_rank": lora_rank,
+              "graph_sampling": graph_sampling,
               "copy_bytes_per_s": copy_bandwidth(dev), "models": {}}
     try:
         for preset in models:
@@ -234,7 +240,8 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                 dtype=torch_dtype)
             entry = engine_decode(path, batches, prompt_len=prompt_len, new_tokens=new_tokens,
                                   device=dev, dtype=torch_dtype, util=util,
-                                  bytes_per_s=result["copy_bytes_per_s"])
+                                  bytes_per_s=result["copy_bytes_per_s"],
+                                  graph_sampling=graph_sampling)
             for row in entry["rows"]:
                 base = hf.get(row["batch"])
                 row["hf_ms_per_step"] = base["ms_per_step"] if base else None
@@ -244,13 +251,13 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                 entry["lora"] = _with_adapter(entry, engine_decode(
                     path, batches, prompt_len=prompt_len, new_tokens=new_tokens, device=dev,
                     dtype=torch_dtype, util=util, bytes_per_s=result["copy_bytes_per_s"],
-                    lora_rank=lora_rank))
+                    lora_rank=lora_rank, graph_sampling=graph_sampling))
             result["models"][preset] = entry
         if public:
             path = _checkpoint(public_model, root, dev, dtype)
             result["public"] = {"model": public_model, **public_workload(
                 path, num_seqs=public_seqs, lengths=public_lengths, device=dev,
-                dtype=torch_dtype, util=util)}
+                dtype=torch_dtype, util=util, graph_sampling=graph_sampling)}
             result["public"]["h200_scaled_reference_tokens_per_s"] = \
                 PUBLIC_A800_TOKENS_PER_S * H200_OVER_A800_BANDWIDTH
     finally:
@@ -273,7 +280,9 @@ def render(result: dict, console) -> None:
     from rich.table import Table
 
     table = Table(title=f"engine decode, {result['device']}, {result['dtype']}, "
-                        f"{result['prompt_len']}-token prompts, {result['new_tokens']} new tokens "
+                        f"{result['prompt_len']}-token prompts, {result['new_tokens']} new "
+                        f"tokens, sampler {'in' if result['graph_sampling'] else 'outside'} "
+                        "the graphs "
                         f"(transformers timed over {result['hf_new_tokens']}); copy floor "
                         f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     lora = result.get("lora_rank", 0)
@@ -287,6 +296,8 @@ def render(result: dict, console) -> None:
             hf, k = r["hf_ms_per_step"], r.get("graph_kernels") or {}
             kernels = (f"{k['kernel_ms']:.2f} ({k['gemm_ms']:.2f}/{k['attention_ms']:.2f}/"
                        f"{k['other_ms']:.2f})" if "kernel_ms" in k else k.get("error", "-")[:30])
+            if "sampler_ms" in k:
+                kernels += f" + head/sampler {k['sampler_ms']:.2f}"
             with_lora = ((f"{r['lora_ms_per_step']:.2f}", f"{r['lora_over_base']:.2f}")
                          if lora else ())
             table.add_row(preset, str(r["batch"]), f"{r['ms_per_step']:.2f}", *with_lora,

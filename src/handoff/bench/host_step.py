@@ -59,7 +59,7 @@ def host_step_cost(num_seqs: int = 256, *, prompt_len: int = 256, block_size: in
         # What the runner does before a decode forward (CPU: the staging buffer is the input).
         inputs.fill(*decode_rows(batch), blocks.tables, len(batch))
         t2 = time.perf_counter()
-        ModelRunner.sampling_batch(batch)
+        inputs.fill_sampling(ModelRunner.sampling_batch(batch), len(batch))
         t3 = time.perf_counter()
         # The runner hands back Python lists (one .tolist() per step); so does this stand-in.
         tokens = rng.integers(0, vocab, len(batch)).tolist()

@@ -88,6 +88,9 @@ def bench_engine_cmd(
     lora_rank: int = typer.Option(0, "--lora-rank", help="also decode with a random adapter "
                                   "of this rank on all seven projections, beside the base "
                                   "(0: off)"),
+    graph_sampling: bool = typer.Option(True, "--graph-sampling/--no-graph-sampling",
+                                        help="the LM head and the sampler inside the decode "
+                                        "graphs (rollout.graph_sampling)"),
 ) -> None:
     """Engine decode step vs transformers generate and the HBM floor; the public workload;
     with --lora-rank, the decode step with an adapter beside the one without."""
@@ -101,7 +104,8 @@ def bench_engine_cmd(
         hf_new_tokens=hf_new_tokens, skip_hf=skip_hf, public=public, public_seqs=public_seqs,
         public_model=public_model,
         public_lengths=tuple(int_list(public_lengths, "--public-lengths")),
-        util=util, device=device, dtype=dtype, lora_rank=lora_rank)
+        util=util, device=device, dtype=dtype, lora_rank=lora_rank,
+        graph_sampling=graph_sampling)
     _show_and_save(result, out, render)
 
 

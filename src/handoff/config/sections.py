@@ -103,6 +103,9 @@ class RolloutConfig:
     max_model_len: int = F(4096, help="longest prompt + response in tokens", ge=2)
     kv_dtype: str = F("auto", help="KV cache dtype (auto: the model dtype)", choices=("auto", "fp8"))
     cuda_graphs: bool = F(True, help="capture decode as CUDA graphs (CUDA only)")
+    graph_sampling: bool = F(True, help=(
+        "the LM head and the sampler inside the decode graphs, so a decode step is two "
+        "replays (with cuda_graphs; false: they run eagerly after the model's graph)"))
     readback_by_kernel: bool = F(True, help=(
         "each step's tokens and log-probs go to the host by a kernel, not the copy engines, "
         "where they would wait behind the trainer's state going to the host under generation "

@@ -3,13 +3,14 @@
 Prefill packs the uncached tail of each admitted sequence into one flat batch (its index
 arrays go to the device in one copy); on CUDA each layer attends with one varlen_attn call
 (attention.PackedPrefill), elsewhere with the per-sequence reference loop. Decode stages its
-five inputs in graphs.DecodeInputs (numpy, one H2D copy). On CUDA with the Triton kernel the
-batch is padded to a ladder size and that size's captured graph replays (graphs.py); with
-`cuda_graphs` off the same padded shapes run eagerly, so both compute the same numbers. On
-CPU decode runs eagerly at the exact batch. Sampling runs outside the graph and writes each
-sequence's token into `next_ids` at its block-table row, where the next decode step reads its
-input ids: a step can be launched before the previous one's tokens reach the host (`launch`,
-then `collect`; `ahead=1` stages a decode for the token in flight). `collect` copies tokens
+inputs and its sampling inputs in graphs.DecodeInputs (numpy, one H2D copy). On CUDA with the
+Triton kernel the batch is padded to a ladder size and that size's captured graphs replay
+(graphs.py): the model, then the LM head and the sampler (`graph_sampling`); with them off
+the same padded shapes run eagerly, so all compute the same numbers. On CPU decode runs
+eagerly at the exact batch. The sampler writes each sequence's token into `next_ids` at its
+block-table row, where the next decode step reads its input ids: a step can be launched
+before the previous one's tokens reach the host (`launch`, then `collect`; `ahead=1` stages a
+decode for the token in flight). `collect` copies tokens
 and log-probs to the host once and waits once (`wait_seconds`), so the engine can tell the
 host's own time per step from the device's.
 
@@ -19,6 +20,7 @@ V = vocabulary, E = hidden size.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 
@@ -31,8 +33,12 @@ from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefi
                                        packed_prefill_available, select_decode_backend)
 from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
 from handoff.rollout.models.qwen3 import CausalLM
-from handoff.rollout.sampling import SamplingBatch, sample, uniforms
+from handoff.rollout.sampling import (SamplerRows, SamplingBatch, draw, sample, sampling_mode,
+                                     uniforms)
 from handoff.rollout.sequence import Sequence
+
+SAMPLING_MODES = ("greedy", "sample", "truncate")   # sampling.sampling_mode's answers
+_SAMPLER_ROWS = 32
 
 
 class ModelRunner:
@@ -40,7 +46,8 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, *, device: torch.device, block_size: int,
                  kv_dtype: torch.dtype, attention_backend: str | None = None,
-                 cuda_graphs: bool = False, readback_by_kernel: bool = True):
+                 cuda_graphs: bool = False, graph_sampling: bool = True,
+                 readback_by_kernel: bool = True):
         self.model = model
         self.spec = model.spec
         self.device = device
@@ -57,6 +64,9 @@ class ModelRunner:
             warnings.warn(f"rollout.cuda_graphs is ignored with the {self.backend!r} attention "
                           "backend (decode runs eagerly): use a bf16/fp16 model and the triton "
                           "backend to capture decode graphs", stacklevel=2)
+        # The LM head and the sampler captured too: a decode step is two replays, not ~30
+        # launches and the uploads of the sampling inputs (issue: the host's share per step).
+        self.sample_in_graph = self.use_graphs and bool(graph_sampling)
         self.packed_prefill = packed_prefill_available(device, self.dtype)
         self.kv_storage: torch.Tensor | None = None  # [2, layers, N, S, K, D]
         self.kv_scales: torch.Tensor | None = None   # [2, layers] fp32, fp8 only
@@ -67,7 +77,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.hidden_out: torch.Tensor | None = None  # [rows, E], written by the graphs
         self.next_ids: torch.Tensor | None = None  # int64 [rows + 1]: the next input token
-        self._host_results: list | None = None      # two pinned (tokens, logprobs) pairs
+        self.tokens_R: torch.Tensor | None = None  # a decode step's draws, int64 [rows]
+        self.logprobs_R: torch.Tensor | None = None  # and their log-probs, float32 [rows]
+        self._host_results: list | None = None      # two (tokens, logprobs) pairs, pinned on CUDA
         # Results to the host by a kernel: a copy would queue behind the trainer's state
         # going to the host under generation (handoff.memory.host_copy).
         self.readback_by_kernel = readback_by_kernel
@@ -144,20 +156,26 @@ class ModelRunner:
         self.sizes = graph_batch_sizes(max_rows) if self.pad_decode else []
         # Row max_rows is the padding rows' token (0). Allocated outside every region.
         self.next_ids = torch.zeros(max_rows + 1, dtype=torch.int64, device=self.device)
-        if self.device.type == "cuda":
-            # Two in flight at most (a step and the one staged ahead of its tokens).
-            self._host_results = [(torch.empty(max_rows, dtype=torch.int64, pin_memory=True),
-                                   torch.empty(max_rows, dtype=torch.float32, pin_memory=True))
-                                  for _ in range(2)]
+        self.tokens_R = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
+        self.logprobs_R = torch.zeros(max_rows, dtype=torch.float32, device=self.device)
+        # Two in flight at most (a step and the one staged ahead of its tokens).
+        pin = self.device.type == "cuda"
+        self._host_results = [(torch.empty(max_rows, dtype=torch.int64, pin_memory=pin),
+                               torch.empty(max_rows, dtype=torch.float32, pin_memory=pin))
+                              for _ in range(2)]
         if self.use_graphs:
             assert self.kv is not None, "allocate the KV cache before capturing decode graphs"
             self.hidden_out = torch.empty(max_rows, self.spec.hidden_size, dtype=self.dtype,
                                           device=self.device)
             self.graphs = DecodeGraphs(self.sizes)
+            steps = {(b, "model"): functools.partial(self._model_step, b) for b in self.sizes}
+            if self.sample_in_graph:
+                steps.update({(b, mode): functools.partial(self._sample_step,
+                                                           self.hidden_out, b, mode)
+                              for b in self.sizes for mode in SAMPLING_MODES})
             # Plain segments for the graph pool: it is resident, never grown after capture.
             with torch.inference_mode(), expandable_segments(False):
-                self.graphs.capture(lambda b: self._forward_decode(b, max_blocks),
-                                    self.hidden_out, self.device)
+                self.graphs.capture(steps, self.device)
 
     def stats(self) -> dict:
         graphs = self.graphs
@@ -165,7 +183,8 @@ class ModelRunner:
                 "graph_captures": 0 if graphs is None else graphs.num_captures,
                 "graph_pool_bytes": 0 if graphs is None else graphs.pool_bytes,
                 "graph_driver_bytes": 0 if graphs is None else graphs.driver_bytes,
-                "graph_batch_sizes": list(self.sizes), "packed_prefill": self.packed_prefill,
+                "graph_batch_sizes": list(self.sizes), "graph_sampling": self.sample_in_graph,
+                "packed_prefill": self.packed_prefill,
                 "readback_by_kernel": self.readback_by_kernel}
 
     # ---------------------------------------------------------------- steps
@@ -175,16 +194,19 @@ class ModelRunner:
         """Queue the step's forward and sampling and the copy of its results to the host;
         `collect` the returned handle. ahead=1: a decode step for the tokens the step in
         flight is sampling (each sequence one token longer than it knows)."""
+        batch = self.sampling_batch(seqs, ahead)
         if is_prefill:
             logits_BV, rows_B = self._prefill(seqs)
+            tokens_B, logprobs_B = sample(logits_BV, batch)
+            self.next_ids[rows_B] = tokens_B
         else:
-            logits_BV, rows_B = self._decode(seqs, ahead)
-        tokens_B, logprobs_B = sample(logits_BV, self.sampling_batch(seqs, ahead))
-        self.next_ids[rows_B] = tokens_B
-        if self._host_results is None:
-            return tokens_B, logprobs_B, None
+            tokens_B, logprobs_B = self._decode(seqs, ahead, batch)
         tokens, logprobs = (t[:len(seqs)] for t in self._host_results[self._launches % 2])
         self._launches += 1
+        if self.device.type != "cuda":
+            tokens.copy_(tokens_B)
+            logprobs.copy_(logprobs_B)
+            return tokens, logprobs, None
         if self.readback_by_kernel:
             results_to_host(tokens, logprobs, tokens_B, logprobs_B)
         else:
@@ -242,21 +264,48 @@ class ModelRunner:
         hidden_TE = self.model(ids_T, positions_T, meta)
         return self.model.compute_logits(hidden_TE[last_B]), rows_B
 
-    def _decode(self, seqs: list[Sequence], ahead: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, seqs: list[Sequence], ahead: int, batch: SamplingBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage, forward and sample a decode step; (tokens, log-probs) of its sequences."""
         num = len(seqs)
         rows = bucket(num, self.sizes) if self.pad_decode else num
         assert rows is not None, (num, self.sizes)
         table_rows, lens = decode_rows(seqs)
         width = self.inputs.fill(table_rows, lens + ahead, self.tables, rows)
+        self.inputs.fill_sampling(batch, rows)
         self.inputs.upload(rows)
+        mode = sampling_mode(batch)
         if self.graphs is not None:
             self.graphs.replay(rows)
-            hidden_BE = self.hidden_out[:num]
+            hidden_BE = self.hidden_out
         else:
             # Padded decode runs at the graphs' full table width: the same shapes, same numbers.
             full = self.inputs.max_blocks if self.pad_decode else width
-            hidden_BE = self._forward_decode(rows, full)[:num]
-        return self.model.compute_logits(hidden_BE), self.inputs.d["rows"][:num]
+            hidden_BE = self._forward_decode(rows, full)
+        if self.sample_in_graph:
+            self.graphs.replay(rows, mode)
+        else:
+            self._sample_step(hidden_BE, rows, mode)
+        return self.tokens_R[:num], self.logprobs_R[:num]
+
+    def _model_step(self, rows: int) -> None:
+        """The captured model step: hidden states of the first `rows` rows into hidden_out."""
+        self.hidden_out[:rows].copy_(self._forward_decode(rows, self.inputs.max_blocks))
+
+    def _sample_step(self, hidden_RE: torch.Tensor, rows: int, mode: str) -> None:
+        """The LM head and the sampler over the first `rows` staged rows (padding included:
+        the same shapes whether captured or not): draws into tokens_R, logprobs_R and each
+        row's slot of next_ids. The sampler runs _SAMPLER_ROWS rows at a time, which bounds
+        its float32/float64 [rows, V] temporaries (resident in the graph pool when captured);
+        every sampler op works row by row, so the draws do not depend on the split."""
+        logits_BV = self.model.compute_logits(hidden_RE[:rows])
+        for lo in range(0, rows, _SAMPLER_ROWS):
+            hi = min(lo + _SAMPLER_ROWS, rows)
+            tokens_B, logprobs_B = draw(logits_BV[lo:hi], self.inputs.sampler_rows(lo, hi, mode),
+                                        truncate=mode == "truncate")
+            self.tokens_R[lo:hi] = tokens_B
+            self.logprobs_R[lo:hi] = logprobs_B
+        self.next_ids[self.inputs.d["rows"][:rows]] = self.tokens_R[:rows]
 
     def _forward_decode(self, rows: int, width: int) -> torch.Tensor:
         """The model over the first `rows` staged decode rows -> hidden states [rows, E]."""
@@ -326,8 +375,9 @@ class ModelRunner:
         """CUDA: room to keep for the decode graphs' pool, before the KV pool exists.
 
         The pool holds what the largest graph allocates (smaller ones reuse it): twice the peak
-        of a cache-less forward of `max_num_seqs` tokens, for the allocator's segment rounding,
-        plus 64 MiB. The capture then measures the real size (stats' graph_pool_bytes).
+        of a cache-less forward of `max_num_seqs` tokens and, with graph_sampling, the LM head
+        and the sampler's truncating draw after it, for the allocator's segment rounding, plus
+        64 MiB. The capture then measures the real size (stats' graph_pool_bytes).
         """
         if not self.use_graphs:
             return 0
@@ -338,6 +388,16 @@ class ModelRunner:
         ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         meta = AttnMeta(is_prefill=True, kv=None, query_lens=[max_num_seqs])
         hidden = self.model(ids, torch.zeros_like(ids), meta)
+        if self.sample_in_graph:
+            logits_BV = self.model.compute_logits(hidden)
+            rows = min(max_num_seqs, _SAMPLER_ROWS)
+            worst = SamplerRows(
+                temperature_B=torch.ones(rows, device=self.device),
+                uniform_B=torch.full((rows,), 0.5, dtype=torch.float64, device=self.device),
+                top_k_B=torch.zeros(rows, dtype=torch.int64, device=self.device),
+                top_p_B=torch.full((rows,), 0.9, device=self.device))
+            draw(logits_BV[:rows], worst, truncate=True)
+            del logits_BV
         del hidden
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base

@@ -133,28 +133,53 @@ def _truncate(probs_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tens
 def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; returns (token ids int64 [B], their log-probs float32 [B])."""
     device = logits_BV.device
+    rows = None if batch.all_greedy else SamplerRows(
+        temperature_B=upload(batch.temperature, device),
+        top_k_B=upload(batch.top_k, device) if batch.needs_truncation else None,
+        top_p_B=upload(batch.top_p, device) if batch.needs_truncation else None,
+        uniform_B=upload(batch.uniform, device))
+    return draw(logits_BV, rows, truncate=batch.needs_truncation, mixed=batch.any_greedy)
+
+
+@dataclass
+class SamplerRows:
+    """The sampler's per-row inputs on the device (temperature 0: greedy)."""
+
+    temperature_B: torch.Tensor        # float32 [B]
+    uniform_B: torch.Tensor            # float64 [B]
+    top_k_B: torch.Tensor | None       # int64 [B]; None: no truncation
+    top_p_B: torch.Tensor | None       # float32 [B]
+
+
+def sampling_mode(batch: SamplingBatch) -> str:
+    """Which of draw's paths a batch needs: "greedy", "sample" or "truncate"."""
+    return "greedy" if batch.all_greedy else "truncate" if batch.needs_truncation else "sample"
+
+
+def draw(logits_BV: torch.Tensor, rows: SamplerRows | None, *, truncate: bool = False,
+         mixed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler on device tensors alone (no host branch on values, so it can be captured
+    in a CUDA graph): rows None draws greedily; `mixed` lets rows of temperature 0 take the
+    argmax inside a sampled batch; `truncate` applies top-k / top-p."""
     logits_BV = logits_BV.float()
-    if batch.all_greedy:
+    if rows is None:
         tokens_B = logits_BV.argmax(dim=-1)
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     else:
-        temp_B = upload(np.where(batch.temperature == 0, 1.0, batch.temperature)
-                           .astype(np.float32), device)
-        logprobs_BV = torch.log_softmax(logits_BV / temp_B[:, None], dim=-1)
+        temp_B = rows.temperature_B
+        logprobs_BV = torch.log_softmax(
+            logits_BV / torch.where(temp_B == 0, 1.0, temp_B)[:, None], dim=-1)
         probs_BV = logprobs_BV.exp()
-        if batch.needs_truncation:
-            probs_BV = _truncate(probs_BV,
-                                 upload(batch.top_k, device), upload(batch.top_p, device))
+        if truncate:
+            probs_BV = _truncate(probs_BV, rows.top_k_B, rows.top_p_B)
         cdf_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
-        u_B = upload(batch.uniform, device)
-        target_B1 = (u_B * cdf_BV[:, -1])[:, None]
+        target_B1 = (rows.uniform_B * cdf_BV[:, -1])[:, None]
         tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
         tokens_B.clamp_(max=logits_BV.shape[-1] - 1)
         # Rounding at the top of the CDF can land on a zero-probability tail token: fall back
         # to the mode rather than emit a token the truncation removed.
         picked_B = probs_BV.gather(1, tokens_B[:, None]).squeeze(1)
         tokens_B = torch.where(picked_B > 0, tokens_B, probs_BV.argmax(dim=-1))
-        if batch.any_greedy:
-            greedy_B = upload(batch.temperature == 0, device)
-            tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), tokens_B)
+        if mixed:
+            tokens_B = torch.where(temp_B == 0, logits_BV.argmax(dim=-1), tokens_B)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
