@@ -36,6 +36,9 @@ def test_tiny_run_on_cpu(tmp_path):
         assert 0 < row["host_ms_per_step"] <= row["ms_per_step"]
         assert row["over_floor"] == pytest.approx(row["ms_per_step"] / row["floor_ms"])
         assert row["hf_ms_per_step"] == entry["transformers"][row["batch"]]["ms_per_step"]
+        assert row["prefill_steps"] >= 1 and row["prefill_s"] > 0
+        assert row["prefill_of_peak"] == pytest.approx(
+            row["prefill_flops_per_s"] / result["matmul_flops_per_s"])
     assert result["copy_bytes_per_s"] > 0
     pub = result["public"]
     assert pub["num_seqs"] == 4 and 16 <= pub["output_tokens"] <= 80
@@ -74,3 +77,21 @@ def test_lora_rank_decodes_with_an_adapter_beside_the_base_on_cpu(tmp_path):
 
     with pytest.raises(HandoffError, match="--lora-rank >= 0"):
         run_engine_bench(models=["tiny-qwen3"], batches=[1], device="cpu", lora_rank=-1)
+
+
+def test_prefill_flops_count_the_layers_the_causal_pairs_and_one_head_row_per_prompt(tmp_path):
+    from handoff.bench.engine import _checkpoint, _engine, prefill_flops
+
+    path = _checkpoint("tiny-qwen3", tmp_path, torch.device("cpu"), "float32")
+    engine = _engine(path, max_num_seqs=4, max_model_len=64, device=torch.device("cpu"),
+                     dtype=torch.float32, util=0.5)
+    s = engine.model.spec
+    layers = sum(p.numel() for p in engine.model.model.layers.parameters())
+    one = prefill_flops(engine.model, 1, 1)
+    # One token: each layer's weights twice, attention to itself, the head once.
+    assert one == 2 * layers + 4 * s.num_heads * s.head_dim * s.num_layers \
+        + 2 * s.vocab_size * s.hidden_size
+    # Three prompts of 10: 30 tokens, 3 x 55 causal pairs, 3 head rows.
+    assert prefill_flops(engine.model, 3, 10) == 2 * layers * 30 \
+        + 4 * s.num_heads * s.head_dim * s.num_layers * 165 + 3 * 2 * s.vocab_size * s.hidden_size
+    engine.sleep(2)

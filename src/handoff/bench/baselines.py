@@ -1,6 +1,7 @@
 """What `handoff bench engine` compares the engine with, and where its decode step's time goes.
 
 * copy_bandwidth: the device-to-device copy rate (bytes read + written), the HBM floor's rate;
+* matmul_flops_per_s: a bf16 square matmul's rate, the compute floor's (prefill, training);
 * transformers_ms_per_step: transformers `generate` per decode step on the same checkpoint;
 * graph_kernel_profile: the kernels one replay of a captured decode graph runs (count and
   device time: matrix products, attention, the rest), from the PyTorch profiler. A step's wall
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import re
 import time
 from pathlib import Path
@@ -31,6 +33,22 @@ def free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def matmul_flops_per_s(dev: torch.device, dtype: torch.dtype, n: int, iters: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (best of `iters` after a warm-up): the
+    compute floor's rate."""
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    best = math.inf
+    for i in range(iters + 2):
+        sync(dev)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync(dev)
+        if i >= 2:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
 
 
 def copy_bandwidth(device: torch.device) -> float:

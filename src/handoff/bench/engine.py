@@ -16,7 +16,10 @@ random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B
   as the LM head, plus the K/V of every token in context, averaged over the steps) / the
   device-to-device copy rate measured in this run (bytes read + written);
 * what one replay of the decode graph runs: kernel count and device ms (matrix products,
-  attention, the rest), so a gap to the floor can be told apart: launch-bound or not.
+  attention, the rest; then the LM head and the sampler's graph), so a gap to the floor can
+  be told apart: launch-bound or not;
+* the prefill of the B prompts: its model FLOPs (prefill_flops) / its wall time, against a
+  bf16 8192^3 matmul measured in the same run (the compute floor's rate).
 With --lora-rank R, each model's decode steps run again on an engine holding a rank-R adapter
 on all seven projections (random small values; built with lora_max_rank=R, so the decode
 graphs capture its GEMMs), in the same run, and each row sets its step time beside the base's
@@ -38,7 +41,7 @@ import numpy as np
 import torch
 
 from handoff.bench.baselines import (copy_bandwidth, free, graph_kernel_profile,
-                                     transformers_ms_per_step)
+                                     matmul_flops_per_s, transformers_ms_per_step)
 from handoff.errors import HandoffError
 
 PUBLIC_A800_TOKENS_PER_S = 10_000  # a comparable engine's published figure (A800)
@@ -59,6 +62,19 @@ def floor_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, prompt_len:
     """HBM floor of the mean decode step (decode step j reads prompt_len + j tokens of K/V)."""
     mean_context = prompt_len + new_tokens / 2
     return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bytes_per_s
+
+
+def prefill_flops(model, num_seqs: int, prompt_len: int) -> float:
+    """Model FLOPs of prefilling `num_seqs` fresh prompts of `prompt_len` tokens: 2 x the
+    decoder layers' weights per token, the causal attention's two products (4 x heads x
+    head_dim per query and each key up to it) per layer, and the LM head for each prompt's
+    last token (the only one sampled)."""
+    spec = model.spec
+    layer_params = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
+    pairs = num_seqs * prompt_len * (prompt_len + 1) / 2
+    attention = 4 * spec.num_heads * spec.head_dim * pairs * spec.num_layers
+    head = 2 * spec.vocab_size * spec.hidden_size * num_seqs
+    return 2 * layer_params * num_seqs * prompt_len + attention + head
 
 
 def _engine(path: Path, *, max_num_seqs: int, max_model_len: int, device: torch.device,
@@ -109,6 +125,7 @@ def _timed_generate(engine, prompts, params) -> dict:
     wait = after["decode_wait_seconds"] - before["decode_wait_seconds"]
     return {"outputs": outs, "wall_s": wall, "decode_steps": steps,
             "prefill_steps": after["prefill_steps"] - before["prefill_steps"],
+            "prefill_s": after["prefill_seconds"] - before["prefill_seconds"],
             "ms_per_step": 1e3 * seconds / max(steps, 1),
             "host_ms_per_step": 1e3 * (seconds - wait) / max(steps, 1)}
 
@@ -123,9 +140,11 @@ def _engine_facts(engine) -> dict:
 
 def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens: int,
                   device: torch.device, dtype: torch.dtype, util: float, bytes_per_s: float,
-                  seed: int = 0, lora_rank: int = 0, graph_sampling: bool = True) -> dict:
-    """The engine's decode step at each batch size, with its HBM floor (lora_rank > 0: with a
-    random adapter of that rank loaded)."""
+                  flops_per_s: float, seed: int = 0, lora_rank: int = 0,
+                  graph_sampling: bool = True) -> dict:
+    """The engine's decode step at each batch size, with its HBM floor, and the prefill of
+    its prompts against the matmul rate `flops_per_s` (lora_rank > 0: with a random adapter
+    of that rank loaded)."""
     from handoff.rollout.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -151,10 +170,13 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
         lengths = {len(s.token_ids) for o in run.pop("outputs") for s in o.outputs}
         assert lengths == {new_tokens}, lengths
         floor = floor_ms(weights, kv_token, batch, prompt_len, new_tokens, bytes_per_s)
+        prefill_rate = prefill_flops(engine.model, batch, prompt_len) / run["prefill_s"]
         kernels = graph_kernel_profile(engine.runner, batch)
         engine.reset_prefix_cache()  # the profile rewrote the last step's slots
         rows.append({"batch": batch, **run, "tokens_per_s": batch * 1e3 / run["ms_per_step"],
                      "floor_ms": floor, "over_floor": run["ms_per_step"] / floor,
+                     "prefill_flops_per_s": prefill_rate,
+                     "prefill_of_peak": prefill_rate / flops_per_s,
                      "graph_kernels": kernels})
     result = {"build_s": build_s, "weight_bytes": weights, "kv_bytes_per_token": kv_token,
               "lora_rank": lora_rank, "adapter_tensors": len(adapter), **_engine_facts(engine),
@@ -231,7 +253,9 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
               "dtype": dtype, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "hf_new_tokens": hf_new_tokens, "lora_rank": lora_rank,
               "graph_sampling": graph_sampling,
-              "copy_bytes_per_s": copy_bandwidth(dev), "models": {}}
+              "copy_bytes_per_s": copy_bandwidth(dev),
+              "matmul_flops_per_s": matmul_flops_per_s(
+                  dev, torch_dtype, 8192 if dev.type == "cuda" else 256), "models": {}}
     try:
         for preset in models:
             path = _checkpoint(preset, root, dev, dtype)
@@ -241,6 +265,7 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
             entry = engine_decode(path, batches, prompt_len=prompt_len, new_tokens=new_tokens,
                                   device=dev, dtype=torch_dtype, util=util,
                                   bytes_per_s=result["copy_bytes_per_s"],
+                                  flops_per_s=result["matmul_flops_per_s"],
                                   graph_sampling=graph_sampling)
             for row in entry["rows"]:
                 base = hf.get(row["batch"])
@@ -251,7 +276,8 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                 entry["lora"] = _with_adapter(entry, engine_decode(
                     path, batches, prompt_len=prompt_len, new_tokens=new_tokens, device=dev,
                     dtype=torch_dtype, util=util, bytes_per_s=result["copy_bytes_per_s"],
-                    lora_rank=lora_rank, graph_sampling=graph_sampling))
+                    flops_per_s=result["matmul_flops_per_s"], lora_rank=lora_rank,
+                    graph_sampling=graph_sampling))
             result["models"][preset] = entry
         if public:
             path = _checkpoint(public_model, root, dev, dtype)
@@ -284,11 +310,13 @@ def render(result: dict, console) -> None:
                         f"tokens, sampler {'in' if result['graph_sampling'] else 'outside'} "
                         "the graphs "
                         f"(transformers timed over {result['hf_new_tokens']}); copy floor "
-                        f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+                        f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
+                        f"{result['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
     lora = result.get("lora_rank", 0)
     lora_cols = (f"LoRA r{lora} ms/step", "x base") if lora else ()
     for col in ("model", "batch", "engine ms/step", *lora_cols, "host ms", "tok/s", "floor ms",
-                "x floor", "HF ms/step", "x HF", "kernels", "kernel ms (gemm/attn/other)",
+                "x floor", "prefill % peak", "HF ms/step", "x HF", "kernels",
+                "kernel ms (gemm/attn/other)",
                 "graphs / pool"):
         table.add_column(col, justify="right")
     for preset, entry in result["models"].items():
@@ -303,12 +331,13 @@ def render(result: dict, console) -> None:
             table.add_row(preset, str(r["batch"]), f"{r['ms_per_step']:.2f}", *with_lora,
                           f"{r['host_ms_per_step']:.2f}", f"{r['tokens_per_s']:.0f}",
                           f"{r['floor_ms']:.2f}", f"{r['over_floor']:.2f}",
+                          f"{100 * r['prefill_of_peak']:.0f}%",
                           "-" if hf is None else f"{hf:.1f}",
                           "-" if hf is None else f"{r['speedup_vs_hf']:.1f}",
                           str(k.get("kernels", "-")), kernels,
                           f"{entry['graph_captures']} / {entry['graph_pool_bytes'] / 2**20:.0f} MiB")
     width = console.width
-    console.width = max(width, 180)  # print(width=) can only narrow; logs default to 80 columns
+    console.width = max(width, 200)  # print(width=) can only narrow; logs default to 80 columns
     try:
         console.print(table)
     finally:

@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from handoff.bench.baselines import matmul_flops_per_s
 from handoff.bench.train_profile import (OPTIMIZER_RANGE, mark_recompute, profiler_activities,
                                          summarize)
 from handoff.config import Config, set_key
@@ -128,21 +129,6 @@ def synthetic_batch(vocab: int, *, rows: int, prompt_len: int, response_lens: li
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def matmul_flops_per_s(dev: torch.device, dtype: torch.dtype, n: int, iters: int = 10) -> float:
-    """FLOP/s of an n x n x n matmul in `dtype` (best of `iters` after a warm-up)."""
-    a = torch.randn(n, n, device=dev).to(dtype)
-    b = torch.randn(n, n, device=dev).to(dtype)
-    best = math.inf
-    for i in range(iters + 2):
-        _sync(dev)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(dev)
-        if i >= 2:
-            best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
 
 
 class _Meter:
