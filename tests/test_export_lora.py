@@ -29,6 +29,13 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 TOKENS = torch.tensor([[1, 5, 9, 30, 2, 77, 4, 12], [3, 3, 8, 100, 61, 7, 0, 42]])
 
 
+def _flat(text: str) -> str:
+    """Text without its whitespace: the console wraps long lines anywhere, even inside a path
+    (a test's tmp path is longer under pytest-xdist)."""
+    return "".join(text.split())
+
+
+
 @pytest.fixture(scope="module", params=[("qwen3", ALL), ("llama", ["q_proj", "v_proj",
                                                                     "down_proj"])],
                 ids=["qwen3-all", "llama-some"])
@@ -176,7 +183,7 @@ def test_handoff_export_merged_then_generate(lora_run, tmp_path):
     out = tmp_path / "merged"
     result = CliRunner().invoke(app, ["export", str(lora_run["run"]), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "LoRA adapter merged into the model" in " ".join(result.output.split())
+    assert _flat("LoRA adapter merged into the model") in _flat(result.output)
     result = CliRunner().invoke(app, ["generate", "--model", str(out), "--prompt", "1+2=",
                                       "--max-tokens", "4", "--temperature", "0", "--json",
                                       "--no-chat"])
@@ -185,7 +192,7 @@ def test_handoff_export_merged_then_generate(lora_run, tmp_path):
     result = CliRunner().invoke(app, ["export", str(lora_run["run"]), "--out",
                                       str(tmp_path / "adapter"), "--adapter"])
     assert result.exit_code == 0, result.output
-    assert "its LoRA adapter, for peft" in " ".join(result.output.split())
+    assert _flat("its LoRA adapter, for peft") in _flat(result.output)
 
 
 def _refused(run, out, match: str, **kwargs) -> None:
