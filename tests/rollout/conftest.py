@@ -70,7 +70,10 @@ def hf_logprobs(path, prompt: list[int], completion: list[int],
 
 
 def rollout_cfg(**overrides) -> RolloutConfig:
-    base = dict(num_blocks=128, block_size=4, max_model_len=128, max_num_seqs=16)
+    # One BLAS library: engines compared bit for bit must not each time their own choice
+    # (test_graphs_cuda tests decode_gemm=auto on its own).
+    base = dict(num_blocks=128, block_size=4, max_model_len=128, max_num_seqs=16,
+                decode_gemm="cublas")
     return RolloutConfig(**{**base, **overrides})
 
 

@@ -127,8 +127,10 @@ def test_graph_path_with_the_sampler_captured_matches_exact_batches(qwen3_dir, r
     runner = graphs.runner
     runner.pad_decode = runner.use_graphs = True
     runner.sample_in_graph = graph_sampling
+    runner.decode_gemm = "cublas"   # a named library: nothing to time on a CPU
     runner.sizes = graph_batch_sizes(graphs.cfg.max_num_seqs)
     runner.bind_tables(graphs.blocks.tables)
+    assert runner.gemm_by_size == dict.fromkeys(runner.sizes, "cublas")
     parts = 4 if graph_sampling else 1  # the model, and the sampler in each of its 3 modes
     assert runner.graphs.num_captures == parts * len(runner.sizes)
     prompts = ref.mixed_prompts  # 5 prompts x 2 samples: 10 rows run as 16

@@ -88,6 +88,34 @@ def test_the_sampler_in_the_graphs_draws_what_it_draws_outside(qwen3_dir, ref):
         engine.sleep(2)
 
 
+def test_decode_gemm_auto_times_both_libraries_and_a_named_one_equals_eager(qwen3_dir, ref):
+    auto = Engine(str(qwen3_dir), _cfg(ref, decode_gemm="auto"), dtype="bfloat16")
+    stats = auto.stats()
+    sizes = stats["graph_batch_sizes"]
+    assert sorted(stats["decode_gemm"]) == sizes
+    assert set(stats["decode_gemm"].values()) <= {"cublas", "cublaslt"}
+    for b in sizes:
+        ms = stats["decode_gemm_ms"][b]
+        assert set(ms) == {"cublas", "cublaslt"} and all(t > 0 for t in ms.values())
+    print("\ndecode GEMM library per batch (ms cublas / cublaslt): " + ", ".join(
+        f"{b}: {stats['decode_gemm'][b]} ({stats['decode_gemm_ms'][b]['cublas']:.3f} / "
+        f"{stats['decode_gemm_ms'][b]['cublaslt']:.3f})" for b in sizes))
+    prompts = _prompts(19)
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=16)
+    auto_out = _outputs(auto.generate(prompts, params))
+    auto.sleep(2)
+    lt = {graphs: Engine(str(qwen3_dir), _cfg(ref, decode_gemm="cublaslt", cuda_graphs=graphs),
+                         dtype="bfloat16") for graphs in (True, False)}
+    want, got = (_outputs(lt[g].generate(prompts, params)) for g in (False, True))
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    assert lt[True].stats()["decode_gemm"] == dict.fromkeys(sizes, "cublaslt")
+    # Another library may round differently; the tiny model's greedy tokens stay close.
+    same = sum(a == b for a, b in zip(auto_out[0], got[0]))
+    assert same >= len(got[0]) - 2
+    for engine in lt.values():
+        engine.sleep(2)
+
+
 def test_graph_pool_is_reserved_before_the_kv_pool(qwen3_dir, ref):
     util = 0.1
     engine = Engine(str(qwen3_dir), _cfg(ref, num_blocks=None, gpu_memory_utilization=util,

@@ -19,7 +19,9 @@ random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B
   attention, the rest; then the LM head and the sampler's graph), so a gap to the floor can
   be told apart: launch-bound or not;
 * the prefill of the B prompts: its model FLOPs (prefill_flops) / its wall time, against a
-  bf16 8192^3 matmul measured in the same run (the compute floor's rate).
+  bf16 8192^3 matmul measured in the same run (the compute floor's rate);
+* the BLAS library each ladder size's decode graphs were captured with (rollout.decode_gemm
+  =auto: the device time of one step under cuBLAS and under cuBLASLt, the faster kept).
 With --lora-rank R, each model's decode steps run again on an engine holding a rank-R adapter
 on all seven projections (random small values; built with lora_max_rank=R, so the decode
 graphs capture its GEMMs), in the same run, and each row sets its step time beside the base's
@@ -134,7 +136,7 @@ def _engine_facts(engine) -> dict:
     s = engine.stats()
     keys = ("attention_backend", "num_blocks", "kv_cache_bytes", "graph_captures",
             "graph_pool_bytes", "graph_driver_bytes", "graph_reserve_bytes", "packed_prefill",
-            "activation_peak_bytes", "preemptions")
+            "activation_peak_bytes", "preemptions", "decode_gemm", "decode_gemm_ms")
     return {k: s[k] for k in keys}
 
 
@@ -301,6 +303,12 @@ def _with_adapter(entry: dict, lora: dict) -> dict:
     return lora
 
 
+def _pair(ms: dict | None) -> str:
+    if not ms:
+        return "named"
+    return " / ".join(f"{ms[lib]:.3f}" if lib in ms else "-" for lib in ("cublas", "cublaslt"))
+
+
 def render(result: dict, console) -> None:
     """Print one table of decode steps and a line for the public workload."""
     from rich.table import Table
@@ -342,6 +350,13 @@ def render(result: dict, console) -> None:
         console.print(table)
     finally:
         console.width = width
+    for preset, entry in result["models"].items():
+        if entry.get("decode_gemm"):
+            libs = entry["decode_gemm"]
+            console.print(f"{preset} decode GEMMs (device ms of a step, cublas / cublaslt): " +
+                          ", ".join(f"{b}: {libs[b]} ({_pair(entry['decode_gemm_ms'].get(b))})"
+                                    for b in sorted(libs, key=int)), highlight=False,
+                          soft_wrap=True)
     pub = result.get("public")
     if pub:
         console.print(

@@ -114,6 +114,7 @@ class Engine(EngineKVPool, EngineSleepWake, EngineLora):
                                   kv_dtype=kv_dtype, attention_backend=attention_backend,
                                   cuda_graphs=cfg.cuda_graphs,
                                   graph_sampling=cfg.graph_sampling,
+                                  decode_gemm=cfg.decode_gemm,
                                   readback_by_kernel=cfg.readback_by_kernel)
         self.activation_peak_bytes = 0  # profiled on CUDA when the pool is sized from util
         self.graph_reserve_bytes = 0    # kept free for the decode graphs (CUDA, from util)

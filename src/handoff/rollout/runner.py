@@ -31,6 +31,7 @@ from handoff.memory.allocator import expandable_segments
 from handoff.memory.host_copy import results_to_host, upload
 from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefill,
                                        packed_prefill_available, select_decode_backend)
+from handoff.rollout.gemm_choice import blas_library, choose_libraries, gpu_seconds
 from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
 from handoff.rollout.models.qwen3 import CausalLM
 from handoff.rollout.sampling import (SamplerRows, SamplingBatch, draw, sample, sampling_mode,
@@ -47,7 +48,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, *, device: torch.device, block_size: int,
                  kv_dtype: torch.dtype, attention_backend: str | None = None,
                  cuda_graphs: bool = False, graph_sampling: bool = True,
-                 readback_by_kernel: bool = True):
+                 decode_gemm: str = "auto", readback_by_kernel: bool = True):
         self.model = model
         self.spec = model.spec
         self.device = device
@@ -67,6 +68,11 @@ class ModelRunner:
         # The LM head and the sampler captured too: a decode step is two replays, not ~30
         # launches and the uploads of the sampling inputs (issue: the host's share per step).
         self.sample_in_graph = self.use_graphs and bool(graph_sampling)
+        # The BLAS library of each ladder size's decode step (gemm_choice.py): padded CUDA
+        # decode only; "auto" times them at bind_tables.
+        self.decode_gemm = decode_gemm
+        self.gemm_by_size: dict[int, str] = {}
+        self.gemm_seconds: dict[int, dict[str, float]] = {}
         self.packed_prefill = packed_prefill_available(device, self.dtype)
         self.kv_storage: torch.Tensor | None = None  # [2, layers, N, S, K, D]
         self.kv_scales: torch.Tensor | None = None   # [2, layers] fp32, fp8 only
@@ -163,6 +169,8 @@ class ModelRunner:
         self._host_results = [(torch.empty(max_rows, dtype=torch.int64, pin_memory=pin),
                                torch.empty(max_rows, dtype=torch.float32, pin_memory=pin))
                               for _ in range(2)]
+        if self.pad_decode:
+            self._choose_gemm_libraries(max_blocks)
         if self.use_graphs:
             assert self.kv is not None, "allocate the KV cache before capturing decode graphs"
             self.hidden_out = torch.empty(max_rows, self.spec.hidden_size, dtype=self.dtype,
@@ -177,6 +185,23 @@ class ModelRunner:
             with torch.inference_mode(), expandable_segments(False):
                 self.graphs.capture(steps, self.device)
 
+    def _choose_gemm_libraries(self, max_blocks: int) -> None:
+        """Each ladder size's BLAS library: the one named by decode_gemm, or with "auto" the
+        faster whole decode step (device time, gemm_choice.gpu_seconds)."""
+        if self.decode_gemm != "auto":
+            self.gemm_by_size = dict.fromkeys(self.sizes, self.decode_gemm)
+            return
+
+        def time_step(rows: int, library: str) -> float:
+            def step() -> None:
+                with blas_library(library):
+                    self._sample_step(self._forward_decode(rows, max_blocks), rows, "sample")
+            return gpu_seconds(step, self.device)
+
+        with torch.inference_mode():
+            self.gemm_by_size, self.gemm_seconds = choose_libraries(self.sizes, time_step)
+        torch.cuda.empty_cache()   # what the timed steps cached: nothing stays reserved
+
     def stats(self) -> dict:
         graphs = self.graphs
         return {"cuda_graphs": graphs is not None,
@@ -184,6 +209,9 @@ class ModelRunner:
                 "graph_pool_bytes": 0 if graphs is None else graphs.pool_bytes,
                 "graph_driver_bytes": 0 if graphs is None else graphs.driver_bytes,
                 "graph_batch_sizes": list(self.sizes), "graph_sampling": self.sample_in_graph,
+                "decode_gemm": dict(self.gemm_by_size),
+                "decode_gemm_ms": {b: {lib: 1e3 * s for lib, s in t.items()}
+                                   for b, t in self.gemm_seconds.items()},
                 "packed_prefill": self.packed_prefill,
                 "readback_by_kernel": self.readback_by_kernel}
 
@@ -281,7 +309,8 @@ class ModelRunner:
         else:
             # Padded decode runs at the graphs' full table width: the same shapes, same numbers.
             full = self.inputs.max_blocks if self.pad_decode else width
-            hidden_BE = self._forward_decode(rows, full)
+            with blas_library(self.gemm_by_size.get(rows)):
+                hidden_BE = self._forward_decode(rows, full)
         if self.sample_in_graph:
             self.graphs.replay(rows, mode)
         else:
@@ -290,7 +319,8 @@ class ModelRunner:
 
     def _model_step(self, rows: int) -> None:
         """The captured model step: hidden states of the first `rows` rows into hidden_out."""
-        self.hidden_out[:rows].copy_(self._forward_decode(rows, self.inputs.max_blocks))
+        with blas_library(self.gemm_by_size.get(rows)):
+            self.hidden_out[:rows].copy_(self._forward_decode(rows, self.inputs.max_blocks))
 
     def _sample_step(self, hidden_RE: torch.Tensor, rows: int, mode: str) -> None:
         """The LM head and the sampler over the first `rows` staged rows (padding included:
@@ -298,7 +328,8 @@ class ModelRunner:
         row's slot of next_ids. The sampler runs _SAMPLER_ROWS rows at a time, which bounds
         its float32/float64 [rows, V] temporaries (resident in the graph pool when captured);
         every sampler op works row by row, so the draws do not depend on the split."""
-        logits_BV = self.model.compute_logits(hidden_RE[:rows])
+        with blas_library(self.gemm_by_size.get(rows)):
+            logits_BV = self.model.compute_logits(hidden_RE[:rows])
         for lo in range(0, rows, _SAMPLER_ROWS):
             hi = min(lo + _SAMPLER_ROWS, rows)
             tokens_B, logprobs_B = draw(logits_BV[lo:hi], self.inputs.sampler_rows(lo, hi, mode),

@@ -1,0 +1,86 @@
+"""Which BLAS library runs a decode step's matrix products, chosen per ladder size at start.
+
+    with blas_library("cublaslt"):
+        ...                                      # every GEMM launched here goes through cuBLASLt
+    choice, ms = choose_libraries(sizes, time_step)   # {size: library}, {size: {library: ms}}
+
+A decode step's GEMMs are skinny (M = the batch, 1-256 rows) and read every weight once: the
+HBM floor is the weights' bytes. cuBLAS's heuristics pick, per (M, N, K), kernels that add a
+split-K reduction at small M and reach 60-72% of the bandwidth (docs/PERF.md, "Engine decode");
+cuBLASLt has its own heuristics and kernels for the same shapes. Neither is better everywhere,
+so the engine times one whole decode step (the model, the LM head, the sampler) at each
+ladder size under each library and captures that size's graphs under the faster one
+(`rollout.decode_gemm=auto`), or under the one named. The choice is PyTorch's own switch
+(`torch.backends.cuda.preferred_blas_library`), set around the decode step only and restored
+after, so the trainer's GEMMs keep the default. CUDA only: a CPU run has nothing to choose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+BLAS_LIBRARIES = ("cublas", "cublaslt")   # the first is PyTorch's default: kept on a tie
+TIE_MARGIN = 0.02                          # another library must be 2% faster to be chosen
+_SLEEP_CYCLES = 20_000_000                 # ~10 ms of a GPU busy while the host queues a step
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None) -> Iterator[None]:
+    """GEMMs launched inside run through `name` ("cublas" or "cublaslt"; None: unchanged);
+    the previous preference is restored after, also on an error."""
+    if name is None:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def choose_libraries(sizes: Sequence[int], time_step: Callable[[int, str], float],
+                     libraries: Sequence[str] = BLAS_LIBRARIES
+                     ) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
+    """({size: the fastest library}, {size: {library: seconds}}) from `time_step(size,
+    library)`. A library whose step raises is left out at that size; the first library is kept
+    unless another is TIE_MARGIN faster (timing noise does not flip a choice)."""
+    choice, seconds = {}, {}
+    for size in sizes:
+        times = {}
+        for library in libraries:
+            try:
+                times[library] = time_step(size, library)
+            except RuntimeError:
+                continue
+        if not times:
+            raise RuntimeError(f"no BLAS library ran the decode step of batch {size}")
+        best = min(times, key=times.get)
+        default = libraries[0]
+        if default in times and times[best] > (1 - TIE_MARGIN) * times[default]:
+            best = default
+        choice[size], seconds[size] = best, times
+    return choice, seconds
+
+
+def gpu_seconds(fn: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
+    """Device seconds of the kernels `fn` launches (the least of `repeats`, after one warm-up
+    run): a sleep kernel keeps the GPU busy while the host queues them, so the host's launch
+    gaps are not counted (a small model's eager step is launch-bound; its graph is not)."""
+    fn()
+    torch.cuda.synchronize(device)
+    best = math.inf
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best

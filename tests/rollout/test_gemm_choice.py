@@ -1,0 +1,57 @@
+"""rollout.decode_gemm: the BLAS library of each ladder size's decode step, chosen by timing
+(here with a stand-in timer: the device's is measured by `handoff bench engine`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handoff.rollout.gemm_choice import TIE_MARGIN, blas_library, choose_libraries
+
+
+def test_each_size_takes_the_faster_library_and_a_near_tie_keeps_the_default():
+    ms = {1: {"cublas": 1.00, "cublaslt": 0.90},     # 10% faster: chosen
+          32: {"cublas": 1.00, "cublaslt": 1.00 - TIE_MARGIN / 2},   # within the margin
+          256: {"cublas": 0.80, "cublaslt": 1.20}}
+    calls = []
+
+    def time_step(size, library):
+        calls.append((size, library))
+        return ms[size][library]
+
+    choice, seconds = choose_libraries([1, 32, 256], time_step)
+    assert choice == {1: "cublaslt", 32: "cublas", 256: "cublas"}
+    assert seconds == ms and calls == [(b, lib) for b in (1, 32, 256)
+                                       for lib in ("cublas", "cublaslt")]
+
+
+def test_a_library_that_fails_at_a_size_is_left_out_there():
+    def time_step(size, library):
+        if library == "cublas" and size == 8:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return 1.0 if library == "cublas" else 2.0
+
+    choice, seconds = choose_libraries([4, 8], time_step)
+    assert choice == {4: "cublas", 8: "cublaslt"} and seconds[8] == {"cublaslt": 2.0}
+    with pytest.raises(RuntimeError, match="batch 4"):
+        choose_libraries([4], lambda size, library: (_ for _ in ()).throw(RuntimeError("no")))
+
+
+def test_the_preference_is_set_inside_and_restored_after_also_on_an_error():
+    before = torch.backends.cuda.preferred_blas_library()
+    with blas_library(None):
+        assert torch.backends.cuda.preferred_blas_library() == before
+    with pytest.raises(ValueError):
+        with blas_library("cublas"):
+            assert str(torch.backends.cuda.preferred_blas_library()).endswith("Cublas")
+            raise ValueError("inside")
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
+def test_a_cpu_engine_chooses_nothing(qwen3_dir, ref):
+    from handoff.rollout.engine import Engine
+
+    engine = Engine(str(qwen3_dir), ref.cfg(decode_gemm="auto"))
+    stats = engine.stats()
+    assert stats["decode_gemm"] == {} and stats["decode_gemm_ms"] == {}
+    engine.sleep(2)
