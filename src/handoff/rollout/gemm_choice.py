@@ -25,7 +25,7 @@ import torch
 
 BLAS_LIBRARIES = ("cublas", "cublaslt")   # the first is PyTorch's default: kept on a tie
 TIE_MARGIN = 0.02                          # another library must be 2% faster to be chosen
-_SLEEP_CYCLES = 20_000_000                 # ~10 ms of a GPU busy while the host queues a step
+_SLEEP_CYCLES = 40_000_000                 # ~20 ms of a GPU busy while the host queues a step
 
 
 @contextlib.contextmanager
