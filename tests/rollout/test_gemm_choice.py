@@ -31,10 +31,19 @@ def test_a_library_that_fails_at_a_size_is_left_out_there():
             raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
         return 1.0 if library == "cublas" else 2.0
 
-    choice, seconds = choose_libraries([4, 8], time_step)
+    with pytest.warns(UserWarning, match="through cublas failed at batch 8"):
+        choice, seconds = choose_libraries([4, 8], time_step)
     assert choice == {4: "cublas", 8: "cublaslt"} and seconds[8] == {"cublaslt": 2.0}
-    with pytest.raises(RuntimeError, match="batch 4"):
+    with pytest.raises(RuntimeError, match="batch 4"), pytest.warns(UserWarning):
         choose_libraries([4], lambda size, library: (_ for _ in ()).throw(RuntimeError("no")))
+
+
+def test_out_of_memory_is_not_taken_for_a_library_that_cannot_run():
+    def time_step(size, library):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        choose_libraries([1], time_step)
 
 
 def test_the_preference_is_set_inside_and_restored_after_also_on_an_error():
@@ -55,3 +64,20 @@ def test_a_cpu_engine_chooses_nothing(qwen3_dir, ref):
     stats = engine.stats()
     assert stats["decode_gemm"] == {} and stats["decode_gemm_ms"] == {}
     engine.sleep(2)
+
+
+@pytest.mark.parametrize("tp_size,named,want", [(1, "auto", "auto"), (2, "auto", "cublas"),
+                                                (2, "cublaslt", "cublaslt")])
+def test_tensor_parallel_ranks_do_not_time_a_choice_of_their_own(tp_size, named, want):
+    """TP ranks that chose apart could fall out of step in their collectives: under TP,
+    auto keeps cuBLAS (a named library is kept)."""
+    from handoff.plan.shapes import PRESETS
+    from handoff.rollout.models import build_model, spec_from_hf_config
+    from handoff.rollout.parallel import TPGroup
+    from handoff.rollout.runner import ModelRunner
+
+    model = build_model(spec_from_hf_config(PRESETS["tiny-qwen3"]), device=torch.device("cpu"),
+                        dtype=torch.float32, tp=TPGroup(rank=0, size=tp_size))
+    runner = ModelRunner(model, device=torch.device("cpu"), block_size=4,
+                         kv_dtype=torch.float32, decode_gemm=named)
+    assert runner.decode_gemm == want

