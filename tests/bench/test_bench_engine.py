@@ -95,3 +95,16 @@ def test_prefill_flops_count_the_layers_the_causal_pairs_and_one_head_row_per_pr
     assert prefill_flops(engine.model, 3, 10) == 2 * layers * 30 \
         + 4 * s.num_heads * s.head_dim * s.num_layers * 165 + 3 * 2 * s.vocab_size * s.hidden_size
     engine.sleep(2)
+
+
+def test_the_profiled_last_step_is_set_against_its_own_contexts():
+    from handoff.bench.engine import profiled_step_floor
+
+    # Two sequences at 767 tokens of context, 1000 bytes each, 1 GB of weights, 1 TB/s.
+    kernels = {"kernel_ms": 3.2, "attention_ms": 1.0}
+    out = profiled_step_floor(kernels, [767, 767], 10**9, 1000, 1e12)
+    assert out["profiled_context_mean"] == 767
+    assert out["profiled_floor_ms"] == pytest.approx(1.0 + 2 * 767 * 1000 / 1e9)
+    assert out["kernel_over_floor"] == pytest.approx(3.2 / out["profiled_floor_ms"])
+    assert out["attention_bytes_per_s"] == pytest.approx(2 * 767 * 1000 / 1e-3)
+    assert profiled_step_floor({"kernel_ms": 1.0}, [5], 0, 1, 1.0)["attention_bytes_per_s"] is None

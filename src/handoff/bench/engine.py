@@ -17,7 +17,9 @@ random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B
   device-to-device copy rate measured in this run (bytes read + written);
 * what one replay of the decode graph runs: kernel count and device ms (matrix products,
   attention, the rest; then the LM head and the sampler's graph), so a gap to the floor can
-  be told apart: launch-bound or not;
+  be told apart: launch-bound or not. The replay is the last step, at the longest contexts:
+  its kernels are set against that step's own floor (`kernel_over_floor`) and its attention
+  against the K/V it reads (`attention_bytes_per_s`), not the mean step's;
 * the prefill of the B prompts: its model FLOPs (prefill_flops) / its wall time, against a
   bf16 8192^3 matmul measured in the same run (the compute floor's rate);
 * the BLAS library each ladder size's decode graphs were captured with (rollout.decode_gemm
@@ -77,6 +79,19 @@ def prefill_flops(model, num_seqs: int, prompt_len: int) -> float:
     attention = 4 * spec.num_heads * spec.head_dim * pairs * spec.num_layers
     head = 2 * spec.vocab_size * spec.hidden_size * num_seqs
     return 2 * layer_params * num_seqs * prompt_len + attention + head
+
+
+def profiled_step_floor(kernels: dict, context_lens, weight_bytes: int, kv_bytes_per_token: int,
+                        bytes_per_s: float) -> dict:
+    """The profiled replay is the LAST staged step, whose contexts are the run's longest
+    (prompt + new tokens), not the mean the step's floor uses: its own floor (weights + the
+    K/V of its staged context lengths, at the copy rate) and its attention's read rate."""
+    kv_bytes = int(sum(int(n) for n in context_lens)) * kv_bytes_per_token
+    floor = 1e3 * (weight_bytes + kv_bytes) / bytes_per_s
+    return {"profiled_context_mean": float(sum(int(n) for n in context_lens)) / len(context_lens),
+            "profiled_floor_ms": floor, "kernel_over_floor": kernels["kernel_ms"] / floor,
+            "attention_bytes_per_s": (kv_bytes / (kernels["attention_ms"] * 1e-3)
+                                      if kernels.get("attention_ms") else None)}
 
 
 def _engine(path: Path, *, max_num_seqs: int, max_model_len: int, device: torch.device,
@@ -174,6 +189,9 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
         floor = floor_ms(weights, kv_token, batch, prompt_len, new_tokens, bytes_per_s)
         prefill_rate = prefill_flops(engine.model, batch, prompt_len) / run["prefill_s"]
         kernels = graph_kernel_profile(engine.runner, batch)
+        if "kernel_ms" in kernels:
+            kernels.update(profiled_step_floor(kernels, engine.runner.inputs.h["ctx"][:batch],
+                                               weights, kv_token, bytes_per_s))
         engine.reset_prefix_cache()  # the profile rewrote the last step's slots
         rows.append({"batch": batch, **run, "tokens_per_s": batch * 1e3 / run["ms_per_step"],
                      "floor_ms": floor, "over_floor": run["ms_per_step"] / floor,
@@ -334,6 +352,10 @@ def render(result: dict, console) -> None:
                        f"{k['other_ms']:.2f})" if "kernel_ms" in k else k.get("error", "-")[:30])
             if "sampler_ms" in k:
                 kernels += f" + head/sampler {k['sampler_ms']:.2f}"
+            if "kernel_over_floor" in k:   # the last step, against its own floor
+                attn = k["attention_bytes_per_s"]
+                kernels += (f"; last step {k['kernel_over_floor']:.2f}x its floor"
+                            + (f", attn {attn / 1e12:.2f} TB/s" if attn else ""))
             with_lora = ((f"{r['lora_ms_per_step']:.2f}", f"{r['lora_over_base']:.2f}")
                          if lora else ())
             table.add_row(preset, str(r["batch"]), f"{r['ms_per_step']:.2f}", *with_lora,
