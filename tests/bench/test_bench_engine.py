@@ -35,6 +35,8 @@ def test_tiny_run_on_cpu(tmp_path):
         assert row["decode_steps"] == 5  # the first of 6 tokens comes from the prefill
         assert 0 < row["host_ms_per_step"] <= row["ms_per_step"]
         assert row["over_floor"] == pytest.approx(row["ms_per_step"] / row["floor_ms"])
+        assert row["floor_ms"] <= row["roofline_ms"] and \
+            row["over_roofline"] == pytest.approx(row["ms_per_step"] / row["roofline_ms"])
         assert row["hf_ms_per_step"] == entry["transformers"][row["batch"]]["ms_per_step"]
         assert row["prefill_steps"] >= 1 and row["prefill_s"] > 0
         assert row["prefill_of_peak"] == pytest.approx(
@@ -108,3 +110,14 @@ def test_the_profiled_last_step_is_set_against_its_own_contexts():
     assert out["kernel_over_floor"] == pytest.approx(3.2 / out["profiled_floor_ms"])
     assert out["attention_bytes_per_s"] == pytest.approx(2 * 767 * 1000 / 1e-3)
     assert profiled_step_floor({"kernel_ms": 1.0}, [5], 0, 1, 1.0)["attention_bytes_per_s"] is None
+
+
+def test_the_roofline_takes_the_longer_of_the_weights_bytes_and_their_flops():
+    from handoff.bench.engine import roofline_ms
+
+    # 1 GB of bf16 weights (0.5 G params), 1 TB/s, 100 TFLOP/s; 2 sequences at 125 tokens.
+    kv = floor_ms(0, 1000, 2, 100, 50, 1e12)
+    assert roofline_ms(10**9, 2, 1000, 2, 100, 50, 1e12, 1e14) == pytest.approx(1.0 + kv)
+    # 256 rows: 2 x 0.5e9 x 256 = 2.56e11 FLOPs = 2.56 ms, longer than the 1 ms read.
+    kv = floor_ms(0, 1000, 256, 100, 50, 1e12)
+    assert roofline_ms(10**9, 2, 1000, 256, 100, 50, 1e12, 1e14) == pytest.approx(2.56 + kv)

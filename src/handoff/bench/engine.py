@@ -12,6 +12,8 @@ random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B
 * transformers `generate` on the same checkpoint and batch, in the same run, per decode step:
   (time for 1 + n new tokens - time for 1 new token) / n, with n = --hf-new-tokens (it takes
   ~80-130 ms a step, so it is timed over fewer tokens than the engine);
+* the roofline of the same step (`roofline_ms`): the weights' part is the longer of their bytes
+  at the copy rate and the products' FLOPs at the matmul rate of the same run;
 * the HBM floor of a decode step: bytes it must read (every weight once, the embedding only
   as the LM head, plus the K/V of every token in context, averaged over the steps) / the
   device-to-device copy rate measured in this run (bytes read + written);
@@ -66,6 +68,18 @@ def floor_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, prompt_len:
     """HBM floor of the mean decode step (decode step j reads prompt_len + j tokens of K/V)."""
     mean_context = prompt_len + new_tokens / 2
     return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bytes_per_s
+
+
+def roofline_ms(weight_bytes: int, weight_itemsize: int, kv_bytes_per_token: int, batch: int,
+                prompt_len: int, new_tokens: int, bytes_per_s: float,
+                flops_per_s: float) -> float:
+    """floor_ms with the matrix products' compute counted: they take the longer of reading
+    the weights and their 2 x params x batch FLOPs at the matmul rate (from ~128 rows on
+    an H200, a 4B model's products are compute-bound: the HBM floor alone is unreachable)."""
+    weights_s = max(weight_bytes / bytes_per_s,
+                    2 * (weight_bytes / weight_itemsize) * batch / flops_per_s)
+    kv_ms = floor_ms(0, kv_bytes_per_token, batch, prompt_len, new_tokens, bytes_per_s)
+    return 1e3 * weights_s + kv_ms
 
 
 def prefill_flops(model, num_seqs: int, prompt_len: int) -> float:
@@ -187,6 +201,8 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
         lengths = {len(s.token_ids) for o in run.pop("outputs") for s in o.outputs}
         assert lengths == {new_tokens}, lengths
         floor = floor_ms(weights, kv_token, batch, prompt_len, new_tokens, bytes_per_s)
+        roof = roofline_ms(weights, engine.dtype.itemsize, kv_token, batch, prompt_len,
+                           new_tokens, bytes_per_s, flops_per_s)
         prefill_rate = prefill_flops(engine.model, batch, prompt_len) / run["prefill_s"]
         kernels = graph_kernel_profile(engine.runner, batch)
         if "kernel_ms" in kernels:
@@ -195,6 +211,7 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
         engine.reset_prefix_cache()  # the profile rewrote the last step's slots
         rows.append({"batch": batch, **run, "tokens_per_s": batch * 1e3 / run["ms_per_step"],
                      "floor_ms": floor, "over_floor": run["ms_per_step"] / floor,
+                     "roofline_ms": roof, "over_roofline": run["ms_per_step"] / roof,
                      "prefill_flops_per_s": prefill_rate,
                      "prefill_of_peak": prefill_rate / flops_per_s,
                      "graph_kernels": kernels})
@@ -341,7 +358,7 @@ def render(result: dict, console) -> None:
     lora = result.get("lora_rank", 0)
     lora_cols = (f"LoRA r{lora} ms/step", "x base") if lora else ()
     for col in ("model", "batch", "engine ms/step", *lora_cols, "host ms", "tok/s", "floor ms",
-                "x floor", "prefill % peak", "HF ms/step", "x HF", "kernels",
+                "x floor", "x roofline", "prefill % peak", "HF ms/step", "x HF", "kernels",
                 "kernel ms (gemm/attn/other)",
                 "graphs / pool"):
         table.add_column(col, justify="right")
@@ -361,6 +378,7 @@ def render(result: dict, console) -> None:
             table.add_row(preset, str(r["batch"]), f"{r['ms_per_step']:.2f}", *with_lora,
                           f"{r['host_ms_per_step']:.2f}", f"{r['tokens_per_s']:.0f}",
                           f"{r['floor_ms']:.2f}", f"{r['over_floor']:.2f}",
+                          f"{r['over_roofline']:.2f}",
                           f"{100 * r['prefill_of_peak']:.0f}%",
                           "-" if hf is None else f"{hf:.1f}",
                           "-" if hf is None else f"{r['speedup_vs_hf']:.1f}",
