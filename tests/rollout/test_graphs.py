@@ -42,7 +42,7 @@ def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
     width = _fill(inputs, tables, rows, lens, padded=8)
     assert width == 5  # 17 tokens in blocks of 4
     staged_rows, pos, tab, ctx, slots = inputs.views(8, width)
-    # Padding rows name the spare token row (max_rows), whose next token is always 0.
+    # Padding rows name the spare token row (max_rows), which only padding rows read.
     assert staged_rows.tolist() == rows + [max_rows] * 5 and pos.tolist() == [8, 0, 16] + [0] * 5
     assert ctx.dtype == torch.int32 and ctx.tolist() == lens + [0] * 5
     assert slots.tolist()[3:] == [-1] * 5  # padding is stored into the null block

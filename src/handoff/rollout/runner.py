@@ -163,7 +163,8 @@ class ModelRunner:
         max_rows, max_blocks = tables.shape
         self.inputs = DecodeInputs(max_rows, max_blocks, self.block_size, self.device)
         self.sizes = graph_batch_sizes(max_rows) if self.pad_decode else []
-        # Row max_rows is the padding rows' token (0). Allocated outside every region.
+        # Row max_rows is the padding rows' token (their own greedy draws land there, any id
+        # in the vocabulary). Allocated outside every region.
         self.next_ids = torch.zeros(max_rows + 1, dtype=torch.int64, device=self.device)
         self.tokens_R = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
         self.logprobs_R = torch.zeros(max_rows, dtype=torch.float32, device=self.device)
