@@ -1,0 +1,28 @@
+"""One table from `handoff bench engine` JSON files: step, floors, prefill, GEMM library.
+
+    python3 scripts/device/summary.py engine-a.json engine-b.json
+"""
+
+import json
+import sys
+
+print("| file | model | batch | ms/step | x floor | x roofline | prefill % peak | last step x "
+      "its floor | attn TB/s | GEMM lib | LoRA x base |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for path in sys.argv[1:]:
+    result = json.load(open(path))
+    for model, entry in result["models"].items():
+        libs = entry.get("decode_gemm") or {}
+        for r in entry["rows"]:
+            k = r.get("graph_kernels") or {}
+            attn = k.get("attention_bytes_per_s")
+            lib = next((libs[b] for b in sorted(libs, key=int) if int(b) >= r["batch"]), "-")
+            print(f"| {path.rsplit('/', 1)[-1]} | {model} | {r['batch']} | {r['ms_per_step']:.2f} "
+                  f"| {r['over_floor']:.2f} | {r['over_roofline']:.2f} "
+                  f"| {100 * r['prefill_of_peak']:.0f}% | {k.get('kernel_over_floor', 0):.2f} "
+                  f"| {attn / 1e12 if attn else 0:.2f} | {lib} "
+                  f"| {r.get('lora_over_base', 0):.2f} |")
+    pub = result.get("public")
+    if pub:
+        print(f"public workload ({path.rsplit('/', 1)[-1]}): {pub['tokens_per_s']:.0f} tok/s, "
+              f"{pub['ms_per_step']:.2f} ms/step, host {pub['host_ms_per_step']:.2f} ms")
