@@ -6,7 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/device-env.sh || exit 1
-timeout 240 handoff bench engine --skip-hf --lora-rank 16 --out "$OUT/engine-lora.json" \
+timeout 240 handoff bench engine --skip-hf --no-public --lora-rank 16 --out "$OUT/engine-lora.json" \
     > "$OUT/engine-lora.log" 2>&1
 echo "bench engine --lora-rank 16: rc=$?"
 python3 scripts/device/summary.py "$OUT/engine-lora.json"
