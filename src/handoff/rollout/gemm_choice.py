@@ -6,8 +6,8 @@
 
 A decode step's GEMMs are skinny (M = the batch, 1-256 rows) and read every weight once: the
 HBM floor is the weights' bytes. cuBLAS's heuristics pick, per (M, N, K), kernels that add a
-split-K reduction at small M and reach 60-72% of the bandwidth (docs/PERF.md, "Engine decode");
-cuBLASLt has its own heuristics and kernels for the same shapes. Neither is better everywhere,
+split-K reduction at small M; profiled in the decode graphs (2026-12-04) they reached 60-72%
+of the bandwidth. cuBLASLt has its own heuristics and kernels for the same shapes. Neither is better everywhere,
 so the engine times one whole decode step (the model, the LM head, the sampler) at each
 ladder size under each library and captures that size's graphs under the faster one
 (`rollout.decode_gemm=auto`), or under the one named. The choice is PyTorch's own switch
