@@ -107,8 +107,9 @@ def transformers_ms_per_step(path: Path, batches: list[int], *, prompt_len: int,
 
 def graph_kernel_profile(runner, batch: int, repeats: int = 3) -> dict:
     """Kernels per replay of the decode graphs that serve `batch` rows, and their device ms:
-    the model's (matrix products, attention, the rest) and, with graph_sampling, the greedy
-    LM head and sampler's (`sampler_*`).
+    the model's (matrix products, attention, the rest) and, with graph_sampling, the LM head
+    and the sampler's, greedy (`sampler_*`, what the bench's greedy steps replay) and sampled
+    (`sampled_sampler_ms`: temperature > 0 without top-k/top-p, an RL rollout's draw).
 
     Replays the last staged step again (it rewrites the same K/V into the same slots).
     """
@@ -121,6 +122,8 @@ def graph_kernel_profile(runner, batch: int, repeats: int = 3) -> dict:
         kernels = _replayed_kernels(runner, (rows, "model"), repeats)
         sampler = (_replayed_kernels(runner, (rows, "greedy"), repeats)
                    if runner.graphs.has(rows, "greedy") else None)
+        sampled = (_replayed_kernels(runner, (rows, "sample"), repeats)
+                   if runner.graphs.has(rows, "sample") else None)
     except Exception as e:  # no CUPTI on the machine: the rest of the bench still counts
         return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     ms = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
@@ -136,6 +139,8 @@ def graph_kernel_profile(runner, batch: int, repeats: int = 3) -> dict:
     if sampler is not None:
         out["sampler_kernels"] = len(sampler) // repeats
         out["sampler_ms"] = sum(e.time_range.elapsed_us() for e in sampler) / 1e3 / repeats
+    if sampled is not None:
+        out["sampled_sampler_ms"] = sum(e.time_range.elapsed_us() for e in sampled) / 1e3 / repeats
     return out
 
 

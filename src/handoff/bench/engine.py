@@ -369,6 +369,8 @@ def render(result: dict, console) -> None:
                        f"{k['other_ms']:.2f})" if "kernel_ms" in k else k.get("error", "-")[:30])
             if "sampler_ms" in k:
                 kernels += f" + head/sampler {k['sampler_ms']:.2f}"
+            if "sampled_sampler_ms" in k:
+                kernels += f" (sampled: {k['sampled_sampler_ms']:.2f})"
             if "kernel_over_floor" in k:   # the last step, against its own floor
                 attn = k["attention_bytes_per_s"]
                 kernels += (f"; last step {k['kernel_over_floor']:.2f}x its floor"
