@@ -34,8 +34,8 @@ from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefi
 from handoff.rollout.gemm_choice import blas_library, choose_libraries, gpu_seconds
 from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
 from handoff.rollout.models.qwen3 import CausalLM
-from handoff.rollout.sampling import (SamplerRows, SamplingBatch, draw, sample, sampling_mode,
-                                     uniforms)
+from handoff.rollout.sampling import (SamplerRows, SamplingBatch, draw, fused_draw_applies,
+                                     sample, sampling_mode, uniforms)
 from handoff.rollout.sequence import Sequence
 
 SAMPLING_MODES = ("greedy", "sample", "truncate")   # sampling.sampling_mode's answers
@@ -331,11 +331,15 @@ class ModelRunner:
         the same shapes whether captured or not): draws into tokens_R, logprobs_R and each
         row's slot of next_ids. The sampler runs _SAMPLER_ROWS rows at a time, which bounds
         its float32/float64 [rows, V] temporaries (resident in the graph pool when captured);
-        every sampler op works row by row, so the draws do not depend on the split."""
+        every sampler op works row by row, so the draws do not depend on the split. The
+        one-kernel draw (sampled, no truncation, CUDA) has no such temporaries: one launch."""
         with blas_library(self.gemm_by_size.get(rows)):
             logits_BV = self.model.compute_logits(hidden_RE[:rows])
-        for lo in range(0, rows, _SAMPLER_ROWS):
-            hi = min(lo + _SAMPLER_ROWS, rows)
+        # The one-kernel draw keeps no [rows, V] temporaries: all rows in one launch.
+        one_kernel = mode == "sample" and fused_draw_applies(logits_BV, truncate=False)
+        chunk = rows if one_kernel else _SAMPLER_ROWS
+        for lo in range(0, rows, chunk):
+            hi = min(lo + chunk, rows)
             tokens_B, logprobs_B = draw(logits_BV[lo:hi], self.inputs.sampler_rows(lo, hi, mode),
                                         truncate=mode == "truncate")
             self.tokens_R[lo:hi] = tokens_B

@@ -156,11 +156,26 @@ def sampling_mode(batch: SamplingBatch) -> str:
     return "greedy" if batch.all_greedy else "truncate" if batch.needs_truncation else "sample"
 
 
+def fused_draw_applies(logits_BV: torch.Tensor, truncate: bool) -> bool:
+    """Whether `draw` of these logits takes the one-kernel draw (kernels/sampler.py): a
+    sampled draw without truncation of half-precision logits on CUDA (HANDOFF_FUSED=0: no).
+    It allocates nothing of [rows, V]: its rows need no splitting."""
+    from handoff.rollout.ops import use_fused
+
+    return not truncate and use_fused(logits_BV)
+
+
 def draw(logits_BV: torch.Tensor, rows: SamplerRows | None, *, truncate: bool = False,
          mixed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampler on device tensors alone (no host branch on values, so it can be captured
     in a CUDA graph): rows None draws greedily; `mixed` lets rows of temperature 0 take the
-    argmax inside a sampled batch; `truncate` applies top-k / top-p."""
+    argmax inside a sampled batch; `truncate` applies top-k / top-p. A sampled draw without
+    truncation on CUDA is one kernel (fused_draw_applies; rows of temperature 0 always take
+    the argmax there, which `mixed` only skips for batches without such rows)."""
+    if rows is not None and fused_draw_applies(logits_BV, truncate):
+        from handoff.rollout.kernels.sampler import fused_draw
+
+        return fused_draw(logits_BV, rows.temperature_B, rows.uniform_B)
     logits_BV = logits_BV.float()
     if rows is None:
         tokens_B = logits_BV.argmax(dim=-1)
