@@ -82,20 +82,39 @@ def test_fused_draw_follows_the_inverse_cdf_under_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_draw_follows_the_inverse_cdf_on_cuda():
     from handoff.rollout.kernels.sampler import fused_draw
-    from handoff.rollout.sampling import SamplerRows, draw, fused_draw_applies
+    from handoff.rollout.sampling import (FUSED_DRAW_MIN_ROWS, SamplerRows, draw,
+                                         fused_draw_applies)
 
     _check(run_cases("cuda", fused_draw))
-    # sampling.draw takes the kernel for a sampled draw without truncation, not otherwise.
-    logits = torch.randn(8, 151_936, device="cuda").to(torch.bfloat16)
-    rows = SamplerRows(temperature_B=torch.ones(8, device="cuda"),
-                       uniform_B=torch.rand(8, device="cuda", dtype=torch.float64),
-                       top_k_B=torch.zeros(8, dtype=torch.int64, device="cuda"),
-                       top_p_B=torch.full((8,), 0.9, device="cuda"))
+    # sampling.draw takes the kernel for a sampled draw of enough rows without truncation.
+    n = FUSED_DRAW_MIN_ROWS
+    logits = torch.randn(n, 151_936, device="cuda").to(torch.bfloat16)
+    rows = SamplerRows(temperature_B=torch.ones(n, device="cuda"),
+                       uniform_B=torch.rand(n, device="cuda", dtype=torch.float64),
+                       top_k_B=torch.zeros(n, dtype=torch.int64, device="cuda"),
+                       top_p_B=torch.full((n,), 0.9, device="cuda"))
     assert fused_draw_applies(logits, truncate=False)
     assert not fused_draw_applies(logits, truncate=True)
-    for got, want in zip(draw(logits, rows), fused_draw(logits, rows.temperature_B,
-                                                        rows.uniform_B)):
-        assert torch.equal(got, want)
+    assert not fused_draw_applies(logits[:n - 1], truncate=False)
+    want = fused_draw(logits, rows.temperature_B, rows.uniform_B)
+    for got, expected in zip(draw(logits, rows), want):
+        assert torch.equal(got, expected)
+    # Captured in a graph (as the runner's sampler graphs do) it draws what it draws eagerly.
+    from handoff.rollout.graphs import DecodeGraphs
+
+    out = [torch.empty_like(t) for t in want]
+
+    def step():
+        for o, t in zip(out, draw(logits, rows)):
+            o.copy_(t)
+
+    graphs = DecodeGraphs([n])
+    graphs.capture({(n, "sample"): step}, torch.device("cuda"))
+    rows.uniform_B.copy_(torch.rand(n, device="cuda", dtype=torch.float64))
+    graphs.replay(n, "sample")
+    torch.cuda.synchronize()
+    for got, expected in zip(out, fused_draw(logits, rows.temperature_B, rows.uniform_B)):
+        assert torch.equal(got, expected)
 
 
 if __name__ == "__main__":
