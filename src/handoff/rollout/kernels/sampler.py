@@ -59,7 +59,7 @@ def _draw_kernel(logits_ptr, stride_row, temp_ptr, u_ptr, tok_ptr, lp_ptr, mass_
     for start in range(0, V, BLOCK):
         idx = start + offs
         x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / scale
-        tl.store(mass + start // BLOCK + one, tl.sum(tl.exp(x - m).to(tl.float64), 0)[None])
+        tl.store(mass + start // BLOCK, tl.sum(tl.exp(x - m).to(tl.float64), 0))
     tl.debug_barrier()   # the block masses other threads stored, visible to every thread
     blocks = tl.arange(0, BLOCKS_PAD)
     block_mass = tl.load(mass + blocks, mask=blocks < tl.cdiv(V, BLOCK), other=0.0)
