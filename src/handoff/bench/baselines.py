@@ -2,6 +2,7 @@
 
 * copy_bandwidth: the device-to-device copy rate (bytes read + written), the HBM floor's rate;
 * matmul_flops_per_s: a bf16 square matmul's rate, the compute floor's (prefill, training);
+* draw_ms: a sampled draw by the torch path and by the one-kernel draw, at a batch size;
 * transformers_ms_per_step: transformers `generate` per decode step on the same checkpoint;
 * graph_kernel_profile: the kernels one replay of a captured decode graph runs (count and
   device time: matrix products, attention, the rest), from the PyTorch profiler. A step's wall
@@ -49,6 +50,21 @@ def matmul_flops_per_s(dev: torch.device, dtype: torch.dtype, n: int, iters: int
         if i >= 2:
             best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best
+
+
+def draw_ms(rows: int, vocab: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """Device ms of one sampled draw (temperature 1, no truncation) of `rows` rows of random
+    logits, by the torch path and by the one-kernel draw (kernels/sampler.py): the A/B of
+    sampling.FUSED_DRAW_MIN_ROWS, on the bench's own card."""
+    from handoff.rollout.gemm_choice import gpu_seconds
+    from handoff.rollout.sampling import SamplerRows, draw
+
+    logits = torch.randn(rows, vocab, device=device).to(dtype)
+    inputs = SamplerRows(temperature_B=torch.ones(rows, device=device),
+                         uniform_B=torch.rand(rows, device=device, dtype=torch.float64),
+                         top_k_B=None, top_p_B=None)
+    return {name: 1e3 * gpu_seconds(lambda: draw(logits, inputs, fused=fused), device)
+            for name, fused in (("torch", False), ("fused", True))}
 
 
 def copy_bandwidth(device: torch.device) -> float:

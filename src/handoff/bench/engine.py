@@ -24,6 +24,8 @@ random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B
   against the K/V it reads (`attention_bytes_per_s`), not the mean step's;
 * the prefill of the B prompts: its model FLOPs (prefill_flops) / its wall time, against a
   bf16 8192^3 matmul measured in the same run (the compute floor's rate);
+* a sampled draw (temperature 1) of the batch's rows by the torch path and by the one-kernel
+  draw, device ms each (`draw_ms`; the engine takes the kernel from FUSED_DRAW_MIN_ROWS);
 * the BLAS library each ladder size's decode graphs were captured with (rollout.decode_gemm
   =auto: the device time of one step under cuBLAS and under cuBLASLt, the faster kept).
 With --lora-rank R, each model's decode steps run again on an engine holding a rank-R adapter
@@ -46,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from handoff.bench.baselines import (copy_bandwidth, free, graph_kernel_profile,
+from handoff.bench.baselines import (copy_bandwidth, draw_ms, free, graph_kernel_profile,
                                      matmul_flops_per_s, transformers_ms_per_step)
 from handoff.errors import HandoffError
 
@@ -205,6 +207,8 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
                            new_tokens, bytes_per_s, flops_per_s)
         prefill_rate = prefill_flops(engine.model, batch, prompt_len) / run["prefill_s"]
         kernels = graph_kernel_profile(engine.runner, batch)
+        draws = (draw_ms(batch, engine.spec.vocab_size, device, dtype)
+                 if device.type == "cuda" else {})
         if "kernel_ms" in kernels:
             kernels.update(profiled_step_floor(kernels, engine.runner.inputs.h["ctx"][:batch],
                                                weights, kv_token, bytes_per_s))
@@ -214,7 +218,7 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
                      "roofline_ms": roof, "over_roofline": run["ms_per_step"] / roof,
                      "prefill_flops_per_s": prefill_rate,
                      "prefill_of_peak": prefill_rate / flops_per_s,
-                     "graph_kernels": kernels})
+                     "graph_kernels": kernels, "draw_ms": draws})
     result = {"build_s": build_s, "weight_bytes": weights, "kv_bytes_per_token": kv_token,
               "lora_rank": lora_rank, "adapter_tensors": len(adapter), **_engine_facts(engine),
               "rows": rows}

@@ -174,13 +174,16 @@ def fused_draw_applies(logits_BV: torch.Tensor, truncate: bool) -> bool:
 
 
 def draw(logits_BV: torch.Tensor, rows: SamplerRows | None, *, truncate: bool = False,
-         mixed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+         mixed: bool = True, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampler on device tensors alone (no host branch on values, so it can be captured
     in a CUDA graph): rows None draws greedily; `mixed` lets rows of temperature 0 take the
     argmax inside a sampled batch; `truncate` applies top-k / top-p. A sampled draw without
     truncation on CUDA is one kernel (fused_draw_applies; rows of temperature 0 always take
-    the argmax there, which `mixed` only skips for batches without such rows)."""
-    if rows is not None and fused_draw_applies(logits_BV, truncate):
+    the argmax there, which `mixed` only skips for batches without such rows); `fused`
+    True/False forces it on or off (a bench's A/B), None decides."""
+    if fused is None:
+        fused = fused_draw_applies(logits_BV, truncate)
+    if rows is not None and not truncate and fused:
         from handoff.rollout.kernels.sampler import fused_draw
 
         return fused_draw(logits_BV, rows.temperature_B, rows.uniform_B)
