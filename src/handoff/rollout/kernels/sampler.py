@@ -68,8 +68,9 @@ def _draw_kernel(logits_ptr, stride_row, temp_ptr, u_ptr, tok_ptr, lp_ptr, mass_
     # 3: the first token whose running mass exceeds uniform x total: the block first, then
     # the token inside it
     target = tl.load(u_ptr + row + one) * total
-    before = tl.cumsum(block_mass, 0) - block_mass            # the mass of the blocks before
-    hit_block = (before + block_mass > target) & (blocks < tl.cdiv(V, BLOCK))
+    through = tl.cumsum(block_mass, 0)                        # the mass up to each block's end
+    before = through - block_mass                              # and before its start
+    hit_block = (through > target) & (blocks < tl.cdiv(V, BLOCK))
     b = tl.min(tl.where(hit_block, blocks, BLOCKS_PAD), 0)
     found = tl.full([1], V, tl.int32)
     if b < BLOCKS_PAD:
