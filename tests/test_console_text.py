@@ -8,15 +8,10 @@ import pytest
 from rich.console import Console
 
 from handoff import run_dir, run_report
+from wrapped_text import flat
 
 # Names rich would read as markup (a style, a closing tag, a link) or as an escape.
 MARKUP_NAMES = ["run[red]x", "[bold]out", "x[link=https:]y", "[i]", "q\\[z]", "[yellow"]
-
-
-def _flat(text: str) -> str:
-    """Text without its whitespace: the console wraps long lines anywhere, even inside a path
-    (a test's tmp path is longer under pytest-xdist)."""
-    return "".join(text.split())
 
 
 
@@ -86,7 +81,7 @@ def _cli(*args):
 def test_an_error_naming_a_path_with_brackets_prints_it_as_given(tmp_path, name):
     res = _cli("report", str(tmp_path / name))
     assert res.exit_code == 2
-    assert _flat(f"error: {tmp_path / name} holds no metrics.jsonl") in _flat(res.output)
+    assert flat(f"error: {tmp_path / name} holds no metrics.jsonl") in flat(res.output)
 
 
 @pytest.mark.parametrize("name", MARKUP_NAMES)
@@ -120,7 +115,7 @@ def test_init_model_prints_its_directory_as_given(tmp_path, monkeypatch):
 
     monkeypatch.setattr(modelzoo, "init_model", lambda preset, out, **kw: out)
     res = _cli("init-model", "--preset", "tiny-qwen3", "--out", str(tmp_path / "[red]m"))
-    assert res.exit_code == 0 and _flat(f"to {tmp_path / '[red]m'}") in _flat(res.output)
+    assert res.exit_code == 0 and flat(f"to {tmp_path / '[red]m'}") in flat(res.output)
 
 
 @pytest.mark.parametrize("prompt, refused", [("\udcff", True), ("ok", False),

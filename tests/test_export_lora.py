@@ -23,16 +23,11 @@ from handoff.export import export_model
 from handoff.modelzoo import init_model
 from handoff.run_dir import write_run_config
 from handoff.trainer.checkpoint_files import FORMAT, META, file_hashes, rng_state
+from wrapped_text import flat
 
 RANK, ALPHA = 4, 8
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOKENS = torch.tensor([[1, 5, 9, 30, 2, 77, 4, 12], [3, 3, 8, 100, 61, 7, 0, 42]])
-
-
-def _flat(text: str) -> str:
-    """Text without its whitespace: the console wraps long lines anywhere, even inside a path
-    (a test's tmp path is longer under pytest-xdist)."""
-    return "".join(text.split())
 
 
 
@@ -183,7 +178,7 @@ def test_handoff_export_merged_then_generate(lora_run, tmp_path):
     out = tmp_path / "merged"
     result = CliRunner().invoke(app, ["export", str(lora_run["run"]), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert _flat("LoRA adapter merged into the model") in _flat(result.output)
+    assert flat("LoRA adapter merged into the model") in flat(result.output)
     result = CliRunner().invoke(app, ["generate", "--model", str(out), "--prompt", "1+2=",
                                       "--max-tokens", "4", "--temperature", "0", "--json",
                                       "--no-chat"])
@@ -192,7 +187,7 @@ def test_handoff_export_merged_then_generate(lora_run, tmp_path):
     result = CliRunner().invoke(app, ["export", str(lora_run["run"]), "--out",
                                       str(tmp_path / "adapter"), "--adapter"])
     assert result.exit_code == 0, result.output
-    assert _flat("its LoRA adapter, for peft") in _flat(result.output)
+    assert flat("its LoRA adapter, for peft") in flat(result.output)
 
 
 def _refused(run, out, match: str, **kwargs) -> None:

@@ -13,6 +13,7 @@ from handoff.config import load_config
 from handoff.errors import ConfigError, HandoffError
 from handoff.model_files import check_model_dir
 from handoff.reading import expect, parse_json, read_json, read_yaml
+from wrapped_text import flat
 
 runner = CliRunner()
 
@@ -27,12 +28,6 @@ BAD_JSON = {
     "5000 digits": (b'{"a": ' + b"9" * 5000 + b"}", "holds a number that is not usable"),
     "a list": (b"[1, 2]", "holds a JSON list, not a JSON object"),
 }
-
-
-def _flat(text: str) -> str:
-    """Text without its whitespace: the console wraps long lines anywhere, even inside a path
-    (a test's tmp path is longer under pytest-xdist)."""
-    return "".join(text.split())
 
 
 
@@ -151,7 +146,7 @@ def _run_dir(tmp_path, summary: bytes | None, reward=0.5):
 def test_report_names_a_damaged_summary_and_shows_the_metrics(tmp_path, summary, said):
     res = runner.invoke(app, ["report", str(_run_dir(tmp_path, summary))], terminal_width=400)
     assert res.exit_code == 0 and "Traceback" not in res.output, res.output
-    assert _flat(said) in _flat(res.output) and "1 steps" in res.output
+    assert flat(said) in flat(res.output) and "1 steps" in res.output
 
 
 def test_report_names_a_metrics_field_of_the_wrong_type(tmp_path):

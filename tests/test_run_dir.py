@@ -18,14 +18,9 @@ from handoff.errors import HandoffError
 from handoff.modelzoo import init_model
 from handoff.run_dir import (check_out_dir, claim_out_dir, interrupted_message, read_metrics,
                              resume_command, trim_metrics)
+from wrapped_text import flat
 
 runner = CliRunner()
-
-
-def _flat(text: str) -> str:
-    """Text without its whitespace: the console wraps long lines anywhere, even inside a path
-    (a test's tmp path is longer under pytest-xdist)."""
-    return "".join(text.split())
 
 
 
@@ -129,9 +124,9 @@ def test_a_truncated_metrics_line_is_named_and_the_rows_before_it_are_reported(t
     _metrics(tmp_path / "metrics.jsonl", 3, b'{"step": 4, "reward_me')
     res = runner.invoke(app, ["report", str(tmp_path)], terminal_width=200)
     assert res.exit_code == 0, res.output
-    said = _flat(res.output)   # a long tmp path wraps the line
-    assert _flat("metrics.jsonl line 4 is not a complete metrics row") in said
-    assert _flat("using the 3 row(s) before it") in said and "3steps" in said
+    said = flat(res.output)   # a long tmp path wraps the line
+    assert flat("metrics.jsonl line 4 is not a complete metrics row") in said
+    assert flat("using the 3 row(s) before it") in said and "3steps" in said
     assert "│    3 │  0.300" in res.output and "│    4 │" not in res.output
 
 
