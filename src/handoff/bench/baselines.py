@@ -136,10 +136,8 @@ def graph_kernel_profile(runner, batch: int, repeats: int = 3) -> dict:
         return {}
     try:
         kernels = _replayed_kernels(runner, (rows, "model"), repeats)
-        sampler = (_replayed_kernels(runner, (rows, "greedy"), repeats)
-                   if runner.graphs.has(rows, "greedy") else None)
-        sampled = (_replayed_kernels(runner, (rows, "sample"), repeats)
-                   if runner.graphs.has(rows, "sample") else None)
+        samplers = {part: _replayed_kernels(runner, (rows, part), repeats)
+                    for part in ("greedy", "sample") if runner.graphs.has(rows, part)}
     except Exception as e:  # no CUPTI on the machine: the rest of the bench still counts
         return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     ms = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
@@ -152,11 +150,11 @@ def graph_kernel_profile(runner, batch: int, repeats: int = 3) -> dict:
     out = {"graph_rows": rows, "kernels": len(kernels) // repeats,
            "kernel_ms": sum(ms.values()), **{f"{k}_ms": v for k, v in ms.items()},
            **{f"{k}_kernels": n // repeats for k, n in counts.items()}}
-    if sampler is not None:
-        out["sampler_kernels"] = len(sampler) // repeats
-        out["sampler_ms"] = sum(e.time_range.elapsed_us() for e in sampler) / 1e3 / repeats
-    if sampled is not None:
-        out["sampled_sampler_ms"] = sum(e.time_range.elapsed_us() for e in sampled) / 1e3 / repeats
+    for part, key in (("greedy", "sampler"), ("sample", "sampled_sampler")):
+        if part in samplers:
+            out[f"{key}_kernels"] = len(samplers[part]) // repeats
+            out[f"{key}_ms"] = sum(e.time_range.elapsed_us()
+                                   for e in samplers[part]) / 1e3 / repeats
     return out
 
 

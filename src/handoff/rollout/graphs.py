@@ -125,7 +125,7 @@ class DecodeInputs:
 
     def fill_sampling(self, batch: SamplingBatch, padded_rows: int) -> None:
         """Stage the step's sampling inputs; padding rows draw greedily (their tokens land in
-        the spare row, never read)."""
+        the spare row, which only padding rows read)."""
         n, h = len(batch.temperature), self.h
         for name, values, pad in (("temp", batch.temperature, 0.0), ("top_p", batch.top_p, 1.0),
                                   ("top_k", batch.top_k, 0), ("uniform", batch.uniform, 0.0)):

@@ -174,7 +174,7 @@ class ModelRunner:
                                torch.empty(max_rows, dtype=torch.float32, pin_memory=pin))
                               for _ in range(2)]
         if self.pad_decode:
-            self._choose_gemm_libraries(max_blocks)
+            self._choose_gemm_libraries()
         if self.use_graphs:
             assert self.kv is not None, "allocate the KV cache before capturing decode graphs"
             self.hidden_out = torch.empty(max_rows, self.spec.hidden_size, dtype=self.dtype,
@@ -189,7 +189,7 @@ class ModelRunner:
             with torch.inference_mode(), expandable_segments(False):
                 self.graphs.capture(steps, self.device)
 
-    def _choose_gemm_libraries(self, max_blocks: int) -> None:
+    def _choose_gemm_libraries(self) -> None:
         """Each ladder size's BLAS library: the one named by decode_gemm, or with "auto" the
         faster whole decode step (device time, gemm_choice.gpu_seconds)."""
         if self.decode_gemm != "auto":
@@ -199,7 +199,8 @@ class ModelRunner:
         def time_step(rows: int, library: str) -> float:
             def step() -> None:
                 with blas_library(library):
-                    self._sample_step(self._forward_decode(rows, max_blocks), rows, "sample")
+                    self._sample_step(self._forward_decode(rows, self.inputs.max_blocks),
+                                      rows, "sample")
             return gpu_seconds(step, self.device)
 
         with torch.inference_mode():
@@ -341,7 +342,7 @@ class ModelRunner:
         for lo in range(0, rows, chunk):
             hi = min(lo + chunk, rows)
             tokens_B, logprobs_B = draw(logits_BV[lo:hi], self.inputs.sampler_rows(lo, hi, mode),
-                                        truncate=mode == "truncate")
+                                        truncate=mode == "truncate", fused=one_kernel)
             self.tokens_R[lo:hi] = tokens_B
             self.logprobs_R[lo:hi] = logprobs_B
         self.next_ids[self.inputs.d["rows"][:rows]] = self.tokens_R[:rows]
