@@ -36,7 +36,7 @@ from handoff.bench.sweep_report import write_report
 from handoff.config import Config, load_config
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
-from handoff.plan.hardware import hardware_profile
+from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.kvpool import Workload, kv_row
 from handoff.plan.ledger import Dtypes
 from handoff.plan.shapes import load_shape
@@ -143,13 +143,14 @@ def failed_point(log: str, out: Path) -> dict:
             "message": message, "last_probe": last_probe}
 
 
-def planned_point(cfg: Config, rates: dict, util: float, *, prompt_len: float) -> dict:
+def planned_point(cfg: Config, rates: dict, util: float, *, prompt_len: float,
+                  hw: HardwareProfile | None = None) -> dict:
     """The planner's KV pool, concurrency, decode step and generation time at `util` for this
-    workload, its rates replaced by the ones the run measured."""
+    workload, its rates replaced by the ones the run measured (`hw`: this profile instead)."""
     from handoff.calibrate import Rates
 
     shape = load_shape(cfg.model.path)
-    hw = Rates(rates).profile(hardware_profile(cfg.hardware.name, cfg.hardware))
+    hw = hw or Rates(rates).profile(hardware_profile(cfg.hardware.name, cfg.hardware))
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
     ro = cfg.rollout
     lengths = ResponseLengths.parse(ro.response_lengths) if ro.response_lengths else None
