@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
-# Device round 2 (one `run` call, < 10 min): decode with a rank-16 adapter vs without on the
-# 1.7B and 4B shapes (issue 31: within 10%; issue 32: the floors, prefill % of peak), then a
-# Qwen3-8B shape with LoRA, the base shared vs held twice (4 steps each, elastic pool).
+# Device round 2 (one `run` call, < 10 min): a Qwen3-8B shape with LoRA, the base shared vs
+# held twice (3 steps each, elastic pool; issue 31), then the public workload with the
+# sampler outside the decode graphs, against round 1's inside (issue 32).
 #   bash scripts/device/2-lora.sh                  (repo root, on the GPU machine; logs in $OUT)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/device-env.sh || exit 1
-timeout 240 handoff bench engine --skip-hf --no-public --lora-rank 16 --out "$OUT/engine-lora.json" \
-    > "$OUT/engine-lora.log" 2>&1
-echo "bench engine --lora-rank 16: rc=$?"
-python3 scripts/device/summary.py "$OUT/engine-lora.json"
-handoff init-model --preset qwen3-8b --out /tmp/qwen3-8b --device cuda > "$OUT/init-8b.log" 2>&1
+timeout 80 handoff init-model --preset qwen3-8b --out /tmp/qwen3-8b --device cuda \
+    > "$OUT/init-8b.log" 2>&1
 for share in true false; do
-    timeout 150 handoff train examples/h200-4b.yaml model.path=/tmp/qwen3-8b actor.lora.rank=16 \
-        actor.lora.share_base=$share run.steps=4 run.checkpoint=false rollout.kv_pool=elastic \
+    timeout 160 handoff train examples/h200-4b.yaml model.path=/tmp/qwen3-8b actor.lora.rank=16 \
+        actor.lora.share_base=$share run.steps=3 run.checkpoint=false rollout.kv_pool=elastic \
         run.out_dir="$OUT/lora-8b-share-$share" > "$OUT/lora-8b-share-$share.log" 2>&1
-    echo "8B LoRA share_base=$share: rc=$? $(tail -2 "$OUT/lora-8b-share-$share.log" | head -1)"
+    echo "8B LoRA share_base=$share: rc=$?"
+    tail -30 "$OUT/lora-8b-share-$share/summary.md" 2>/dev/null | grep -E "^\|" | head -24
 done
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+print("| 8B LoRA | KV pool GB | gen s | step s (median of 2, 3) |")
+print("|---|---|---|---|")
+for share in ("true", "false"):
+    path = Path(sys.argv[1]) / f"lora-8b-share-{share}" / "metrics.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    if len(rows) < 3:
+        print(f"| share_base={share} | - | - | - |"); continue
+    kv = max(r["engine/kv_bytes"] for r in rows) / 1e9
+    gen = sorted(r["timing_s/gen"] for r in rows[1:])[0]
+    step = sorted(r["timing_s/step"] for r in rows[1:])[0]
+    print(f"| share_base={share} | {kv:.1f} | {gen:.2f} | {step:.2f} |")
+PY
+timeout 100 handoff bench engine --models "" --skip-hf --no-graph-sampling \
+    --out "$OUT/public-outside.json" > "$OUT/public-outside.log" 2>&1
+echo "public workload, sampler outside the graphs: rc=$?"
+python3 scripts/device/summary.py "$OUT/public-outside.json"

@@ -23,10 +23,14 @@ def test_refuses_cuda_without_a_gpu():
 
 
 def test_tiny_run_on_cpu(tmp_path):
+    parts = []   # what a run cut short would have kept: the parts measured, in order
     result = run_engine_bench(models=["tiny-qwen3"], batches=[1, 3], prompt_len=8, new_tokens=6,
                               hf_new_tokens=3, public_model="tiny-qwen3", public_seqs=4,
                               public_lengths=(4, 20), device="cpu", dtype="float32",
-                              workdir=str(tmp_path))
+                              workdir=str(tmp_path),
+                              on_part=lambda name, r: parts.append((name, sorted(r))))
+    assert [name for name, _ in parts] == ["tiny-qwen3", "public workload"]
+    assert "public" not in parts[0][1] and "public" in parts[1][1]
     entry = result["models"]["tiny-qwen3"]
     assert [r["batch"] for r in entry["rows"]] == [1, 3]
     assert entry["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 kv heads x 16, fp32

@@ -44,6 +44,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -272,9 +273,11 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                      public_seqs: int = 256, public_lengths: tuple[int, int] = (100, 1024),
                      util: float = 0.5, device: str = "cuda", dtype: str = "bfloat16",
                      workdir: str | None = None, lora_rank: int = 0,
-                     graph_sampling: bool = True) -> dict:
+                     graph_sampling: bool = True,
+                     on_part: Callable[[str, dict], None] | None = None) -> dict:
     """Run every model x batch (engine, transformers; with lora_rank, the engine again with an
-    adapter) and the public workload; a JSON dict."""
+    adapter) and the public workload; a JSON dict. `on_part(name, result so far)` after each
+    model and the public workload (a long bench cut short keeps what it measured)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise HandoffError("bench engine measures the engine on a GPU but no CUDA device is "
@@ -320,6 +323,8 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                     flops_per_s=result["matmul_flops_per_s"], lora_rank=lora_rank,
                     graph_sampling=graph_sampling))
             result["models"][preset] = entry
+            if on_part:
+                on_part(preset, result)
         if public:
             path = _checkpoint(public_model, root, dev, dtype)
             result["public"] = {"model": public_model, **public_workload(
@@ -327,6 +332,8 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                 dtype=torch_dtype, util=util, graph_sampling=graph_sampling)}
             result["public"]["h200_scaled_reference_tokens_per_s"] = \
                 PUBLIC_A800_TOKENS_PER_S * H200_OVER_A800_BANDWIDTH
+            if on_part:
+                on_part("public workload", result)
     finally:
         if own_dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -32,14 +32,26 @@ def bench_memory_cmd(
     _show_and_save(result, out, render)
 
 
-def _show_and_save(result: dict, out: str, render: Callable) -> None:
-    """A bench's table on the console and its full result as JSON at `out`."""
+def _save(result: dict, out: str) -> None:
     import json
 
-    render(result, console)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
+
+
+def _show_and_save(result: dict, out: str, render: Callable) -> None:
+    """A bench's table on the console and its full result as JSON at `out`."""
+    render(result, console)
+    _save(result, out)
     console.print(f"wrote {out}", markup=False)
+
+
+def _saved_part(out: str) -> Callable[[str, dict], None]:
+    """After each part of a long bench: its result so far at `out`, and a line saying so."""
+    def saved(name: str, result: dict) -> None:
+        _save(result, out)
+        console.print(f"{name}: measured (so far in {out})", markup=False)
+    return saved
 
 
 @bench_app.command("kernel")
@@ -105,7 +117,7 @@ def bench_engine_cmd(
         public_model=public_model,
         public_lengths=tuple(int_list(public_lengths, "--public-lengths")),
         util=util, device=device, dtype=dtype, lora_rank=lora_rank,
-        graph_sampling=graph_sampling)
+        graph_sampling=graph_sampling, on_part=_saved_part(out))
     _show_and_save(result, out, render)
 
 
