@@ -13,7 +13,7 @@ grep -E "^(FAILED|ERROR)" "$OUT/cuda-tests.log" | cut -c1-220 | head -20
 timeout 50 python3 -m pytest -q -p no:cacheprovider tests/trainer/test_checkpoint_pythons.py \
     > "$OUT/pythons.log" 2>&1
 echo "checkpoint under this Python: rc=$? $(tail -1 "$OUT/pythons.log")"
-timeout 280 handoff bench engine --skip-hf --lora-rank 16 --out "$OUT/engine.json" \
+timeout 280 python3 -m handoff bench engine --skip-hf --lora-rank 16 --out "$OUT/engine.json" \
     > "$OUT/engine.log" 2>&1
 echo "bench engine --lora-rank 16: rc=$?"; grep -E "measured|Error|error" "$OUT/engine.log" | tail -5
 python3 scripts/device/summary.py "$OUT/engine.json"

@@ -6,10 +6,10 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/device-env.sh || exit 1
-timeout 80 handoff init-model --preset qwen3-8b --out /tmp/qwen3-8b --device cuda \
+timeout 80 python3 -m handoff init-model --preset qwen3-8b --out /tmp/qwen3-8b --device cuda \
     > "$OUT/init-8b.log" 2>&1
 for share in true false; do
-    timeout 160 handoff train examples/h200-4b.yaml model.path=/tmp/qwen3-8b actor.lora.rank=16 \
+    timeout 160 python3 -m handoff train examples/h200-4b.yaml model.path=/tmp/qwen3-8b actor.lora.rank=16 \
         actor.lora.share_base=$share run.steps=3 run.checkpoint=false rollout.kv_pool=elastic \
         run.out_dir="$OUT/lora-8b-share-$share" > "$OUT/lora-8b-share-$share.log" 2>&1
     echo "8B LoRA share_base=$share: rc=$?"
@@ -30,7 +30,7 @@ for share in ("true", "false"):
     step = sorted(r["timing_s/step"] for r in rows[1:])[0]
     print(f"| share_base={share} | {kv:.1f} | {gen:.2f} | {step:.2f} |")
 PY
-timeout 100 handoff bench engine --models "" --skip-hf --no-graph-sampling \
+timeout 100 python3 -m handoff bench engine --models "" --skip-hf --no-graph-sampling \
     --out "$OUT/public-outside.json" > "$OUT/public-outside.log" 2>&1
 echo "public workload, sampler outside the graphs: rc=$?"
 python3 scripts/device/summary.py "$OUT/public-outside.json"

@@ -11,9 +11,9 @@ shm_free=$(df --output=avail -B1 /dev/shm | tail -1)
 if [ "$shm_free" -gt 72000000000 ]; then preset=qwen3-32b; dir=/dev/shm/qwen3-32b
 else preset=qwen3-14b; dir=/tmp/qwen3-14b; fi
 echo "largest shape: $preset in $dir (/dev/shm free: $shm_free B)"
-timeout 200 handoff init-model --preset $preset --out $dir --device cuda > "$OUT/init.log" 2>&1
+timeout 200 python3 -m handoff init-model --preset $preset --out $dir --device cuda > "$OUT/init.log" 2>&1
 echo "init-model: rc=$?"
-timeout 330 handoff train examples/h200-4b.yaml model.path=$dir actor.lora.rank=16 run.steps=3 \
+timeout 330 python3 -m handoff train examples/h200-4b.yaml model.path=$dir actor.lora.rank=16 run.steps=3 \
     run.checkpoint=false rollout.kv_pool=elastic run.out_dir="$OUT/lora-$preset" \
     > "$OUT/lora-$preset.log" 2>&1
 echo "train: rc=$?"

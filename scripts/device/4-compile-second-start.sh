@@ -12,7 +12,7 @@ export HANDOFF_CACHE="$OUT/cache"
 handoff init-model --preset qwen3-4b --out /tmp/qwen3-4b --device cuda > "$OUT/init.log" 2>&1
 for run in eager:false cold:true warm:true; do
     name=${run%%:*}; compile=${run##*:}
-    timeout 140 handoff train examples/h200-4b.yaml run.steps=2 run.checkpoint=false \
+    timeout 140 python3 -m handoff train examples/h200-4b.yaml run.steps=2 run.checkpoint=false \
         rollout.kv_pool=elastic actor.compile=$compile run.out_dir="$OUT/4b-$name" \
         > "$OUT/4b-$name.log" 2>&1
     echo "4B $name: rc=$?"
@@ -32,9 +32,9 @@ for name in ("eager", "cold", "warm"):
     train = ", ".join(f"{r['timing_s/train']:.2f}" for r in rows[:2])
     print(f"| {name} | {steps} | {train} | {[r.get('actor/compiles') for r in rows]} |")
 PY
-timeout 40 handoff init-model --preset qwen3-1.7b --out /tmp/qwen3-1.7b --device cuda \
+timeout 40 python3 -m handoff init-model --preset qwen3-1.7b --out /tmp/qwen3-1.7b --device cuda \
     > "$OUT/init-1.7b.log" 2>&1
-timeout 130 handoff train examples/h200-reasoning.yaml run.steps=2 rollout.kv_pool=elastic \
+timeout 130 python3 -m handoff train examples/h200-reasoning.yaml run.steps=2 rollout.kv_pool=elastic \
     run.out_dir="$OUT/reasoning" > "$OUT/reasoning.log" 2>&1
 echo "reasoning workload: rc=$?"
 python3 scripts/device/reasoning_floor.py "$OUT/reasoning"

@@ -11,6 +11,7 @@ report and the checkpoint sizing, which used to rebuild them each on its own.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from handoff import compile_cache
@@ -18,9 +19,10 @@ from handoff.config import ActorConfig, Config
 from handoff.plan.compile import CompileChoice, choose_compile, named_device
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.ledger import Dtypes, shard_size
+from handoff.plan.lora import adapter_params, adapter_state_bytes, base_bytes
 from handoff.plan.order import SwitchOrder, switch_order
 from handoff.plan.shapes import ModelShape, load_shape
-from handoff.plan.trainer import MicroBatchChoice, pick_micro_batch
+from handoff.plan.trainer import MicroBatchChoice, full_train_state_bytes, pick_micro_batch
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,25 @@ class RunPlan:
         choice = pick_micro_batch(self.shape, hw, dtypes=self.dtypes, shard=self.shard,
                                   checkpointing=a.gradient_checkpointing,
                                   logprob_chunk_tokens=a.logprob_chunk_tokens,
-                                  longest_sequence=cfg.rollout.max_model_len, tokens=tokens)
+                                  longest_sequence=cfg.rollout.max_model_len, tokens=tokens,
+                                  state_bytes=self.train_state_bytes())
         resolved = dataclasses.replace(
             a, gradient_checkpointing=choice.checkpointing,
             micro_batch_tokens=(choice.tokens if a.micro_batch_tokens == "auto"
                                 else a.micro_batch_tokens))
         return resolved, choice
+
+    def train_state_bytes(self) -> int:
+        """The trainer state a card holds through the update. Full-parameter: 16N/n. LoRA:
+        the frozen base (whole when it is the engine's weights, else the trainer's own shard)
+        and the adapters' params, grads, fp32 master + Adam."""
+        lora = self.cfg.actor.lora
+        if not lora.rank:
+            return full_train_state_bytes(self.shape, self.dtypes, self.shard)
+        base = (base_bytes(self.shape, self.dtypes) if lora.shares_base
+                else math.ceil(self.shape.num_params * self.dtypes.param_bytes / self.shard))
+        adapters = adapter_params(self.shape, lora.rank, lora.target_modules)
+        return base + sum(adapter_state_bytes(adapters, self.dtypes).values())
 
     def checkpoint_param_bytes(self) -> int:
         """Bytes per parameter a checkpoint holds: the params in the model's dtype, the fp32

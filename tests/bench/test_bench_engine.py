@@ -83,6 +83,8 @@ def test_lora_rank_decodes_with_an_adapter_beside_the_base_on_cpu(tmp_path):
 
     with pytest.raises(HandoffError, match="--lora-rank >= 0"):
         run_engine_bench(models=["tiny-qwen3"], batches=[1], device="cpu", lora_rank=-1)
+    with pytest.raises(HandoffError, match="--decode-gemm 'cublass'"):
+        run_engine_bench(models=["tiny-qwen3"], batches=[1], device="cpu", decode_gemm="cublass")
 
 
 def test_prefill_flops_count_the_layers_the_causal_pairs_and_one_head_row_per_prompt(tmp_path):

@@ -10,8 +10,8 @@ from handoff.plan.hardware import hardware_profile
 from handoff.plan.ledger import Dtypes
 from handoff.plan.report import build_plan
 from handoff.plan.shapes import load_shape
-from handoff.plan.trainer import (MIN_TOKENS_WITHOUT_RECOMPUTE, activation_bytes_per_token,
-                                  matmul_params, model_flops, pick_micro_batch, train_seconds)
+from handoff.plan.trainer import (ACTIVATION_SHARE, MIN_TOKENS_WITHOUT_RECOMPUTE,
+                                  activation_bytes_per_token, matmul_params, model_flops, pick_micro_batch, train_seconds)
 
 H200 = hardware_profile("h200")
 
@@ -90,3 +90,29 @@ def test_auto_is_accepted_only_where_a_field_allows_it():
         load_config(None, ["actor.micro_batch_tokens=many"])
     with pytest.raises(ConfigError, match="out of range"):
         load_config(None, ["actor.micro_batch_tokens=-1"])
+
+
+def test_a_lora_run_sizes_its_micro_batch_beside_the_base_and_the_adapters_not_16n():
+    """Full-parameter state of an 8B (131 GB) leaves an H200 no activations; under LoRA the
+    card holds the base once (16.4 GB) and megabytes of adapters, so the budget is large."""
+    from handoff.config.sections import LORA_TARGETS
+    from handoff.plan.lora import adapter_params
+    from handoff.runplan import RunPlan
+
+    common = ["model.path=qwen3-8b", "hardware.name=h200", "actor.micro_batch_tokens=auto",
+              "actor.logprob_chunk_tokens=2048", "rollout.max_model_len=1024"]
+    full = RunPlan.build(load_config(None, common))
+    with pytest.raises(HandoffError, match="for activations"):
+        full.actor_config()
+    shared = RunPlan.build(load_config(None, common + ["actor.lora.rank=16"]))
+    twice = RunPlan.build(load_config(None, common + ["actor.lora.rank=16",
+                                                      "actor.lora.share_base=false"]))
+    q8 = load_shape("qwen3-8b")
+    adapters = adapter_params(q8, 16, LORA_TARGETS)   # bf16 params + grads, fp32 master + Adam
+    assert shared.train_state_bytes() == q8.num_params * 2 + adapters * 16
+    assert twice.train_state_bytes() == q8.num_params * 2 + adapters * 16   # one card: whole
+    assert full.train_state_bytes() == q8.num_params * 16
+    actor, choice = shared.actor_config()
+    assert choice.tokens >= MIN_TOKENS_WITHOUT_RECOMPUTE and not actor.gradient_checkpointing
+    assert choice.room_bytes == pytest.approx(ACTIVATION_SHARE * (
+        H200.hbm_bytes - H200.resident_bytes - shared.train_state_bytes()))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handoff.rollout.gemm_choice import TIE_MARGIN, blas_library, choose_libraries
+from handoff.rollout.gemm_choice import (_SLEEP_CYCLES, TIE_MARGIN, blas_library,
+                                         choose_libraries, sleep_cycles)
 
 
 def test_each_size_takes_the_faster_library_and_a_near_tie_keeps_the_default():
@@ -55,6 +56,21 @@ def test_the_preference_is_set_inside_and_restored_after_also_on_an_error():
             assert str(torch.backends.cuda.preferred_blas_library()).endswith("Cublas")
             raise ValueError("inside")
     assert torch.backends.cuda.preferred_blas_library() == before
+
+
+def test_the_timing_sleep_outlasts_the_host_queueing_the_step():
+    """A step the host takes 50 ms to queue gets a sleep of twice that at 2 GHz; a fast
+    one keeps the floor (2026-12-05: a fixed sleep let an eager 4B step's launch gaps in)."""
+    assert sleep_cycles(0.0) == sleep_cycles(0.001) == _SLEEP_CYCLES
+    assert sleep_cycles(0.050) == 200_000_000
+    assert sleep_cycles(0.100) == 2 * sleep_cycles(0.050)
+
+
+def test_the_default_is_cublas_and_auto_is_asked_for():
+    from handoff.config import load_config
+
+    assert load_config(None, []).rollout.decode_gemm == "cublas"
+    assert load_config(None, ["rollout.decode_gemm=auto"]).rollout.decode_gemm == "auto"
 
 
 def test_a_cpu_engine_chooses_nothing(qwen3_dir, ref):

@@ -82,12 +82,11 @@ def test_fused_draw_follows_the_inverse_cdf_under_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_draw_follows_the_inverse_cdf_on_cuda():
     from handoff.rollout.kernels.sampler import fused_draw
-    from handoff.rollout.sampling import (FUSED_DRAW_MIN_ROWS, SamplerRows, draw,
-                                         fused_draw_applies)
+    from handoff.rollout.sampling import SamplerRows, draw, fused_draw_applies
 
     _check(run_cases("cuda", fused_draw))
-    # sampling.draw takes the kernel for a sampled draw of enough rows without truncation.
-    n = FUSED_DRAW_MIN_ROWS
+    # sampling.draw takes the kernel for a sampled draw without truncation, at any batch.
+    n = 128
     logits = torch.randn(n, 151_936, device="cuda").to(torch.bfloat16)
     rows = SamplerRows(temperature_B=torch.ones(n, device="cuda"),
                        uniform_B=torch.rand(n, device="cuda", dtype=torch.float64),
@@ -95,7 +94,8 @@ def test_fused_draw_follows_the_inverse_cdf_on_cuda():
                        top_p_B=torch.full((n,), 0.9, device="cuda"))
     assert fused_draw_applies(logits, truncate=False)
     assert not fused_draw_applies(logits, truncate=True)
-    assert not fused_draw_applies(logits[:n - 1], truncate=False)
+    assert fused_draw_applies(logits[:1], truncate=False)
+    assert not fused_draw_applies(logits.float(), truncate=False)   # half precision only
     want = fused_draw(logits, rows.temperature_B, rows.uniform_B)
     for got, expected in zip(draw(logits, rows), want):
         assert torch.equal(got, expected)

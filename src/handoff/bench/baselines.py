@@ -54,8 +54,8 @@ def matmul_flops_per_s(dev: torch.device, dtype: torch.dtype, n: int, iters: int
 
 def draw_ms(rows: int, vocab: int, device: torch.device, dtype: torch.dtype) -> dict:
     """Device ms of one sampled draw (temperature 1, no truncation) of `rows` rows of random
-    logits, by the torch path and by the one-kernel draw (kernels/sampler.py): the A/B of
-    sampling.FUSED_DRAW_MIN_ROWS, on the bench's own card."""
+    logits, by the torch path and by the one-kernel draw (kernels/sampler.py), on the bench's
+    own card: the A/B behind sampling.fused_draw_applies."""
     from handoff.rollout.gemm_choice import gpu_seconds
     from handoff.rollout.sampling import SamplerRows, draw
 

@@ -25,9 +25,9 @@ random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B
 * the prefill of the B prompts: its model FLOPs (prefill_flops) / its wall time, against a
   bf16 8192^3 matmul measured in the same run (the compute floor's rate);
 * a sampled draw (temperature 1) of the batch's rows by the torch path and by the one-kernel
-  draw, device ms each (`draw_ms`; the engine takes the kernel from FUSED_DRAW_MIN_ROWS);
-* the BLAS library each ladder size's decode graphs were captured with (rollout.decode_gemm
-  =auto: the device time of one step under cuBLAS and under cuBLASLt, the faster kept).
+  draw, device ms each (`draw_ms`: the A/B behind the engine's use of the kernel);
+* the BLAS library each ladder size's decode graphs were captured with, with --decode-gemm
+  auto the device time of one step under cuBLAS and under cuBLASLt (the faster kept).
 With --lora-rank R, each model's decode steps run again on an engine holding a rank-R adapter
 on all seven projections (random small values; built with lora_max_rank=R, so the decode
 graphs capture its GEMMs), in the same run, and each row sets its step time beside the base's
@@ -113,13 +113,14 @@ def profiled_step_floor(kernels: dict, context_lens, weight_bytes: int, kv_bytes
 
 def _engine(path: Path, *, max_num_seqs: int, max_model_len: int, device: torch.device,
             dtype: torch.dtype, util: float, lora_max_rank: int | None = None,
-            graph_sampling: bool = True):
+            options: dict | None = None):
+    """The bench's engine; `options`: rollout.* settings under test (graph_sampling,
+    decode_gemm)."""
     from handoff.config import RolloutConfig
     from handoff.rollout.engine import Engine
 
     cfg = RolloutConfig(gpu_memory_utilization=util, block_size=16, max_num_seqs=max_num_seqs,
-                        max_model_len=max_model_len, cuda_graphs=True,
-                        graph_sampling=graph_sampling)
+                        max_model_len=max_model_len, cuda_graphs=True, **(options or {}))
     return Engine(str(path), cfg, device=device, dtype=dtype, lora_max_rank=lora_max_rank)
 
 
@@ -175,7 +176,7 @@ def _engine_facts(engine) -> dict:
 def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens: int,
                   device: torch.device, dtype: torch.dtype, util: float, bytes_per_s: float,
                   flops_per_s: float, seed: int = 0, lora_rank: int = 0,
-                  graph_sampling: bool = True) -> dict:
+                  options: dict | None = None) -> dict:
     """The engine's decode step at each batch size, with its HBM floor, and the prefill of
     its prompts against the matmul rate `flops_per_s` (lora_rank > 0: with a random adapter
     of that rank loaded)."""
@@ -185,7 +186,7 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
     start = time.perf_counter()
     engine = _engine(path, max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 1,
                      device=device, dtype=dtype, util=util, lora_max_rank=lora_rank or None,
-                     graph_sampling=graph_sampling)
+                     options=options)
     build_s = time.perf_counter() - start
     adapter = {name: t.to(device, dtype) for name, t in
                random_adapter(path, lora_rank, seed=seed).items()} if lora_rank else {}
@@ -231,14 +232,14 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
 
 def public_workload(path: Path, *, num_seqs: int, lengths: tuple[int, int],
                     device: torch.device, dtype: torch.dtype, util: float,
-                    seed: int = 0, graph_sampling: bool = True) -> dict:
+                    seed: int = 0, options: dict | None = None) -> dict:
     """num_seqs sequences, prompt and output lengths uniform in `lengths`, EOS ignored."""
     from handoff.rollout.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
     lo, hi = lengths
     engine = _engine(path, max_num_seqs=num_seqs, max_model_len=2 * hi, device=device,
-                     dtype=dtype, util=util, graph_sampling=graph_sampling)
+                     dtype=dtype, util=util, options=options)
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
     prompt_lens = rng.integers(lo, hi + 1, num_seqs)
     output_lens = rng.integers(lo, hi + 1, num_seqs)
@@ -273,7 +274,7 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                      public_seqs: int = 256, public_lengths: tuple[int, int] = (100, 1024),
                      util: float = 0.5, device: str = "cuda", dtype: str = "bfloat16",
                      workdir: str | None = None, lora_rank: int = 0,
-                     graph_sampling: bool = True,
+                     graph_sampling: bool = True, decode_gemm: str = "cublas",
                      on_part: Callable[[str, dict], None] | None = None) -> dict:
     """Run every model x batch (engine, transformers; with lora_rank, the engine again with an
     adapter) and the public workload; a JSON dict. `on_part(name, result so far)` after each
@@ -288,6 +289,9 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
         raise HandoffError("bench engine needs batches >= 1, --prompt-len >= 1, --new-tokens "
                            ">= 2, --hf-new-tokens >= 1, --public-lengths MIN,MAX with "
                            "1 <= MIN <= MAX and --lora-rank >= 0: fix the options")
+    if decode_gemm not in ("cublas", "cublaslt", "auto"):
+        raise HandoffError(f"bench engine --decode-gemm {decode_gemm!r}: pass cublas, cublaslt "
+                           "or auto")
     torch_dtype = getattr(torch, dtype)
     own_dir = workdir is None
     root = Path(tempfile.mkdtemp(prefix="handoff-bench-engine-")) if own_dir else Path(workdir)
@@ -296,10 +300,11 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
               "device": props.name if props else "cpu", "torch": torch.__version__,
               "dtype": dtype, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "hf_new_tokens": hf_new_tokens, "lora_rank": lora_rank,
-              "graph_sampling": graph_sampling,
+              "graph_sampling": graph_sampling, "decode_gemm": decode_gemm,
               "copy_bytes_per_s": copy_bandwidth(dev),
               "matmul_flops_per_s": matmul_flops_per_s(
                   dev, torch_dtype, 8192 if dev.type == "cuda" else 256), "models": {}}
+    options = {"graph_sampling": graph_sampling, "decode_gemm": decode_gemm}
     try:
         for preset in models:
             path = _checkpoint(preset, root, dev, dtype)
@@ -310,7 +315,7 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                                   device=dev, dtype=torch_dtype, util=util,
                                   bytes_per_s=result["copy_bytes_per_s"],
                                   flops_per_s=result["matmul_flops_per_s"],
-                                  graph_sampling=graph_sampling)
+                                  options=options)
             for row in entry["rows"]:
                 base = hf.get(row["batch"])
                 row["hf_ms_per_step"] = base["ms_per_step"] if base else None
@@ -321,7 +326,7 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                     path, batches, prompt_len=prompt_len, new_tokens=new_tokens, device=dev,
                     dtype=torch_dtype, util=util, bytes_per_s=result["copy_bytes_per_s"],
                     flops_per_s=result["matmul_flops_per_s"], lora_rank=lora_rank,
-                    graph_sampling=graph_sampling))
+                    options=options))
             result["models"][preset] = entry
             if on_part:
                 on_part(preset, result)
@@ -329,7 +334,7 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
             path = _checkpoint(public_model, root, dev, dtype)
             result["public"] = {"model": public_model, **public_workload(
                 path, num_seqs=public_seqs, lengths=public_lengths, device=dev,
-                dtype=torch_dtype, util=util, graph_sampling=graph_sampling)}
+                dtype=torch_dtype, util=util, options=options)}
             result["public"]["h200_scaled_reference_tokens_per_s"] = \
                 PUBLIC_A800_TOKENS_PER_S * H200_OVER_A800_BANDWIDTH
             if on_part:

@@ -103,6 +103,8 @@ def bench_engine_cmd(
     graph_sampling: bool = typer.Option(True, "--graph-sampling/--no-graph-sampling",
                                         help="the LM head and the sampler inside the decode "
                                         "graphs (rollout.graph_sampling)"),
+    decode_gemm: str = typer.Option("cublas", "--decode-gemm", help="rollout.decode_gemm: "
+                                    "cublas | cublaslt | auto (times both at each batch size)"),
 ) -> None:
     """Engine decode step vs transformers generate and the HBM floor; the public workload;
     with --lora-rank, the decode step with an adapter beside the one without."""
@@ -117,7 +119,7 @@ def bench_engine_cmd(
         public_model=public_model,
         public_lengths=tuple(int_list(public_lengths, "--public-lengths")),
         util=util, device=device, dtype=dtype, lora_rank=lora_rank,
-        graph_sampling=graph_sampling, on_part=_saved_part(out))
+        graph_sampling=graph_sampling, decode_gemm=decode_gemm, on_part=_saved_part(out))
     _show_and_save(result, out, render)
 
 

@@ -14,8 +14,9 @@ run shows a lower MFU for the same GEMM efficiency. Seconds = model FLOPs / the 
 train_flops_per_s, the model-FLOP rate a card's trainer reaches (`handoff bench
 train-compute` measures it).
 
-Memory: in the training phase the card holds the trainer state 16N/n (params, grads, fp32
-master + Adam) and the resident bytes; activations get ACTIVATION_SHARE of what is left.
+Memory: in the training phase the card holds the trainer state (full-parameter: 16N/n, the
+params, grads, fp32 master + Adam; LoRA: the frozen base and the adapters' state, RunPlan's
+train_state_bytes) and the resident bytes; activations get ACTIVATION_SHARE of what is left.
 Per token (bf16, act = 2 bytes), from what autograd keeps for a Llama / Qwen3 layer: each
 RMSNorm its fp32 input and bf16 output (6 B x width; q/k norms too), q and k after RoPE,
 v, the attention output, and the MLP's gate, up, SiLU(gate) and product (8 B x intermediate):
@@ -125,10 +126,16 @@ def fixed_activation_bytes(shape: ModelShape, *, logprob_chunk_tokens: int,
     return head + 2 * table * act_bytes + 2 * layer_params * act_bytes
 
 
+def full_train_state_bytes(shape: ModelShape, dtypes: Dtypes, shard: int) -> int:
+    """Full-parameter trainer state per card: params, grads, fp32 master + Adam, 16N/n."""
+    return math.ceil(shape.num_params * dtypes.train_state_bytes / shard)
+
+
 def training_room_bytes(shape: ModelShape, hw: HardwareProfile, *, dtypes: Dtypes,
-                        shard: int) -> float:
-    """HBM left in the update beside the trainer state (16N/n) and the resident bytes."""
-    state = math.ceil(shape.num_params * dtypes.train_state_bytes / shard)
+                        shard: int, state_bytes: int | None = None) -> float:
+    """HBM left in the update beside the trainer state (`state_bytes` per card; None: the
+    full-parameter 16N/n) and the resident bytes."""
+    state = full_train_state_bytes(shape, dtypes, shard) if state_bytes is None else state_bytes
     return hw.hbm_bytes - hw.resident_bytes - state
 
 
@@ -152,13 +159,16 @@ def _budget(room: float, per_token: float, fixed: float) -> int:
 
 def pick_micro_batch(shape: ModelShape, hw: HardwareProfile, *, dtypes: Dtypes, shard: int,
                      checkpointing: bool | str = "auto", logprob_chunk_tokens: int = 0,
-                     longest_sequence: int = 0, tokens: int | str = "auto") -> MicroBatchChoice:
-    """The packed micro-batch's token budget and the recompute setting for this card.
+                     longest_sequence: int = 0, tokens: int | str = "auto",
+                     state_bytes: int | None = None) -> MicroBatchChoice:
+    """The packed micro-batch's token budget and the recompute setting for this card
+    (`state_bytes`: the trainer state per card, training_room_bytes).
 
     checkpointing="auto": off when a budget of >= MIN_TOKENS_WITHOUT_RECOMPUTE tokens (and
     the longest sequence) fits without it, else on. tokens: "auto" sizes the budget from the
     room; an int keeps it (and only decides checkpointing)."""
-    room = ACTIVATION_SHARE * training_room_bytes(shape, hw, dtypes=dtypes, shard=shard)
+    room = ACTIVATION_SHARE * training_room_bytes(shape, hw, dtypes=dtypes, shard=shard,
+                                                  state_bytes=state_bytes)
     act = dtypes.param_bytes
     fixed = fixed_activation_bytes(shape, logprob_chunk_tokens=logprob_chunk_tokens,
                                    act_bytes=act)

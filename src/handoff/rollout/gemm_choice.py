@@ -8,9 +8,11 @@ A decode step's GEMMs are skinny (M = the batch, 1-256 rows) and read every weig
 HBM floor is the weights' bytes. cuBLAS's heuristics pick, per (M, N, K), kernels that add a
 split-K reduction at small M; profiled in the decode graphs (2026-12-04) they reached 60-72%
 of the bandwidth. cuBLASLt has its own heuristics and kernels for the same shapes. Neither is better everywhere,
-so the engine times one whole decode step (the model, the LM head, the sampler) at each
-ladder size under each library and captures that size's graphs under the faster one
-(`rollout.decode_gemm=auto`), or under the one named. The choice is PyTorch's own switch
+so `rollout.decode_gemm=auto` times one whole decode step (the model, the LM head, the
+sampler) at each ladder size under each library and captures that size's graphs under the
+faster one; the default is cuBLAS: on an H200 (2026-12-05, Qwen3-1.7B shape) the two took
+the same device time within 0.3% at every size from 1 to 256 rows, and auto costs the
+engine's start about 5 s. The choice is PyTorch's own switch
 (`torch.backends.cuda.preferred_blas_library`), set around the decode step only and restored
 after, so the trainer's GEMMs keep the default. CUDA only: a CPU run has nothing to choose.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from typing import Callable, Iterator, Sequence
 
@@ -27,6 +30,7 @@ import torch
 BLAS_LIBRARIES = ("cublas", "cublaslt")   # the first is PyTorch's default: kept on a tie
 TIE_MARGIN = 0.02                          # another library must be 2% faster to be chosen
 _SLEEP_CYCLES = 40_000_000                 # ~20 ms of a GPU busy while the host queues a step
+_CYCLES_PER_SECOND = 2.0e9                 # above any data-center card's clock: sleeps long
 # A CUDA error that poisons the context is not one library's failure (torch >= 2.8 names it).
 _STICKY = getattr(torch, "AcceleratorError", ())
 
@@ -75,18 +79,29 @@ def choose_libraries(sizes: Sequence[int], time_step: Callable[[int, str], float
     return choice, seconds
 
 
+def sleep_cycles(host_seconds: float) -> int:
+    """GPU cycles of a sleep that outlasts the host queueing a step of `host_seconds` twice
+    over (at least _SLEEP_CYCLES)."""
+    return max(_SLEEP_CYCLES, int(2 * host_seconds * _CYCLES_PER_SECOND))
+
+
 def gpu_seconds(fn: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
     """Device seconds of the kernels `fn` launches (the least of `repeats`, after one warm-up
     run): a sleep kernel keeps the GPU busy while the host queues them, so the host's launch
-    gaps are not counted (a small model's eager step is launch-bound; its graph is not)."""
+    gaps are not counted (a small model's eager step is launch-bound; its graph is not). The
+    sleep is sized from the warm-up's host time: a fixed 20 ms did not cover an eager 4B step
+    on the device's slow host (2026-12-05: 5.3 ms timed against 2.9 ms of kernels)."""
     with torch.cuda.device(device):   # the sleep and the events on the step's own device
+        queued = time.perf_counter()
         fn()
+        queued = time.perf_counter() - queued
         torch.cuda.synchronize(device)
+        cycles = sleep_cycles(queued)
         best = math.inf
         for _ in range(repeats):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(_SLEEP_CYCLES)
+            torch.cuda._sleep(cycles)
             start.record()
             fn()
             end.record()

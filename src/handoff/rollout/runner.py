@@ -48,7 +48,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, *, device: torch.device, block_size: int,
                  kv_dtype: torch.dtype, attention_backend: str | None = None,
                  cuda_graphs: bool = False, graph_sampling: bool = True,
-                 decode_gemm: str = "auto", readback_by_kernel: bool = True):
+                 decode_gemm: str = "cublas", readback_by_kernel: bool = True):
         self.model = model
         self.spec = model.spec
         self.device = device
