@@ -81,4 +81,13 @@ def test_lora_in_turn_or_on_its_own_base_runs_its_order(model_dir, tmp_path, ext
         # (level 1), its wake restores it, the sync sends the adapters only.
         assert row["sync/bytes"] == adapter_bytes < base_bytes
         assert (row["switch/params_d2h/bytes"] > 0) == (not shared)
+    # the ledger prices a LoRA run as LoRA: the trainer's own base and the adapters move, the
+    # engine's base goes to the host and back (measured: its weights region, a few buffers
+    # beside the parameters)
+    planned = json.loads((tmp_path / "summary.json").read_text())["planned"]
+    for action in ("params_d2h", "optimizer_d2h", "engine_sleep", "engine_weights_sync"):
+        measured = rows[-1][f"switch/{action}/bytes"]
+        assert planned[action]["bytes"] == pytest.approx(measured, rel=0.05), action
+        assert (measured > 0) == (not shared or action in ("optimizer_d2h",
+                                                          "engine_weights_sync")), action
     assert rows[-1]["kl"] > 0

@@ -53,10 +53,7 @@ def preflight(cfg: Config) -> RunPlan:
     from handoff.plan.lora_report import build_lora_plan
     from handoff.plan.report import build_plan
 
-    lora = cfg.actor.lora
-    # A base of its own (share_base=false) holds what full-parameter training holds, and more.
-    plan = (build_lora_plan(cfg) if lora.shares_base
-            else build_plan(cfg, ref=cfg.actor.kl_coef > 0 and not lora.rank))
+    plan = build_lora_plan(cfg) if cfg.actor.lora.rank else build_plan(cfg)
     verdict = plan["verdict"]
     if not verdict["fits"]:
         reasons = "; ".join(r for r in verdict["reasons"] if r.startswith("does not fit"))

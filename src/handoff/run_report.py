@@ -33,7 +33,7 @@ from handoff.loggers import Loggers, open_loggers
 from handoff.memory.meter import MemoryMeter
 from handoff.plan.hardware import HardwareProfile
 from handoff.plan.ledger import SWITCH_ACTIONS, switch_actions
-from handoff.plan.lora import held_twice_actions, lora_switch_actions
+from handoff.plan.lora import BaseCopies, lora_switch_actions
 from handoff.plan.trainer import exposed_behind_compute
 from handoff.reading import expect, read_json
 from handoff.run_dir import read_metrics
@@ -51,7 +51,7 @@ def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,
     profile's). The worker's sync is in-process on every rank (no IPC), whatever the shard
     group."""
     cfg, lora = plan.cfg, plan.cfg.actor.lora
-    if not lora.shares_base:
+    if not lora.rank:
         parallel = dataclasses.replace(cfg.parallel, gpus=max(cfg.parallel.gpus, 1))
         actions = switch_actions(plan.shape, parallel, cfg.memory, hw,
                                  kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes, ref=plan.ref,
@@ -59,15 +59,16 @@ def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,
                                  weights_map_bps=rates.get("weights_map_bps"),
                                  h2d_bps=rates.get("h2d_bps"), elastic_pool=plan.elastic_pool,
                                  updates_per_step=cfg.actor.updates_per_step)
-        if lora.rank:   # its own base, which the engine backs up and restores, never syncs
-            actions = held_twice_actions(actions, plan.shape, hw, tp=parallel.tp,
-                                         rank=lora.rank, targets=lora.target_modules,
-                                         dtypes=plan.dtypes, h2d_bps=rates.get("h2d_bps"))
-    else:   # the base never moves: the KV's sleep and wake, the adapters' sync
+    else:   # the base never changes: the KV's sleep and wake, the adapters' sync (and a base
+        # held twice backed up and restored)
+        bases = BaseCopies.of(plan.shape, shares_base=lora.shares_base, shard=plan.shard,
+                              tp=cfg.parallel.tp, param_offload=cfg.memory.param_offload,
+                              dtypes=plan.dtypes)
         actions = lora_switch_actions(plan.shape, cfg.memory, hw,
                                       rank=lora.rank, targets=lora.target_modules,
                                       kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes,
-                                      elastic_pool=plan.elastic_pool)
+                                      elastic_pool=plan.elastic_pool, bases=bases,
+                                      h2d_bps=rates.get("h2d_bps"))
     return {a.name: {"bytes": a.bytes_per_card, "seconds": a.seconds, "link": a.link}
             for a in actions}
 

@@ -11,8 +11,8 @@ from handoff.config import LORA_TARGETS, MemoryConfig, load_config
 from handoff.errors import ConfigError, HandoffError
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.ledger import SWITCH_ACTIONS, Dtypes, exposed_seconds
-from handoff.plan.lora import (adapter_params, adapter_sync_seconds, adapter_tensors,
-                               held_twice_actions, lora_switch_actions, projection_shapes)
+from handoff.plan.lora import (BaseCopies, adapter_params, adapter_sync_seconds,
+                               adapter_tensors, lora_switch_actions, projection_shapes)
 from handoff.plan.lora_report import build_lora_plan
 from handoff.plan.order import switch_order
 from handoff.plan.report import build_plan
@@ -94,29 +94,60 @@ def test_the_switch_moves_the_kv_and_the_adapters_only():
 
 
 def test_a_base_held_twice_is_backed_up_and_restored_and_only_the_adapters_synced():
-    from handoff.config import ParallelConfig
     from handoff.plan.kvpool import engine_weight_bytes
-    from handoff.plan.ledger import switch_actions
 
     shape, hw = load_shape("qwen3-8b"), hardware_profile("h200")
-    full = switch_actions(shape, ParallelConfig(gpus=1), MemoryConfig(), hw, kv_pool_bytes=40e9,
-                          ref=False)
-    held = {a.name: a for a in held_twice_actions(full, shape, hw, tp=1, rank=16,
-                                                  targets=LORA_TARGETS)}
-    full = {a.name: a for a in full}
+    kw = dict(rank=16, targets=LORA_TARGETS, kv_pool_bytes=40e9)
+    shared = {a.name: a for a in lora_switch_actions(shape, MemoryConfig(), hw, **kw)}
+    bases = BaseCopies.of(shape, shares_base=False, shard=1, tp=1, param_offload=True)
+    held = {a.name: a for a in lora_switch_actions(shape, MemoryConfig(), hw, bases=bases,
+                                                   **kw)}
     weights = engine_weight_bytes(shape, 1, 2)
+    adapters = adapter_params(shape, 16, LORA_TARGETS)
     assert held["engine_sleep"].bytes_per_card == weights   # level 1: the base to the host
     assert held["engine_sleep"].seconds == pytest.approx(
-        weights / hw.pinned_pcie_bps + full["engine_sleep"].seconds)
-    assert held["engine_weights_sync"].bytes_per_card == weights + 2 * adapter_params(
-        shape, 16, LORA_TARGETS)
+        weights / hw.pinned_pcie_bps + shared["engine_sleep"].seconds)
+    assert held["engine_weights_sync"].bytes_per_card == weights + 2 * adapters
     assert held["engine_weights_sync"].seconds == pytest.approx(
         weights / hw.pinned_pcie_bps + adapter_sync_seconds(shape, hw, rank=16,
                                                             targets=LORA_TARGETS,
                                                             dtypes=Dtypes()))
-    for name in SWITCH_ACTIONS:   # the trainer's own moves are full-parameter training's
-        if name not in ("engine_sleep", "engine_weights_sync"):
-            assert held[name] == full[name]
+    # memory.param_offload moves the trainer's own frozen base (bf16) and the adapters
+    for name in ("params_d2h", "params_h2d"):
+        assert held[name].bytes_per_card == shape.num_params * 2 + 2 * adapters
+        assert shared[name].bytes_per_card == 0
+    kept = BaseCopies.of(shape, shares_base=False, shard=1, tp=1, param_offload=False)
+    assert kept.kept_generating == kept.trainer == shape.num_params * 2
+    kept_actions = lora_switch_actions(shape, MemoryConfig(param_offload=False), hw, bases=kept,
+                                       **kw)
+    assert [a.bytes_per_card for a in kept_actions if a.name.startswith("params")] == [0, 0]
+    for name in ("optimizer_d2h", "optimizer_h2d", "ref_d2h", "ref_h2d"):   # the adapters' only
+        assert held[name] == shared[name]
+
+
+def test_a_run_with_its_own_base_is_planned_as_lora_not_as_full_parameter_training():
+    """An 8B's full-parameter state (131 GB) does not fit an H200; LoRA with the base held
+    twice does: the trainer's base through the update, the engine's on the host then."""
+    base = ["model.path=qwen3-8b", "hardware.name=h200", "actor.lora.rank=16",
+            "rollout.kv_pool=elastic"]
+    twice = build_lora_plan(load_config(None, base + ["actor.lora.share_base=false"]),
+                            advise=False)
+    shared = build_lora_plan(load_config(None, base), advise=False)
+    assert twice["verdict"]["fits"] and twice["lora"]["share_base"] is False
+    assert twice["memory"]["train_peak_bytes"] == shared["memory"]["train_peak_bytes"]
+    gen = twice["memory"]["generate"]
+    # param_offload on (the default): the trainer's base waits on the host, the engine's
+    # base is backed up there at each sleep
+    assert gen["trainer_left"] == shared["memory"]["generate"]["trainer_left"]
+    assert twice["pinned_host_bytes_per_card"] > shared["pinned_host_bytes_per_card"] + 2 * 16e9
+    kept = build_lora_plan(load_config(None, base + ["actor.lora.share_base=false",
+                                                     "memory.param_offload=false"]),
+                           advise=False)
+    left = kept["memory"]["generate"]["trainer_left"] - gen["trainer_left"]
+    assert left == load_shape("qwen3-8b").num_params * 2   # its own base stays beside the pool
+    # the elastic pool maps what is left: smaller by that base
+    assert shared["memory"]["generate"]["kv_pool"] - kept["memory"]["generate"]["kv_pool"] == \
+        pytest.approx(left, rel=0.01)
 
 
 @pytest.mark.parametrize("overlap, elastic", [(True, True), (True, False), (False, False)])

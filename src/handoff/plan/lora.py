@@ -19,14 +19,16 @@ maps the KV pool; the adapters' optimizer state goes to the host and back only w
 memory.optimizer_offload is on; params and reference move nothing.
 
 With a base of the trainer's own (actor.lora.share_base=false: the base held twice, as a TP
-engine needs) the full-parameter actions hold for the trainer, and the engine's two change
-(held_twice_actions): its sleep backs the unchanging base up to pinned host memory (level 1)
-and its wake restores it at the PCIe rate, so the sync copies the adapters only.
+engine needs; BaseCopies says where each copy is) the trainer keeps its frozen base (N x the
+param bytes / its shard), which memory.param_offload moves to the host and back like
+full-parameter params; the engine's sleep backs its unchanging base up to pinned host memory
+(level 1) and the sync restores it at the PCIe rate, then copies the adapters only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from handoff.config import MemoryConfig
 from handoff.errors import HandoffError
@@ -66,6 +68,32 @@ def base_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     return shape.num_params * dtypes.engine_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class BaseCopies:
+    """Where a LoRA run's base is, in bytes per card."""
+
+    shared: bool            # one copy: the engine's weights are the trainer's frozen base
+    trainer: int            # the trainer's base through the update
+    engine: int             # the engine's weights
+    kept_generating: int    # the trainer's own base left on the card while the engine runs
+
+    @classmethod
+    def of(cls, shape: ModelShape, *, shares_base: bool, shard: int, tp: int,
+           param_offload: bool, dtypes: Dtypes = Dtypes()) -> "BaseCopies":
+        if shares_base:
+            whole = base_bytes(shape, dtypes)
+            return cls(shared=True, trainer=whole, engine=whole, kept_generating=0)
+        trainer = math.ceil(shape.num_params * dtypes.param_bytes / shard)
+        return cls(shared=False, trainer=trainer,
+                   engine=engine_weight_bytes(shape, tp, dtypes.engine_bytes),
+                   kept_generating=0 if param_offload else trainer)
+
+    @classmethod
+    def shared_of(cls, shape: ModelShape, dtypes: Dtypes = Dtypes()) -> "BaseCopies":
+        return cls.of(shape, shares_base=True, shard=1, tp=1, param_offload=False,
+                      dtypes=dtypes)
+
+
 def adapter_state_bytes(adapters: int, dtypes: Dtypes) -> dict[str, int]:
     """The trainer's adapter state per card: params, grads, fp32 master + Adam."""
     return {"adapter_params": adapters * dtypes.param_bytes,
@@ -73,28 +101,32 @@ def adapter_state_bytes(adapters: int, dtypes: Dtypes) -> dict[str, int]:
             "adapter_optimizer": adapters * (dtypes.master_bytes + dtypes.optimizer_bytes)}
 
 
-def lora_trainer_left_bytes(adapters: int, memory: MemoryConfig, dtypes: Dtypes) -> int:
-    """Trainer state on the card during generation: the adapters' params, and their
-    optimizer state unless offloaded (grads are freed)."""
+def lora_trainer_left_bytes(adapters: int, memory: MemoryConfig, dtypes: Dtypes,
+                            bases: BaseCopies | None = None) -> int:
+    """Trainer state on the card during generation: the adapters' params, their optimizer
+    state unless offloaded (grads are freed), and a base of its own unless offloaded."""
     state = adapter_state_bytes(adapters, dtypes)
-    return state["adapter_params"] + (0 if memory.optimizer_offload
-                                      else state["adapter_optimizer"])
+    return (state["adapter_params"] + (0 if memory.optimizer_offload
+                                       else state["adapter_optimizer"])
+            + (bases.kept_generating if bases else 0))
 
 
 def lora_memory_by_owner(shape: ModelShape, memory: MemoryConfig, hw: HardwareProfile, *,
-                         adapters: int, kv_pool_bytes: float, dtypes: Dtypes = Dtypes()) -> dict:
-    """Bytes per card per owner in both phases: the base once (`base`, no reference, no
-    trainer copy), the adapters' state, the engine's adapters."""
-    base = base_bytes(shape, dtypes)
+                         adapters: int, kv_pool_bytes: float, dtypes: Dtypes = Dtypes(),
+                         bases: BaseCopies | None = None) -> dict:
+    """Bytes per card per owner in both phases: the base (shared: once, no reference, no
+    trainer copy; held twice: the trainer's through the update, the engine's while it runs,
+    the trainer's too unless offloaded), the adapters' state, the engine's adapters."""
+    bases = bases or BaseCopies.shared_of(shape, dtypes)
     return {
-        "train": {"base": base, **adapter_state_bytes(adapters, dtypes),
+        "train": {"base": bases.trainer, **adapter_state_bytes(adapters, dtypes),
                   "activations": int(hw.train_activation_bytes),
                   "cuda_graph_pool": int(hw.graph_pool_bytes), "resident": int(hw.resident_bytes)},
-        "generate": {"base": base, "engine_adapters": adapters * dtypes.engine_bytes,
+        "generate": {"base": bases.engine, "engine_adapters": adapters * dtypes.engine_bytes,
                      "kv_pool": int(kv_pool_bytes),
                      "activation_peak": int(hw.activation_peak_bytes),
                      "cuda_graph_pool": int(hw.graph_pool_bytes),
-                     "trainer_left": lora_trainer_left_bytes(adapters, memory, dtypes),
+                     "trainer_left": lora_trainer_left_bytes(adapters, memory, dtypes, bases),
                      "resident": int(hw.resident_bytes)},
     }
 
@@ -108,41 +140,20 @@ def adapter_sync_seconds(shape: ModelShape, hw: HardwareProfile, *, rank: int,
                adapter_tensors(shape, targets) * hw.sync_tensor_seconds)
 
 
-def held_twice_actions(actions: list[SwitchAction], shape: ModelShape, hw: HardwareProfile, *,
-                       tp: int, rank: int, targets: list[str] | tuple[str, ...],
-                       dtypes: Dtypes = Dtypes(), h2d_bps: float | None = None
-                       ) -> list[SwitchAction]:
-    """The full-parameter `actions` (plan.ledger.switch_actions) of a LoRA run whose trainer
-    holds its own base: the engine's sleep copies its base to pinned host memory besides
-    unmapping, the sync restores it from there and copies the adapters in place."""
-    weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
-    adapters = adapter_params(shape, rank, targets) * dtypes.engine_bytes
-    gb = weights / GB
-    changed = {
-        "engine_sleep": lambda a: dataclasses.replace(
-            a, direction="D2H", bytes_per_card=weights, link=HOST_LINK,
-            seconds=weights / hw.pinned_pcie_bps + a.seconds,
-            note=f"level 1: the base ({gb:.1f} GB, never changed) to pinned host, KV discarded"),
-        "engine_weights_sync": lambda a: dataclasses.replace(
-            a, direction="H2D", bytes_per_card=weights + adapters, link=HOST_LINK,
-            seconds=weights / (h2d_bps or hw.pinned_pcie_bps) + adapter_sync_seconds(
-                shape, hw, rank=rank, targets=targets, dtypes=dtypes),
-            note="the base restored from pinned host, then the adapters only, in place"),
-    }
-    return [changed[a.name](a) if a.name in changed else a for a in actions]
-
-
 def lora_switch_actions(shape: ModelShape, memory: MemoryConfig, hw: HardwareProfile, *,
                         rank: int, targets: list[str] | tuple[str, ...], kv_pool_bytes: float,
                         dtypes: Dtypes = Dtypes(), grad_offload: bool = False,
-                        elastic_pool: bool = False) -> list[SwitchAction]:
+                        elastic_pool: bool = False, bases: BaseCopies | None = None,
+                        h2d_bps: float | None = None) -> list[SwitchAction]:
     """The nine actions of one LoRA step's two switches, in SWITCH_ACTIONS order (module
     docstring); an elastic pool maps beside the adapters' optimizer copy to the host when
-    plan.order runs it under generation."""
+    plan.order runs it under generation. `bases`: a base held twice (None: shared);
+    `h2d_bps`: the rate that restores the engine's base (None: the profile's PCIe)."""
+    bases = bases or BaseCopies.shared_of(shape, dtypes)
     adapters = adapter_params(shape, rank, targets)
     state = adapter_state_bytes(adapters, dtypes)
     opt = state["adapter_optimizer"] + (state["adapter_grads"] if grad_offload else 0)
-    order = switch_order(memory, ref=False, elastic_pool=elastic_pool, lora=True)
+    order = switch_order(memory, ref=False, elastic_pool=elastic_pool, lora=bases.shared)
     under_generation = {m.action for m in order.behind("generation")}
     pool = max(int(kv_pool_bytes), 0)
     pool = max(pool - (opt if "optimizer_d2h" in under_generation else 0), 0)
@@ -163,7 +174,7 @@ def lora_switch_actions(shape: ModelShape, memory: MemoryConfig, hw: HardwarePro
     kept = f"LoRA: the base ({base_gb:.1f} GB) is the engine's weights, never moved"
     no_ref = "LoRA: the reference is the base with the adapters off, no copy"
     adam = "the adapters' fp32 master + Adam" + (" + grads" if grad_offload else "")
-    return [
+    actions = [
         optimizer("optimizer_d2h", "D2H", adam),
         nothing("params_d2h", "D2H", kept),
         nothing("ref_d2h", "D2H", no_ref),
@@ -180,3 +191,31 @@ def lora_switch_actions(shape: ModelShape, memory: MemoryConfig, hw: HardwarePro
                                                   if memory.overlap else ", before the update")),
         nothing("ref_h2d", "H2D", no_ref),
     ]
+    if bases.shared:
+        return actions
+    # Held twice: the trainer's own base moves as full-parameter params do; the engine's is
+    # backed up to the host at its sleep (level 1) and restored before the adapters' sync.
+    params = bases.trainer + state["adapter_params"]
+    engine_gb = bases.engine / GB
+
+    def trainer_base(name: str, direction: str) -> SwitchAction:
+        if not memory.param_offload:
+            return nothing(name, direction, "off: the trainer's own base stays on the card")
+        return SwitchAction(name, direction, params, HOST_LINK, params / h2d,
+                            "the trainer's own base (frozen) and the adapters")
+
+    changed = {
+        "params_d2h": trainer_base("params_d2h", "D2H"),
+        "params_h2d": trainer_base("params_h2d", "H2D"),
+        "engine_sleep": SwitchAction(
+            "engine_sleep", "D2H", bases.engine, HOST_LINK,
+            bases.engine / h2d + pool / hw.unmap_bps,
+            f"level 1: the engine's base ({engine_gb:.1f} GB, never changed) to pinned host, "
+            "KV discarded"),
+        "engine_weights_sync": SwitchAction(
+            "engine_weights_sync", "H2D", bases.engine + sync_bytes, HOST_LINK,
+            bases.engine / (h2d_bps or h2d)
+            + adapter_sync_seconds(shape, hw, rank=rank, targets=targets, dtypes=dtypes),
+            "the engine's base restored from pinned host, then the adapters only, in place"),
+    }
+    return [changed.get(a.name, a) for a in actions]

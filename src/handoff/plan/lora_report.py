@@ -24,12 +24,12 @@ from handoff.plan.advice import advice_text, find_fitting_lora_plan
 from handoff.plan.compile import choose_compile, compiled_rate, named_device
 from handoff.plan.hardware import hardware_profile
 from handoff.plan.kvpool import kv_pool_bytes, kv_table
-from handoff.plan.ledger import Dtypes, offloaded_bytes_per_card, switch_summary
-from handoff.plan.lora import (adapter_params, adapter_sync_seconds, base_bytes,
+from handoff.plan.ledger import Dtypes, offloaded_bytes_per_card, shard_size, switch_summary
+from handoff.plan.lora import (BaseCopies, adapter_params, adapter_sync_seconds, base_bytes,
                                lora_memory_by_owner, lora_switch_actions)
 from handoff.plan.lora_verdict import (decide_lora, lora_elastic_utilization,
                                        lora_max_safe_utilization, lora_training_peak_bytes)
-from handoff.plan.report import build_plan, kv_and_host, plan_workload, step_time
+from handoff.plan.report import auto_tp, build_plan, kv_and_host, plan_workload, step_time
 from handoff.plan.shapes import load_shape
 from handoff.plan.verdict import TRAIN_PEAK_FRACTION
 
@@ -65,26 +65,30 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
     hw = hardware_profile(cfg.hardware.name, cfg.hardware)
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
     parallel = dataclasses.replace(cfg.parallel)
-    if auto_tp_size:
+    if auto_tp_size and lora.shares_base:
         parallel.tp = 1   # the base shared with the trainer is whole on each card
+    elif auto_tp_size:
+        parallel.tp = auto_tp(shape, hw, parallel.gpus, dtypes)
     memory = cfg.memory
+    bases = BaseCopies.of(shape, shares_base=lora.shares_base, shard=shard_size(parallel),
+                          tp=parallel.tp, param_offload=memory.param_offload, dtypes=dtypes)
     adapters = adapter_params(shape, lora.rank, lora.target_modules)
     elastic = cfg.rollout.kv_pool == "elastic"
-    util = (round(lora_elastic_utilization(adapters, memory, hw, dtypes), 4) if elastic
+    util = (round(lora_elastic_utilization(adapters, memory, hw, dtypes, bases), 4) if elastic
             else cfg.rollout.gpu_memory_utilization)
     workload, assumed = plan_workload(cfg, parallel.gpus, hw)
     engine_adapters = adapters * dtypes.engine_bytes
-    weights = base_bytes(shape, dtypes) + engine_adapters
+    weights = bases.engine + engine_adapters
     pool = kv_pool_bytes(util, hw, weights)
     actions = lora_switch_actions(shape, memory, hw, rank=lora.rank, targets=lora.target_modules,
                                   kv_pool_bytes=pool, dtypes=dtypes,
-                                  grad_offload=grad_offload, elastic_pool=elastic)
+                                  grad_offload=grad_offload, elastic_pool=elastic, bases=bases)
     cards_per_node = min(parallel.gpus, hw.gpus_per_node)
     pinned_per_card = offloaded_bytes_per_card(actions)
     pinned_per_node = cards_per_node * pinned_per_card
     sync_seconds = adapter_sync_seconds(shape, hw, rank=lora.rank, targets=lora.target_modules,
                                         dtypes=dtypes)
-    best = lora_max_safe_utilization(adapters, memory, hw, dtypes)
+    best = lora_max_safe_utilization(adapters, memory, hw, dtypes, bases)
     rows = kv_table(shape, hw, tp=parallel.tp, workload=workload, requested=util,
                     best=best if best > 0 else None, weight_bytes=dtypes.engine_bytes,
                     kv_bytes=dtypes.kv_bytes, extra_weight_bytes=engine_adapters)
@@ -99,7 +103,7 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
                           utilization=util, pinned_per_node=pinned_per_node,
                           sync_seconds=sync_seconds, generation_seconds=req_row.generation_seconds,
                           tail_seconds=req_row.tail_seconds, step_seconds=step["seconds"],
-                          dtypes=dtypes)
+                          dtypes=dtypes, bases=bases)
     full_fits = None
     if advise:
         full = copy.deepcopy(cfg)
@@ -122,9 +126,11 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
                   "active_params": shape.active_params, "layers": shape.num_layers,
                   "experts": shape.num_experts, "kv_bytes_per_token": shape.kv_bytes_per_token},
         "hardware": hw.to_dict(),
-        "layout": {"gpus": parallel.gpus, "shard_size": 1, "tp": parallel.tp,
+        "layout": {"gpus": parallel.gpus, "shard_size": 1 if bases.shared else
+                   shard_size(parallel), "tp": parallel.tp,
                    "tp_auto": auto_tp_size, "cards_per_node": cards_per_node},
-        "offload": {"param": False, "optimizer": memory.optimizer_offload, "grad": grad_offload,
+        "offload": {"param": memory.param_offload and not bases.shared,
+                    "optimizer": memory.optimizer_offload, "grad": grad_offload,
                     "ref": ref, "ref_offload": False},
         "workload": {"prompt_len": workload.prompt_len, "response_len": workload.response_len,
                      "max_response_len": workload.max_response_len,
@@ -133,8 +139,9 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
                      "kv_pool": cfg.rollout.kv_pool, "max_num_seqs": workload.max_num_seqs,
                      "assumed": assumed},
         "memory": {**lora_memory_by_owner(shape, memory, hw, adapters=adapters,
-                                          kv_pool_bytes=pool, dtypes=dtypes),
-                   "train_peak_bytes": lora_training_peak_bytes(shape, adapters, dtypes, hw),
+                                          kv_pool_bytes=pool, dtypes=dtypes, bases=bases),
+                   "train_peak_bytes": lora_training_peak_bytes(shape, adapters, dtypes, hw,
+                                                                bases),
                    "train_peak_limit_bytes": TRAIN_PEAK_FRACTION * hw.hbm_bytes},
         "switch": {**switch_summary(actions, step["seconds"], exposed=exposed),
                    "weight_sync_seconds": sync_seconds},
@@ -147,6 +154,6 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
         "lora": {"rank": lora.rank, "alpha": lora.alpha,
                  "target_modules": list(lora.target_modules),
                  "adapter_params": adapters, "adapter_bytes": engine_adapters,
-                 "base_bytes": base_bytes(shape, dtypes),
+                 "base_bytes": base_bytes(shape, dtypes), "share_base": bases.shared,
                  "full_parameter_fits": full_fits, "advice": advice, "to_fit": to_fit},
     }

@@ -4,12 +4,13 @@
 
 The limits of plan/verdict.py, with the base counted once (plan/lora.py):
 * the training peak is the base (2N, whole, mapped in the engine's region and kept through
-  training) + the adapters' state (16 B per adapter parameter) + the trainer's activations,
-  under TRAIN_PEAK_FRACTION of HBM: the base must fit one card beside them;
+  training; held twice: the trainer's own shard, the engine's on the host) + the adapters'
+  state (16 B per adapter parameter) + the trainer's activations, under TRAIN_PEAK_FRACTION
+  of HBM: the base must fit one card beside them;
 * the engine's budget holds the base, its adapters, the KV pool, its activation peak and
   CUDA graphs: the pool is what they leave;
-* the engine's TP is 1: only then is each card's base whole, the same tensors the trainer's
-  frozen layers view (a TP engine beside a sharded trainer is not planned yet);
+* a shared base needs an engine of TP 1: only then is each card's base whole, the same
+  tensors the trainer's frozen layers view (a TP engine needs the base held twice);
 * pinned host RAM holds the adapters' offloaded optimizer state.
 The fragmentation share is taken of the adapters' state and the activations only: the base is
 mapped once and never freed, so it does not churn the allocator.
@@ -24,7 +25,7 @@ from handoff.plan.hardware import GB, HardwareProfile
 from handoff.plan.kvpool import (Workload, kv_bytes_per_token_per_card, kv_pool_bytes,
                                  kv_shortfall)
 from handoff.plan.ledger import Dtypes
-from handoff.plan.lora import adapter_state_bytes, base_bytes, lora_trainer_left_bytes
+from handoff.plan.lora import BaseCopies, adapter_state_bytes, lora_trainer_left_bytes
 from handoff.plan.shapes import ModelShape
 from handoff.plan.verdict import (FRAGMENTATION_SHARE, HOST_FRACTION, SLOW_SYNC_SECONDS,
                                   TRAIN_PEAK_FRACTION, Verdict, choose_mode)
@@ -40,26 +41,31 @@ def lora_working_set_bytes(adapters: int, dtypes: Dtypes, hw: HardwareProfile) -
 
 
 def lora_training_peak_bytes(shape: ModelShape, adapters: int, dtypes: Dtypes,
-                             hw: HardwareProfile) -> float:
-    """The base once + the adapters' state + the trainer's activations, per card."""
-    return base_bytes(shape, dtypes) + lora_working_set_bytes(adapters, dtypes, hw)
+                             hw: HardwareProfile, bases: BaseCopies | None = None) -> float:
+    """The trainer's base (shared: the base once) + the adapters' state + the trainer's
+    activations, per card."""
+    bases = bases or BaseCopies.shared_of(shape, dtypes)
+    return bases.trainer + lora_working_set_bytes(adapters, dtypes, hw)
 
 
 def lora_max_safe_utilization(adapters: int, memory: MemoryConfig, hw: HardwareProfile,
-                              dtypes: Dtypes = Dtypes()) -> float:
+                              dtypes: Dtypes = Dtypes(), bases: BaseCopies | None = None
+                              ) -> float:
     """Highest gpu_memory_utilization (0.01 grid) beside the resident bytes, the working
     set's fragmentation share and the trainer state kept through generation."""
     frag = FRAGMENTATION_SHARE * lora_working_set_bytes(adapters, dtypes, hw)
     room = (hw.hbm_bytes - hw.resident_bytes - frag
-            - lora_trainer_left_bytes(adapters, memory, dtypes))
+            - lora_trainer_left_bytes(adapters, memory, dtypes, bases))
     return math.floor(room / hw.hbm_bytes * 100 + 1e-9) / 100
 
 
 def lora_elastic_utilization(adapters: int, memory: MemoryConfig, hw: HardwareProfile,
-                             dtypes: Dtypes = Dtypes()) -> float:
+                             dtypes: Dtypes = Dtypes(), bases: BaseCopies | None = None
+                             ) -> float:
     """The share of HBM an elastic pool's engine holds under LoRA (verdict.elastic_utilization
-    with the adapters' state as what the trainer keeps)."""
-    room = hw.hbm_bytes - hw.resident_bytes - lora_trainer_left_bytes(adapters, memory, dtypes)
+    with the adapters' state, and a base of the trainer's own, as what the trainer keeps)."""
+    room = (hw.hbm_bytes - hw.resident_bytes
+            - lora_trainer_left_bytes(adapters, memory, dtypes, bases))
     return room / hw.hbm_bytes
 
 
@@ -67,37 +73,40 @@ def decide_lora(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfi
                 hw: HardwareProfile, *, adapters: int, workload: Workload, utilization: float,
                 pinned_per_node: float, sync_seconds: float, generation_seconds: float | None,
                 tail_seconds: float = 0.0, step_seconds: float | None = None,
-                dtypes: Dtypes = Dtypes()) -> Verdict:
-    """Fits or not under LoRA, the mode, the safe utilization, why (module docstring)."""
+                dtypes: Dtypes = Dtypes(), bases: BaseCopies | None = None) -> Verdict:
+    """Fits or not under LoRA, the mode, the safe utilization, why (module docstring);
+    `bases`: a base held twice (None: shared)."""
+    bases = bases or BaseCopies.shared_of(shape, dtypes)
     reasons: list[str] = []
     fixes: list[str] = []
     if shape.runtime_refusal:
         reasons.append(f"does not fit: {shape.runtime_refusal}")
         fixes.append("runtime")
-    if parallel.tp != 1:
+    if bases.shared and parallel.tp != 1:
         reasons.append(f"does not fit: engine TP {parallel.tp}: LoRA shares the base between "
                        "the engine and the trainer only with an engine of TP 1 (the base whole "
-                       "on each card); pass --tp 1")
+                       "on each card); pass --tp 1, or actor.lora.share_base=false")
         fixes.append("engine TP")
-    base = base_bytes(shape, dtypes)
+    base = bases.trainer
+    which = "the base once" if bases.shared else "the trainer's own base"
     state = sum(adapter_state_bytes(adapters, dtypes).values())
-    peak = lora_training_peak_bytes(shape, adapters, dtypes, hw)
+    peak = lora_training_peak_bytes(shape, adapters, dtypes, hw, bases)
     limit = TRAIN_PEAK_FRACTION * hw.hbm_bytes
     if peak > limit:
-        reasons.append(f"does not fit: the base {_gb(base)} + the adapters' state {_gb(state)} "
+        reasons.append(f"does not fit: {which} {_gb(base)} + the adapters' state {_gb(state)} "
                        f"+ activations {_gb(hw.train_activation_bytes)} > {_gb(limit)} "
                        f"({TRAIN_PEAK_FRACTION:.1%} of HBM): under LoRA the base must fit one "
                        "card beside them")
         fixes.append("training peak")
     else:
-        reasons.append(f"training peak {_gb(peak)} per card (the base once, {_gb(base)}) fits "
+        reasons.append(f"training peak {_gb(peak)} per card ({which}, {_gb(base)}) fits "
                        f"under {_gb(limit)}")
     if pinned_per_node > HOST_FRACTION * hw.host_ram_bytes:
         reasons.append(f"does not fit: {_gb(pinned_per_node)} pinned host RAM per node > half "
                        f"of {_gb(hw.host_ram_bytes)}")
         fixes.append("pinned host RAM")
-    max_util = lora_max_safe_utilization(adapters, memory, hw, dtypes)
-    weights = base + adapters * dtypes.engine_bytes
+    max_util = lora_max_safe_utilization(adapters, memory, hw, dtypes, bases)
+    weights = bases.engine + adapters * dtypes.engine_bytes
     seq = workload.mean_context * kv_bytes_per_token_per_card(shape, parallel.tp,
                                                               dtypes.kv_bytes)
     if max_util <= 0 or kv_pool_bytes(max_util, hw, weights) < seq:
@@ -107,7 +116,9 @@ def decide_lora(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfi
     else:
         reasons.append(f"highest safe gpu_memory_utilization {max_util:.2f}: KV pool "
                        f"{_gb(kv_pool_bytes(max_util, hw, weights))} beside the base "
-                       f"{_gb(base)} and the adapters")
+                       f"{_gb(bases.engine)} and the adapters"
+                       + ("" if bases.shared or not bases.kept_generating else
+                          f" (and the trainer's own base, {_gb(bases.kept_generating)})"))
     shortfall = kv_shortfall(utilization, hw, weights)
     if shortfall is not None:
         reasons.append(f"does not fit: {shortfall}")

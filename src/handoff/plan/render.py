@@ -54,8 +54,11 @@ def header_lines(report: dict) -> list[str]:
         lines.append(f"LoRA rank {lora['rank']} (alpha {lora['alpha']:g}) on "
                      f"{', '.join(lora['target_modules'])}: {lora['adapter_params'] / 1e6:.1f}M "
                      f"adapter params ({_gb(lora['adapter_bytes'])} GB); the base "
-                     f"({_gb(lora['base_bytes'])} GB) held once per card: the engine's weights, "
-                     "the trainer's frozen base and the reference")
+                     f"({_gb(lora['base_bytes'])} GB) "
+                     + ("held once per card: the engine's weights, the trainer's frozen base "
+                        "and the reference" if lora.get("share_base", True) else
+                        "held twice (actor.lora.share_base=false): the trainer's own, and the "
+                        "engine's, backed up to pinned host memory at each sleep"))
     lines += [f"assumed: {a}" for a in wl["assumed"]]
     return lines
 

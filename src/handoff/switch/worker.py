@@ -243,7 +243,8 @@ class HybridWorker:
 
     def _to_train_move(self, record: SwitchRecord, move: Move) -> None:
         if move.action == "engine_sleep":
-            self._timed(record, "engine_sleep", lambda: sleep_engine(self.engine, self.cfg))
+            self._timed(record, "engine_sleep", lambda: sleep_engine(self.engine, self.cfg),
+                        nbytes=self._backed_up_bytes)
             self.clock.flush()
             self.probe("after engine sleep")
         elif move.action == "ref_h2d":   # the ref's forward waits for it
@@ -358,6 +359,13 @@ class HybridWorker:
             self.clock.flush()
             self.engine.wake_up(["weights"])
 
+    def _backed_up_bytes(self) -> int:
+        """What the engine's sleep copies to the host and its wake back: the weights of a LoRA
+        base of the trainer's own (level 1); nothing at level 2 or on a shared base."""
+        if self.actor.lora is None or self.lora_shared:
+            return 0
+        return self.engine.pool.tracked_bytes("weights")
+
     def _sync_weights(self, record: SwitchRecord) -> None:
         """Full-parameter: the engine's weights mapped, then every param sent. LoRA: the
         adapters only, in place (switch/lora.py), after the wake restored a base of the
@@ -424,7 +432,7 @@ class HybridWorker:
         self.probe("before resume weights")
         with expandable_segments(False):
             self._timed(record, "engine_weights_sync", lambda: self._sync_weights(record),
-                        nbytes=lambda: record.sync.bytes)
+                        nbytes=lambda: record.sync.bytes + self._backed_up_bytes())
             self.probe("after update_weights")
             if self.streams_to_host:
                 # Generation starts before the copies: they start under it and land between
