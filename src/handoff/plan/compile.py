@@ -1,7 +1,7 @@
 """Whether compiled decoder layers pay for their compile (`actor.compile=auto`).
 
     choice = choose_compile(cfg, shape, hw, device_type="cuda", warm=False)
-    choice.on, choice.reason          # e.g. off: 4 steps save 8.0 s, the compile costs 31 s
+    choice.on, choice.reason          # e.g. off: 4 steps save 8.0 s, the compile costs 35 s
 
 The compile is paid once per process (torch.compile's first micro-batches, the actor's graph
 with grad and the reference's without); every step after it saves a share of the trainer's
@@ -17,16 +17,19 @@ sequences over parallel.gpus cards, each workload.prompt_len + workload.response
 (the response capped at rollout.max_tokens). A CPU run stays eager: inductor's CPU compile
 takes minutes on a small host and the CPU demo's numbers stay the eager path's.
 
-Where the constants come from (docs/PERF.md, "The trainer's compute", H200, 2026-12-04):
+Where the constants come from (docs/PERF.md, "The trainer's compute", H200):
 * COMPILED_TRAIN_SAVING: `handoff bench train-compute` on the 4B colocated step's shape,
-  packed 7.74 s -> compiled 5.89 s (ref forward + actor forward/backward + optimizer, -24%);
-  in the colocated step `timing_s/train` 9.38 s -> 7.19 s (-23%).
-* COLD_COMPILE_SECONDS: the same colocated run's first step took 41.5 s compiled against 12.9 s
-  eager, and its training ran ~2.2 s faster than eager: ~31 s of compiling (4B, 36 layers of
-  one shape: the layers share one compiled code, so the figure is per layer shape).
-* WARM_COMPILE_SECONDS: NOT measured yet, an estimate (dynamo still traces each process; the
-  FX graph and AOTAutograd caches skip inductor's code generation and Triton's builds).
-  Measure it on the device with a second run of the same config (its step 1 less step 2).
+  packed 7.74 s -> compiled 5.89 s (ref forward + actor forward/backward + optimizer, -24%,
+  2026-12-04); in the colocated step `timing_s/train` 8.70 s -> 6.36-6.45 s (-26%,
+  2026-12-05).
+* COLD_COMPILE_SECONDS: the colocated 4B step compiled with an empty cache (2026-12-05,
+  `scripts/device/4-compile-second-start.sh`): its first step trained for 41.37 s against
+  6.36 s in its second, where the eager run's first and second differ by 0.10 s: 34.9 s of
+  compiling (36 layers of one shape share one compiled code: the figure is per layer shape).
+* WARM_COMPILE_SECONDS: the same config again in a new process with that cache
+  (HANDOFF_CACHE): its first step trained for 15.15 s against 6.45 s: 8.6 s (dynamo still
+  traces; the FX graph and AOTAutograd caches skip inductor's code generation and Triton's
+  builds).
 
 The plan's modelled step trains at the compiled rate when the choice is on (`compiled_rate`:
 the profile's eager train_flops_per_s / (1 - COMPILED_TRAIN_SAVING), 317 -> 417 TFLOP/s on
@@ -44,8 +47,8 @@ from handoff.plan.shapes import ModelShape
 from handoff.plan.trainer import train_seconds
 
 COMPILED_TRAIN_SAVING = 0.24
-COLD_COMPILE_SECONDS = 31.0
-WARM_COMPILE_SECONDS = 8.0
+COLD_COMPILE_SECONDS = 35.0
+WARM_COMPILE_SECONDS = 8.6
 
 
 @dataclass(frozen=True)

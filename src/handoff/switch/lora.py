@@ -8,7 +8,7 @@ trainer's frozen base: its sleep drops the KV only, the sync copies the adapters
 the wake maps the KV. Without (the base held twice: the trainer's own, FSDP-sharded, as a TP
 engine needs) the base still never changes, so the engine's sleep backs it up to pinned host
 memory (level 1, the source's choice for LoRA) and its wake restores it at the PCIe rate:
-the sync copies the adapters only there too (plan/lora.py: held_twice_actions prices it).
+the sync copies the adapters only there too (plan/lora.py: BaseCopies, lora_switch_actions).
 """
 
 from __future__ import annotations
