@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device round 2 (one `run` call, < 10 min): a Qwen3-8B shape with LoRA, the base shared vs
 # held twice (3 steps each, elastic pool; issue 31), then the public workload with the
-# sampler outside the decode graphs, against round 1's inside (issue 32).
+# sampler inside and outside the decode graphs, prefill and decode apart (issue 32: on
+# 2026-12-05 the prefill took 1.13 s inside against 0.49 s outside).
 #   bash scripts/device/2-lora.sh                  (repo root, on the GPU machine; logs in $OUT)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -30,7 +31,11 @@ for share in ("true", "false"):
     step = sorted(r["timing_s/step"] for r in rows[1:])[0]
     print(f"| share_base={share} | {kv:.1f} | {gen:.2f} | {step:.2f} |")
 PY
-timeout 100 python3 -m handoff bench engine --models "" --skip-hf --no-graph-sampling \
-    --out "$OUT/public-outside.json" > "$OUT/public-outside.log" 2>&1
-echo "public workload, sampler outside the graphs: rc=$?"
-python3 scripts/device/summary.py "$OUT/public-outside.json"
+for mode in --graph-sampling --no-graph-sampling; do
+    timeout 90 python3 -m handoff bench engine --models "" --skip-hf $mode \
+        --out "$OUT/public$mode.json" > "$OUT/public$mode.log" 2>&1
+    echo "public workload $mode: rc=$?"
+    python3 -c "import json, sys; p = json.load(open(sys.argv[1]))['public']; print(
+        f\"prefill {p['prefill_s']:.2f} s, {p['ms_per_step']:.2f} ms/step, {p['tokens_per_s']:.0f} tok/s\")" \
+        "$OUT/public$mode.json"
+done
