@@ -93,6 +93,11 @@ def test_benchmark_lengths_and_rates_from_an_earlier_run(model_dir, tmp_path, mo
     assert rows[0]["engine/kv_blocks"] > 0 and rows[0]["engine/peak_running"] > 0
     assert rows[0]["engine/decode_steps"] == 5   # the longest sample: 6 tokens, one by prefill
     assert rows[0]["prompt_length"] > 0
+    # the decode against its HBM floor: what it read at the least over the measured copy rate
+    floor = rows[0]["engine/decode_read_bytes"] / summary["rates"]["d2d_bps"]
+    assert rows[0]["engine/decode_over_floor"] == pytest.approx(rows[0]["engine/decode_s"] / floor)
+    assert summary["decode_over_floor"] == rows[0]["engine/decode_over_floor"]
+    assert "its HBM floor" in (tmp_path / "a" / "summary.md").read_text()
     monkeypatch.setattr(startup, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
     second = Run(_cfg(model_dir, tmp_path / "b", "run.steps=1", "run.checkpoint=false",
                       f"run.rates_file={tmp_path / 'a' / 'summary.json'}"))

@@ -113,11 +113,13 @@ class HostTimes:
 
 
 def step_row(step: int, scored: Scored, update: dict[str, float], gen: Generation,
-             switch: SwitchRecord, times: StepTimes, host: HostTimes, *, world: int) -> dict:
+             switch: SwitchRecord, times: StepTimes, host: HostTimes, *, world: int,
+             copy_bps: float = 0.0) -> dict:
     """The step's metrics row: rewards and lengths averaged over every rank; the engine's
     numbers (`gen.engine`: its stats after the step's generation, this step's share of its
-    counters), `times` (the worker's clock) and train_tokens (the prompt + response tokens
-    trained on) are this rank's."""
+    counters; its decode against its HBM floor, what it read at the least over the card's
+    copy rate `copy_bps`, when measured), `times` (the worker's clock) and train_tokens (the
+    prompt + response tokens trained on) are this rank's."""
     reward_mean, reward_std, _ = mean_over_ranks(scored.rewards)
     length_mean, _, _ = mean_over_ranks([float(x) for x in scored.lengths])
     tokens, _, _ = mean_over_ranks([float(sum(scored.lengths))])
@@ -149,9 +151,13 @@ def step_row(step: int, scored: Scored, update: dict[str, float], gen: Generatio
         "engine/decode_steps": engine["decode_steps"],
         "engine/decode_s": engine["decode_seconds"],
         "engine/prefill_s": engine["prefill_seconds"],
+        "engine/decode_read_bytes": engine["decode_read_bytes"],
         # Allocations that flushed torch's cache (a device sync each): the step ran short.
         "memory/alloc_retries": times.alloc_retries,
     }
+    if copy_bps and engine["decode_read_bytes"]:
+        row["engine/decode_over_floor"] = engine["decode_seconds"] / (
+            engine["decode_read_bytes"] / copy_bps)
     if sync.verified_buckets:   # sync.verify: every bucket's checksum matched on both sides
         row["sync/verified_buckets"] = sync.verified_buckets
     if sync.measured_peak_extra_bytes is not None:
@@ -297,7 +303,8 @@ class Run:
         n = self.cfg.rollout.n
         order = sorted(range(len(scored.rewards)), key=lambda i: (i % n, i))
         self.samples = [(*scored.texts[i], scored.rewards[i]) for i in order]
-        row = step_row(step, scored, update, gen, switch, times, host, world=self.world)
+        row = step_row(step, scored, update, gen, switch, times, host, world=self.world,
+                       copy_bps=self.rates.get("d2d_bps", 0.0))
         if self.compiled:
             row["actor/compiles"] = compiles_so_far() - compiles
             if row["actor/compiles"]:   # the next run of this shape is priced warm

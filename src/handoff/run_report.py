@@ -197,6 +197,9 @@ class RunReport:
             "planned_exposed_seconds": sum(exposure.values()) + host_s + flush_s + queue_s,
             "exposed_seconds": median("switch/exposed_s"), "raw_seconds": median("switch/raw_s"),
             "lora": _lora_text(self.cfg),
+            "decode_seconds": median("engine/decode_s"),
+            "decode_over_floor": (median("engine/decode_over_floor")
+                                  if any("engine/decode_over_floor" in r for r in rows) else None),
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
         }
@@ -323,6 +326,9 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
                if "exposed_seconds" in s else "")
     lines += ["", f"Switch: {s['switch_seconds']:.3f} s of a {s['step_seconds']:.3f} s step "
                   f"({_share(s)}){exposed}.",
+              *([f"Decode: {s['decode_seconds']:.3f} s a step, {s['decode_over_floor']:.2f}x its "
+                 "HBM floor (the weights read once a decode step and every running sequence's "
+                 "K/V once, at the device copy rate)."] if s.get("decode_over_floor") else []),
               f"Mean reward: {s['reward_first']:.3f} over the first quarter of steps, "
               f"{s['reward_last']:.3f} over the last.", ""]
     if "compile" in s:   # runs before actor.compile=auto have none

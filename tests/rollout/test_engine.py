@@ -284,3 +284,25 @@ def test_profiling_forward_without_cache_equals_the_paged_prefill(qwen3_dir, ref
     assert torch.allclose(paged, fresh, atol=1e-5)
     for seq in seqs:
         engine.blocks.free_seq(seq)
+
+
+def test_the_decode_counts_what_it_reads_at_the_least(qwen3_dir, ref):
+    """decode_read_bytes: the weights once a decode step, every running sequence's K/V once
+    (its prompt and what it generated so far): the bench's HBM floor, counted by the engine."""
+    from handoff.bench.engine import public_floor_s
+
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    prompts, lengths = [[1, 2, 3], [4, 5, 6, 7, 8], [9]], [4, 2, 6]
+    before = engine.stats()
+    engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                              for n in lengths])
+    after = engine.stats()
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert steps == max(lengths) - 1   # the first token of each comes from its prefill
+    kv_token = after["kv_block_bytes"] // after["block_size"]
+    read = after["decode_read_bytes"] - before["decode_read_bytes"]
+    assert read == public_floor_s([len(p) for p in prompts], lengths, decode_steps=steps,
+                                  weight_bytes=engine.decode_weight_bytes,
+                                  kv_bytes_per_token=kv_token, bytes_per_s=1)
+    params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert 0 < engine.decode_weight_bytes <= params

@@ -59,15 +59,6 @@ PUBLIC_A800_TOKENS_PER_S = 10_000  # a comparable engine's published figure (A80
 H200_OVER_A800_BANDWIDTH = 2.4
 
 
-def decode_weight_bytes(model) -> int:
-    """Weight bytes one decode step reads: all, but an untied embedding only by B rows (0)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
-        emb = model.model.embed_tokens.weight
-        total -= emb.numel() * emb.element_size()
-    return total
-
-
 def floor_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, prompt_len: int,
              new_tokens: int, bytes_per_s: float) -> float:
     """HBM floor of the mean decode step (decode step j reads prompt_len + j tokens of K/V)."""
@@ -209,7 +200,7 @@ def engine_decode(path: Path, batches: list[int], *, prompt_len: int, new_tokens
     vocab = engine.spec.vocab_size
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.generate(rng.integers(0, vocab, (min(4, max(batches)), prompt_len)).tolist(), warm)
-    weights = decode_weight_bytes(engine.model)
+    weights = engine.decode_weight_bytes
     kv_token = engine.runner.kv_block_bytes() // engine.blocks.block_size
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     rows = []
@@ -265,7 +256,7 @@ def public_workload(path: Path, *, num_seqs: int, lengths: tuple[int, int],
     produced = sum(len(s.token_ids) for o in run.pop("outputs") for s in o.outputs)
     assert produced == int(output_lens.sum()), (produced, int(output_lens.sum()))
     floor = public_floor_s(prompt_lens, output_lens, decode_steps=run["decode_steps"],
-                           weight_bytes=decode_weight_bytes(engine.model),
+                           weight_bytes=engine.decode_weight_bytes,
                            kv_bytes_per_token=engine.runner.kv_block_bytes()
                            // engine.blocks.block_size, bytes_per_s=bytes_per_s)
     decode_s = run["ms_per_step"] * run["decode_steps"] / 1e3

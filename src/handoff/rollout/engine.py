@@ -23,6 +23,7 @@ gathered in full, so all ranks sample the same tokens and return the same output
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import time
@@ -264,6 +265,16 @@ class Engine(EngineKVPool, EngineSleepWake, EngineLora):
                                f"loaded again ({len(self._missing_weights)} missing): call "
                                "load_weights with the full model before generate")
 
+    @functools.cached_property
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: all of this rank's, but an untied embedding
+        (a lookup of one row per sequence, 0 here)."""
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.model.lm_head is not None:
+            emb = self.model.model.embed_tokens.weight
+            total -= emb.numel() * emb.element_size()
+        return total
+
     def stats(self) -> dict:
         b = self.blocks
         steps = max(self._counters["decode_steps"], 1)
@@ -279,6 +290,11 @@ class Engine(EngineKVPool, EngineSleepWake, EngineLora):
             "graph_reserve_bytes": self.graph_reserve_bytes, **self.runner.stats(),
             "decode_seconds": self._decode_seconds,
             "decode_wait_seconds": self._decode_wait_seconds,
+            # What the decode steps read at the least: the weights each step, every running
+            # sequence's K/V once (its HBM floor is this over the card's copy rate).
+            "decode_read_bytes": (self._counters["decode_steps"] * self.decode_weight_bytes
+                                  + self.runner.decode_kv_tokens
+                                  * (self.runner.kv_block_bytes() // b.block_size)),
             "prefill_seconds": self._prefill_seconds,
             # Decode step wall time, and the part of it the host spends not waiting for the
             # device (scheduling, inputs, launches, postprocess).

@@ -78,6 +78,7 @@ class ModelRunner:
         self.gemm_seconds: dict[int, dict[str, float]] = {}
         self.packed_prefill = packed_prefill_available(device, self.dtype)
         self.kv_storage: torch.Tensor | None = None  # [2, layers, N, S, K, D]
+        self.decode_kv_tokens = 0   # K/V tokens read by every decode step so far
         self.kv_scales: torch.Tensor | None = None   # [2, layers] fp32, fp8 only
         self.kv: KVCache | None = None
         self.tables: np.ndarray | None = None  # the block manager's [rows, M] array
@@ -304,6 +305,8 @@ class ModelRunner:
         rows = bucket(num, self.sizes) if self.pad_decode else num
         assert rows is not None, (num, self.sizes)
         table_rows, lens = decode_rows(seqs)
+        # K/V tokens this step's attention reads (the HBM floor's share: engine.stats)
+        self.decode_kv_tokens += int(lens.sum()) + num * ahead
         width = self.inputs.fill(table_rows, lens + ahead, self.tables, rows)
         self.inputs.fill_sampling(batch, rows)
         self.inputs.upload(rows)

@@ -55,7 +55,8 @@ PROBES_TO_TRAIN = ("after generate", "after engine sleep", "after params onload"
 PROBES_TO_ROLLOUT = ("after update", "before resume weights", "after update_weights",
                      "after params offload", "after resume kv_cache")
 # Engine counters a step reports as its own share (stats() gives them since start).
-ENGINE_COUNTERS = ("preemptions", "decode_steps", "decode_seconds", "prefill_seconds")
+ENGINE_COUNTERS = ("preemptions", "decode_steps", "decode_seconds", "prefill_seconds",
+                   "decode_read_bytes")
 
 
 @dataclass
