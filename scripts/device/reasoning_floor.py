@@ -6,7 +6,8 @@ The calibrated plan prices a decode step with the engine's measured step floor a
 per-sequence cost (the sweep's "planned"); the HBM floor prices it as its bytes alone, the
 weights and every running sequence's KV read once at the copy rate this run measured
 (d2d_bps), no launches, no sampler, no host. Both simulate this run's response lengths step
-by step (plan.kvpool.decode_timeline) at the KV pool the run mapped.
+by step (plan.kvpool.decode_timeline) at the pool of rollout.gpu_memory_utilization (0.5 when
+unset, as under rollout.kv_pool=elastic): the reasoning workload's pool never binds there.
 """
 
 import dataclasses

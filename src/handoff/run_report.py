@@ -84,7 +84,8 @@ def planned_exposure(plan: RunPlan, hw: HardwareProfile, planned: dict[str, dict
         {a: p["seconds"] for a, p in planned.items()}, cfg.memory, plan.shape, train_tokens,
         hw, ref=plan.ref,
         updates_per_step=cfg.actor.updates_per_step, generation_seconds=generation_seconds,
-        elastic_pool=plan.elastic_pool, lora=cfg.actor.lora.shares_base)[1]
+        elastic_pool=plan.elastic_pool, lora=cfg.actor.lora.rank > 0,
+        lora_order=cfg.actor.lora.shares_base)[1]
 
 
 class RunReport:
@@ -198,8 +199,7 @@ class RunReport:
             "exposed_seconds": median("switch/exposed_s"), "raw_seconds": median("switch/raw_s"),
             "lora": _lora_text(self.cfg),
             "decode_seconds": median("engine/decode_s"),
-            "decode_over_floor": (median("engine/decode_over_floor")
-                                  if any("engine/decode_over_floor" in r for r in rows) else None),
+            "decode_over_floor": _median_of(rows, "engine/decode_over_floor"),
             "reward_first": statistics.mean(r["reward_mean"] for r in self.rows[:k]) if self.rows else None,
             "reward_last": statistics.mean(r["reward_mean"] for r in self.rows[-k:]) if self.rows else None,
         }
@@ -213,6 +213,12 @@ class RunReport:
                 replace_file(self.out_dir / name, data, self.out_dir)
         console.print(summary_table(summary))
         return summary
+
+
+def _median_of(rows: list[dict], key: str) -> float | None:
+    """The median of `key` over the rows that have it (None: none has)."""
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
 
 
 def _lora_text(cfg) -> str | None:

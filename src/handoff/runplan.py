@@ -11,7 +11,6 @@ report and the checkpoint sizing, which used to rebuild them each on its own.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from handoff import compile_cache
@@ -19,7 +18,7 @@ from handoff.config import ActorConfig, Config
 from handoff.plan.compile import CompileChoice, choose_compile, named_device
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.ledger import Dtypes, shard_size
-from handoff.plan.lora import adapter_params, adapter_state_bytes, base_bytes
+from handoff.plan.lora import BaseCopies, adapter_params, adapter_state_bytes
 from handoff.plan.order import SwitchOrder, switch_order
 from handoff.plan.shapes import ModelShape, load_shape
 from handoff.plan.trainer import MicroBatchChoice, full_train_state_bytes, pick_micro_batch
@@ -100,13 +99,14 @@ class RunPlan:
         """The trainer state a card holds through the update. Full-parameter: 16N/n. LoRA:
         the frozen base (whole when it is the engine's weights, else the trainer's own shard)
         and the adapters' params, grads, fp32 master + Adam."""
-        lora = self.cfg.actor.lora
+        cfg, lora = self.cfg, self.cfg.actor.lora
         if not lora.rank:
             return full_train_state_bytes(self.shape, self.dtypes, self.shard)
-        base = (base_bytes(self.shape, self.dtypes) if lora.shares_base
-                else math.ceil(self.shape.num_params * self.dtypes.param_bytes / self.shard))
+        bases = BaseCopies.of(self.shape, shares_base=lora.shares_base, shard=self.shard,
+                              tp=cfg.parallel.tp, param_offload=cfg.memory.param_offload,
+                              dtypes=self.dtypes)
         adapters = adapter_params(self.shape, lora.rank, lora.target_modules)
-        return base + sum(adapter_state_bytes(adapters, self.dtypes).values())
+        return bases.trainer + sum(adapter_state_bytes(adapters, self.dtypes).values())
 
     def checkpoint_param_bytes(self) -> int:
         """Bytes per parameter a checkpoint holds: the params in the model's dtype, the fp32

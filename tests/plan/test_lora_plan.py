@@ -105,13 +105,26 @@ def test_a_base_held_twice_is_backed_up_and_restored_and_only_the_adapters_synce
     weights = engine_weight_bytes(shape, 1, 2)
     adapters = adapter_params(shape, 16, LORA_TARGETS)
     assert held["engine_sleep"].bytes_per_card == weights   # level 1: the base to the host
-    assert held["engine_sleep"].seconds == pytest.approx(
-        weights / hw.pinned_pcie_bps + shared["engine_sleep"].seconds)
+    # the pool maps beside neither the optimizer nor the params copy here (fixed pool)
+    assert held["kv_cache_wake"].bytes_per_card == shared["kv_cache_wake"].bytes_per_card
+    assert held["engine_sleep"].seconds == pytest.approx(   # the copy, then the base unmapped
+        weights / hw.pinned_pcie_bps + weights / hw.unmap_bps + shared["engine_sleep"].seconds)
     assert held["engine_weights_sync"].bytes_per_card == weights + 2 * adapters
     assert held["engine_weights_sync"].seconds == pytest.approx(
-        weights / hw.pinned_pcie_bps + adapter_sync_seconds(shape, hw, rank=16,
-                                                            targets=LORA_TARGETS,
-                                                            dtypes=Dtypes()))
+        weights / hw.map_bps + weights / hw.pinned_pcie_bps + adapter_sync_seconds(
+            shape, hw, rank=16, targets=LORA_TARGETS, dtypes=Dtypes()))
+    # the measured H2D rate, where given, prices what comes back
+    measured = {a.name: a for a in lora_switch_actions(shape, MemoryConfig(), hw, bases=bases,
+                                                       h2d_bps=hw.pinned_pcie_bps / 2, **kw)}
+    assert measured["params_h2d"].seconds == pytest.approx(2 * held["params_h2d"].seconds)
+    assert measured["params_d2h"].seconds == held["params_d2h"].seconds
+    # an elastic pool under overlap maps at its wake beside the params' copy to the host
+    elastic = {a.name: a for a in lora_switch_actions(shape, MemoryConfig(), hw, bases=bases,
+                                                      elastic_pool=True, **kw)}
+    shared_elastic = {a.name: a for a in lora_switch_actions(shape, MemoryConfig(), hw,
+                                                             elastic_pool=True, **kw)}
+    assert shared_elastic["kv_cache_wake"].bytes_per_card - elastic["kv_cache_wake"].bytes_per_card \
+        == held["params_d2h"].bytes_per_card
     # memory.param_offload moves the trainer's own frozen base (bf16) and the adapters
     for name in ("params_d2h", "params_h2d"):
         assert held[name].bytes_per_card == shape.num_params * 2 + 2 * adapters

@@ -64,6 +64,7 @@ def test_the_timing_sleep_outlasts_the_host_queueing_the_step():
     assert sleep_cycles(0.0) == sleep_cycles(0.001) == _SLEEP_CYCLES
     assert sleep_cycles(0.050) == 200_000_000
     assert sleep_cycles(0.100) == 2 * sleep_cycles(0.050)
+    assert sleep_cycles(10.0) == sleep_cycles(1.0) < 2 * sleep_cycles(0.2)   # capped
 
 
 def test_the_default_is_cublas_and_auto_is_asked_for():

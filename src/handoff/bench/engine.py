@@ -263,7 +263,7 @@ def public_workload(path: Path, *, num_seqs: int, lengths: tuple[int, int],
     result = {"num_seqs": num_seqs, "lengths": [lo, hi], "temperature": 0.6,
               "prompt_tokens": int(prompt_lens.sum()), "output_tokens": produced, **run,
               "tokens_per_s": produced / run["wall_s"], "decode_floor_s": floor,
-              "decode_over_floor": decode_s / floor, **_engine_facts(engine)}
+              "decode_over_floor": decode_s / floor if floor else None, **_engine_facts(engine)}
     engine.sleep(2)
     del engine
     free(device)
@@ -433,9 +433,10 @@ def render(result: dict, console) -> None:
             f"public workload ({pub['model']}, {pub['num_seqs']} seqs, lengths U{pub['lengths']}, "
             f"T={pub['temperature']}): {pub['output_tokens']} tokens in {pub['wall_s']:.2f} s = "
             f"[bold]{pub['tokens_per_s']:.0f} tok/s[/] ({pub['decode_steps']} decode steps, "
-            f"{pub['ms_per_step']:.2f} ms/step, host {pub['host_ms_per_step']:.2f} ms; decode "
-            f"{pub['decode_over_floor']:.2f}x its HBM floor of {pub['decode_floor_s']:.2f} s, "
-            f"prefill {pub['prefill_s']:.2f} s); "
+            f"{pub['ms_per_step']:.2f} ms/step, host {pub['host_ms_per_step']:.2f} ms; "
+            + (f"decode {pub['decode_over_floor']:.2f}x its HBM floor of "
+               f"{pub['decode_floor_s']:.2f} s, " if pub.get("decode_over_floor") else "")
+            + f"prefill {pub['prefill_s']:.2f} s); "
             f"reference ~{PUBLIC_A800_TOKENS_PER_S} tok/s on an A800 x "
             f"{H200_OVER_A800_BANDWIDTH} bandwidth = {pub['h200_scaled_reference_tokens_per_s']:.0f}",
             highlight=False, soft_wrap=True)

@@ -5,9 +5,10 @@
     actions = lora_switch_actions(shape, memory, hw, rank=16, targets=..., kv_pool_bytes=pool)
 
 Under LoRA the base never changes, so one set of tensors per card is the engine's weights, the
-trainer's frozen base and the reference (the actor with its adapters disabled): the base is
-counted once, whole on each card (2N: an engine of TP 1), in the engine's weights region, and
-is never offloaded, synced or copied for a reference. What trains is the adapters: a targeted
+trainer's frozen base and the reference (the actor with its adapters disabled): with
+actor.lora.share_base (the default) the base is counted once, whole on each card (2N: an
+engine of TP 1), in the engine's weights region, and is never offloaded, synced or copied for
+a reference (held twice: the last paragraph). What trains is the adapters: a targeted
 Linear of in x out gets A (rank x in) and B (out x rank), rank x (in + out) parameters, on
 every decoder layer. Each card holds the adapters whole (data-parallel replicas reduce their
 grads): bf16 params and grads and fp32 master + Adam, 16 B per adapter parameter; the engine
@@ -155,8 +156,14 @@ def lora_switch_actions(shape: ModelShape, memory: MemoryConfig, hw: HardwarePro
     opt = state["adapter_optimizer"] + (state["adapter_grads"] if grad_offload else 0)
     order = switch_order(memory, ref=False, elastic_pool=elastic_pool, lora=bases.shared)
     under_generation = {m.action for m in order.behind("generation")}
+    # Held twice, memory.param_offload moves the trainer's own base and the adapters.
+    params = (0 if bases.shared or not memory.param_offload
+              else bases.trainer + state["adapter_params"])
     pool = max(int(kv_pool_bytes), 0)
-    pool = max(pool - (opt if "optimizer_d2h" in under_generation else 0), 0)
+    # An elastic pool maps at its wake what the copies to the host under generation still
+    # hold back (they free their memory as they land).
+    pool = max(pool - (opt if "optimizer_d2h" in under_generation else 0)
+               - (params if "params_d2h" in under_generation else 0), 0)
     sync_bytes = adapters * dtypes.engine_bytes
     base_gb = base_bytes(shape, dtypes) / GB
     kv_seconds = pool / hw.map_bps + (pool / hw.d2d_bps if dtypes.kv_bytes == 1 else 0.0)
@@ -195,27 +202,28 @@ def lora_switch_actions(shape: ModelShape, memory: MemoryConfig, hw: HardwarePro
         return actions
     # Held twice: the trainer's own base moves as full-parameter params do; the engine's is
     # backed up to the host at its sleep (level 1) and restored before the adapters' sync.
-    params = bases.trainer + state["adapter_params"]
     engine_gb = bases.engine / GB
+    back = h2d_bps or h2d
 
-    def trainer_base(name: str, direction: str) -> SwitchAction:
-        if not memory.param_offload:
+    def trainer_base(name: str, direction: str, bps: float) -> SwitchAction:
+        if not params:
             return nothing(name, direction, "off: the trainer's own base stays on the card")
-        return SwitchAction(name, direction, params, HOST_LINK, params / h2d,
+        return SwitchAction(name, direction, params, HOST_LINK, params / bps,
                             "the trainer's own base (frozen) and the adapters")
 
     changed = {
-        "params_d2h": trainer_base("params_d2h", "D2H"),
-        "params_h2d": trainer_base("params_h2d", "H2D"),
+        "params_d2h": trainer_base("params_d2h", "D2H", h2d),
+        "params_h2d": trainer_base("params_h2d", "H2D", back),
         "engine_sleep": SwitchAction(
             "engine_sleep", "D2H", bases.engine, HOST_LINK,
-            bases.engine / h2d + pool / hw.unmap_bps,
-            f"level 1: the engine's base ({engine_gb:.1f} GB, never changed) to pinned host, "
-            "KV discarded"),
+            bases.engine / h2d + (bases.engine + pool) / hw.unmap_bps,
+            f"level 1: the engine's base ({engine_gb:.1f} GB, never changed) to pinned host "
+            "and unmapped, KV discarded"),
         "engine_weights_sync": SwitchAction(
             "engine_weights_sync", "H2D", bases.engine + sync_bytes, HOST_LINK,
-            bases.engine / (h2d_bps or h2d)
+            bases.engine / hw.map_bps + bases.engine / back
             + adapter_sync_seconds(shape, hw, rank=rank, targets=targets, dtypes=dtypes),
-            "the engine's base restored from pinned host, then the adapters only, in place"),
+            "the engine's base mapped and restored from pinned host, then the adapters "
+            "only, in place"),
     }
     return [changed.get(a.name, a) for a in actions]

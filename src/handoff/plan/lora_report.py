@@ -98,7 +98,8 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
     step, exposed = step_time(shape, compiled_rate(hw, compiled), workload, actions,
                               req_row.generation_seconds, memory=memory, elastic_pool=elastic,
                               given=cfg.workload.step_seconds, ref=ref,
-                              updates_per_step=cfg.actor.updates_per_step, lora=True)
+                              updates_per_step=cfg.actor.updates_per_step, lora=True,
+                              lora_order=bases.shared)
     verdict = decide_lora(shape, parallel, memory, hw, adapters=adapters, workload=workload,
                           utilization=util, pinned_per_node=pinned_per_node,
                           sync_seconds=sync_seconds, generation_seconds=req_row.generation_seconds,

@@ -2,7 +2,9 @@
 
     v = decide_lora(shape, parallel, memory, hw, adapters=n, workload=wl, utilization=0.5, ...)
 
-The limits of plan/verdict.py, with the base counted once (plan/lora.py):
+The limits of plan/verdict.py, with the base counted once (plan/lora.py; held twice,
+share_base=false: the trainer's own in the update, the engine's while it generates, both in
+BaseCopies):
 * the training peak is the base (2N, whole, mapped in the engine's region and kept through
   training; held twice: the trainer's own shard, the engine's on the host) + the adapters'
   state (16 B per adapter parameter) + the trainer's activations, under TRAIN_PEAK_FRACTION
@@ -11,7 +13,8 @@ The limits of plan/verdict.py, with the base counted once (plan/lora.py):
   CUDA graphs: the pool is what they leave;
 * a shared base needs an engine of TP 1: only then is each card's base whole, the same
   tensors the trainer's frozen layers view (a TP engine needs the base held twice);
-* pinned host RAM holds the adapters' offloaded optimizer state.
+* pinned host RAM holds the adapters' offloaded optimizer state (held twice: and the engine's
+  base, backed up at each sleep, and the trainer's under memory.param_offload).
 The fragmentation share is taken of the adapters' state and the activations only: the base is
 mapped once and never freed, so it does not churn the allocator.
 """

@@ -57,19 +57,21 @@ def auto_tp(shape: ModelShape, hw: HardwareProfile, gpus: int, dtypes: Dtypes) -
 def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
               actions: list[SwitchAction], generation_seconds: float | None, *,
               memory: MemoryConfig, elastic_pool: bool, given: float | None, ref: bool,
-              updates_per_step: int, lora: bool = False) -> tuple[dict, dict]:
+              updates_per_step: int, lora: bool = False,
+              lora_order: bool | None = None) -> tuple[dict, dict]:
     """The step's seconds and each switch action's exposed seconds. The step: the given one,
     else generation + the switch's exposed seconds + the trainer's compute (plan.trainer:
     model FLOPs of the card's prompt + response tokens / train_flops_per_s, the compiled
     rate when actor.compile resolves on: plan.compile.compiled_rate); with
     memory.overlap the copies back hide behind its forwards before the update
-    (plan.ledger.exposed_seconds); `lora`: a frozen base's compute and LoRA's switch order."""
+    (plan.ledger.exposed_seconds); `lora`: a frozen base's compute, and LoRA's switch order
+    unless `lora_order` says otherwise (exposed_behind_compute)."""
     responses = workload.tokens_per_card / workload.response_len
     tokens = workload.tokens_per_card + responses * workload.prompt_len
     train_s, exposed = exposed_behind_compute(
         {a.name: a.seconds for a in actions}, memory, shape, tokens, hw, ref=ref,
         updates_per_step=updates_per_step, generation_seconds=generation_seconds,
-        elastic_pool=elastic_pool, lora=lora)
+        elastic_pool=elastic_pool, lora=lora, lora_order=lora_order)
     switch_s = sum(exposed.values())
     modelled = (generation_seconds + switch_s + train_s
                 if generation_seconds is not None else None)

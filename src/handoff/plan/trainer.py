@@ -76,18 +76,21 @@ def forward_seconds(shape: ModelShape, tokens: float, hw: HardwareProfile) -> fl
 def exposed_behind_compute(seconds: dict[str, float], memory: MemoryConfig, shape: ModelShape,
                            tokens: float, hw: HardwareProfile, *, ref: bool,
                            updates_per_step: int, generation_seconds: float | None,
-                           elastic_pool: bool, lora: bool = False
-                           ) -> tuple[float, dict[str, float]]:
+                           elastic_pool: bool, lora: bool = False,
+                           lora_order: bool | None = None) -> tuple[float, dict[str, float]]:
     """(The trainer's compute seconds over `tokens`, each switch action's exposed seconds
     behind that compute and generation: plan.ledger.exposed_seconds with this module's
-    forward and compute times.) The plan and a run's report price a step with it."""
+    forward and compute times.) The plan and a run's report price a step with it. `lora`:
+    a frozen base's compute; `lora_order`: plan.order's LoRA moves (default `lora`; a base
+    held twice computes as LoRA but moves in the full-parameter order)."""
     train_s = train_seconds(shape, tokens, hw, ref=ref, old_logprobs=updates_per_step > 1,
                             lora=lora)
     return train_s, exposed_seconds(seconds, memory, compute_seconds=train_s,
                                     forward_seconds=forward_seconds(shape, tokens, hw),
                                     generation_seconds=generation_seconds,
                                     elastic_pool=elastic_pool, ref=ref,
-                                    updates_per_step=updates_per_step, lora=lora)
+                                    updates_per_step=updates_per_step,
+                                    lora=lora if lora_order is None else lora_order)
 
 
 def _intermediate(shape: ModelShape) -> int:

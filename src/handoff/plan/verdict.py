@@ -41,6 +41,7 @@ from handoff.plan.kvpool import (Workload, engine_weight_bytes, kv_bytes_per_tok
                                  kv_pool_bytes, kv_shortfall)
 from handoff.plan.ledger import Dtypes, shard_size, trainer_bytes
 from handoff.plan.shapes import ModelShape
+from handoff.plan.trainer import full_train_state_bytes
 
 TRAIN_PEAK_FRACTION = 0.875
 HOST_FRACTION = 0.5
@@ -72,8 +73,7 @@ class Verdict:
 def training_peak_bytes(shape: ModelShape, shard: int, dtypes: Dtypes,
                         hw: HardwareProfile) -> float:
     """16N/n (params, grads, master, Adam) + the trainer's activations, per card."""
-    state = math.ceil(shape.num_params * dtypes.train_state_bytes / shard)
-    return state + hw.train_activation_bytes
+    return full_train_state_bytes(shape, dtypes, shard) + hw.train_activation_bytes
 
 
 def min_training_cards(shape: ModelShape, dtypes: Dtypes, hw: HardwareProfile) -> int:

@@ -79,19 +79,26 @@ def choose_libraries(sizes: Sequence[int], time_step: Callable[[int, str], float
     return choice, seconds
 
 
+_MAX_SLEEP_CYCLES = 1_000_000_000          # ~0.5 s: a warm-up's one-off setup is not a step
+
+
 def sleep_cycles(host_seconds: float) -> int:
     """GPU cycles of a sleep that outlasts the host queueing a step of `host_seconds` twice
-    over (at least _SLEEP_CYCLES)."""
-    return max(_SLEEP_CYCLES, int(2 * host_seconds * _CYCLES_PER_SECOND))
+    over (at least _SLEEP_CYCLES, at most _MAX_SLEEP_CYCLES)."""
+    return min(max(_SLEEP_CYCLES, int(2 * host_seconds * _CYCLES_PER_SECOND)),
+               _MAX_SLEEP_CYCLES)
 
 
 def gpu_seconds(fn: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
     """Device seconds of the kernels `fn` launches (the least of `repeats`, after one warm-up
     run): a sleep kernel keeps the GPU busy while the host queues them, so the host's launch
     gaps are not counted (a small model's eager step is launch-bound; its graph is not). The
-    sleep is sized from the warm-up's host time: a fixed 20 ms did not cover an eager 4B step
-    on the device's slow host (2026-12-05: 5.3 ms timed against 2.9 ms of kernels)."""
+    sleep is sized from the host time of a second warm-up run (the first may build kernels):
+    a fixed 20 ms did not cover an eager 4B step on the device's slow host (2026-12-05: 5.3
+    ms timed against 2.9 ms of kernels)."""
     with torch.cuda.device(device):   # the sleep and the events on the step's own device
+        fn()   # the warm-up: one-off setup (kernel builds, workspaces) happens here
+        torch.cuda.synchronize(device)
         queued = time.perf_counter()
         fn()
         queued = time.perf_counter() - queued
