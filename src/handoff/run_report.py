@@ -61,9 +61,7 @@ def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,
                                  updates_per_step=cfg.actor.updates_per_step)
     else:   # the base never changes: the KV's sleep and wake, the adapters' sync (and a base
         # held twice backed up and restored)
-        bases = BaseCopies.of(plan.shape, shares_base=lora.shares_base, shard=plan.shard,
-                              tp=cfg.parallel.tp, param_offload=cfg.memory.param_offload,
-                              dtypes=plan.dtypes)
+        bases = BaseCopies.of_run(plan.shape, lora, cfg.memory, cfg.parallel, plan.dtypes)
         actions = lora_switch_actions(plan.shape, cfg.memory, hw,
                                       rank=lora.rank, targets=lora.target_modules,
                                       kv_pool_bytes=kv_pool_bytes, dtypes=plan.dtypes,

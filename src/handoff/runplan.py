@@ -102,9 +102,7 @@ class RunPlan:
         cfg, lora = self.cfg, self.cfg.actor.lora
         if not lora.rank:
             return full_train_state_bytes(self.shape, self.dtypes, self.shard)
-        bases = BaseCopies.of(self.shape, shares_base=lora.shares_base, shard=self.shard,
-                              tp=cfg.parallel.tp, param_offload=cfg.memory.param_offload,
-                              dtypes=self.dtypes)
+        bases = BaseCopies.of_run(self.shape, lora, cfg.memory, cfg.parallel, self.dtypes)
         adapters = adapter_params(self.shape, lora.rank, lora.target_modules)
         return bases.trainer + sum(adapter_state_bytes(adapters, self.dtypes).values())
 

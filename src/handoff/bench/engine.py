@@ -34,9 +34,9 @@ graphs capture its GEMMs), in the same run, and each row sets its step time besi
 with the ratio (the goal: within 10%).
 Then the workload public engines publish: a Qwen3-0.6B shape, 256 sequences with prompt and
 output lengths uniform in [100, 1024], EOS ignored, temperature 0.6: output tokens / wall time
-of one generate call after a warm-up call, against its own HBM floor (public_floor_s: every
-decode step reads the weights, every sequence's step reads its whole context's K/V, at the
-copy rate; the prefill not counted).
+of one generate call after a warm-up call, against its own HBM floor (the engine's
+decode_read_bytes: every decode step reads the weights, every sequence's step its whole
+context's K/V; at the copy rate; the prefill not counted).
 """
 
 from __future__ import annotations
@@ -64,18 +64,6 @@ def floor_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, prompt_len:
     """HBM floor of the mean decode step (decode step j reads prompt_len + j tokens of K/V)."""
     mean_context = prompt_len + new_tokens / 2
     return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bytes_per_s
-
-
-def public_floor_s(prompt_lens, output_lens, *, decode_steps: int, weight_bytes: int,
-                   kv_bytes_per_token: int, bytes_per_s: float) -> float:
-    """HBM floor of a generate call's decode: `decode_steps` reads of the weights, and each
-    sequence's decode steps j = 1 .. L-1 (its first token comes from the prefill) reading
-    P + j tokens of K/V, at `bytes_per_s`."""
-    kv_tokens = 0
-    for p, n in zip(prompt_lens, output_lens):
-        steps = int(n) - 1
-        kv_tokens += steps * int(p) + steps * (steps + 1) // 2
-    return (decode_steps * weight_bytes + kv_tokens * kv_bytes_per_token) / bytes_per_s
 
 
 def roofline_ms(weight_bytes: int, weight_itemsize: int, kv_bytes_per_token: int, batch: int,
@@ -108,9 +96,10 @@ def profiled_step_floor(kernels: dict, context_lens, weight_bytes: int, kv_bytes
     """The profiled replay is the LAST staged step, whose contexts are the run's longest
     (prompt + new tokens), not the mean the step's floor uses: its own floor (weights + the
     K/V of its staged context lengths, at the copy rate) and its attention's read rate."""
-    kv_bytes = int(sum(int(n) for n in context_lens)) * kv_bytes_per_token
+    context = sum(int(n) for n in context_lens)
+    kv_bytes = context * kv_bytes_per_token
     floor = 1e3 * (weight_bytes + kv_bytes) / bytes_per_s
-    return {"profiled_context_mean": float(sum(int(n) for n in context_lens)) / len(context_lens),
+    return {"profiled_context_mean": context / len(context_lens),
             "profiled_floor_ms": floor, "kernel_over_floor": kernels["kernel_ms"] / floor,
             "attention_bytes_per_s": (kv_bytes / (kernels["attention_ms"] * 1e-3)
                                       if kernels.get("attention_ms") else None)}
@@ -162,11 +151,12 @@ def _timed_generate(engine, prompts, params) -> dict:
     after = engine.stats()
     steps = after["decode_steps"] - before["decode_steps"]
     seconds = after["decode_seconds"] - before["decode_seconds"]
+    read = after["decode_read_bytes"] - before["decode_read_bytes"]
     wait = after["decode_wait_seconds"] - before["decode_wait_seconds"]
     return {"outputs": outs, "wall_s": wall, "decode_steps": steps,
             "prefill_steps": after["prefill_steps"] - before["prefill_steps"],
             "prefill_s": after["prefill_seconds"] - before["prefill_seconds"],
-            "ms_per_step": 1e3 * seconds / max(steps, 1),
+            "ms_per_step": 1e3 * seconds / max(steps, 1), "decode_read_bytes": read,
             "host_ms_per_step": 1e3 * (seconds - wait) / max(steps, 1)}
 
 
@@ -255,10 +245,7 @@ def public_workload(path: Path, *, num_seqs: int, lengths: tuple[int, int],
     run = _timed_generate(engine, prompts, params)
     produced = sum(len(s.token_ids) for o in run.pop("outputs") for s in o.outputs)
     assert produced == int(output_lens.sum()), (produced, int(output_lens.sum()))
-    floor = public_floor_s(prompt_lens, output_lens, decode_steps=run["decode_steps"],
-                           weight_bytes=engine.decode_weight_bytes,
-                           kv_bytes_per_token=engine.runner.kv_block_bytes()
-                           // engine.blocks.block_size, bytes_per_s=bytes_per_s)
+    floor = run["decode_read_bytes"] / bytes_per_s
     decode_s = run["ms_per_step"] * run["decode_steps"] / 1e3
     result = {"num_seqs": num_seqs, "lengths": [lo, hi], "temperature": 0.6,
               "prompt_tokens": int(prompt_lens.sum()), "output_tokens": produced, **run,

@@ -31,11 +31,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from handoff.config import MemoryConfig
+from handoff.config import LoraConfig, MemoryConfig, ParallelConfig
 from handoff.errors import HandoffError
 from handoff.plan.hardware import GB, HardwareProfile
 from handoff.plan.kvpool import engine_weight_bytes
-from handoff.plan.ledger import HOST_LINK, Dtypes, SwitchAction
+from handoff.plan.ledger import HOST_LINK, Dtypes, SwitchAction, shard_size
 from handoff.plan.order import switch_order
 from handoff.plan.shapes import ModelShape
 
@@ -88,6 +88,13 @@ class BaseCopies:
         return cls(shared=False, trainer=trainer,
                    engine=engine_weight_bytes(shape, tp, dtypes.engine_bytes),
                    kept_generating=0 if param_offload else trainer)
+
+    @classmethod
+    def of_run(cls, shape: ModelShape, lora: LoraConfig, memory: MemoryConfig,
+               parallel: ParallelConfig, dtypes: Dtypes = Dtypes()) -> "BaseCopies":
+        """The copies of a run's config (actor.lora, memory, parallel)."""
+        return cls.of(shape, shares_base=lora.shares_base, shard=shard_size(parallel),
+                      tp=parallel.tp, param_offload=memory.param_offload, dtypes=dtypes)
 
     @classmethod
     def shared_of(cls, shape: ModelShape, dtypes: Dtypes = Dtypes()) -> "BaseCopies":

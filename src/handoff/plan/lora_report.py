@@ -70,8 +70,7 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
     elif auto_tp_size:
         parallel.tp = auto_tp(shape, hw, parallel.gpus, dtypes)
     memory = cfg.memory
-    bases = BaseCopies.of(shape, shares_base=lora.shares_base, shard=shard_size(parallel),
-                          tp=parallel.tp, param_offload=memory.param_offload, dtypes=dtypes)
+    bases = BaseCopies.of_run(shape, lora, memory, parallel, dtypes)
     adapters = adapter_params(shape, lora.rank, lora.target_modules)
     elastic = cfg.rollout.kv_pool == "elastic"
     util = (round(lora_elastic_utilization(adapters, memory, hw, dtypes, bases), 4) if elastic

@@ -339,7 +339,6 @@ class ModelRunner:
         one-kernel draw (sampled, no truncation, CUDA) has no such temporaries: one launch."""
         with blas_library(self.gemm_by_size.get(rows)):
             logits_BV = self.model.compute_logits(hidden_RE[:rows])
-        # The one-kernel draw keeps no [rows, V] temporaries: all rows in one launch.
         one_kernel = mode == "sample" and fused_draw_applies(logits_BV, truncate=False)
         chunk = rows if one_kernel else _SAMPLER_ROWS
         for lo in range(0, rows, chunk):
