@@ -1,4 +1,4 @@
-"""One table from `handoff bench engine` JSON files: step, floors, prefill, GEMM library.
+"""One table from `handoff bench engine` JSON files: step, floors, prefill, GEMM backend.
 
     python3 scripts/device/summary.py engine-a.json engine-b.json
 """
@@ -27,4 +27,7 @@ for path in sys.argv[1:]:
     pub = result.get("public")
     if pub:
         print(f"public workload ({path.rsplit('/', 1)[-1]}): {pub['tokens_per_s']:.0f} tok/s, "
-              f"{pub['ms_per_step']:.2f} ms/step, host {pub['host_ms_per_step']:.2f} ms")
+              f"{pub['ms_per_step']:.2f} ms/step, host {pub['host_ms_per_step']:.2f} ms, "
+              f"prefill {pub['prefill_s']:.2f} s (first of its shapes "
+              f"{pub.get('first_prefill_s', float('nan')):.2f} s), decode "
+              f"{pub.get('decode_over_floor') or float('nan'):.2f}x its floor")

@@ -52,6 +52,10 @@ def test_tiny_run_on_cpu(tmp_path):
     assert pub["decode_floor_s"] == pytest.approx(pub["decode_read_bytes"]
                                                   / result["copy_bytes_per_s"])
     assert pub["decode_floor_s"] > 0 and pub["decode_over_floor"] > 0
+    # The prefills ran once before, apart, and their cached prefixes were then forgotten:
+    # the timed run prefills every prompt token again.
+    assert pub["first_prefill_s"] > 0 and pub["prefill_steps"] >= 1
+    assert pub["prefix_cache_hits"] == 0
     out = io.StringIO()
     from rich.console import Console
 

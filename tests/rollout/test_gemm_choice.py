@@ -1,4 +1,4 @@
-"""rollout.decode_gemm: the BLAS library of each ladder size's decode step, chosen by timing
+"""rollout.decode_gemm: the GEMM backend of each ladder size's decode step, chosen by timing
 (here with a stand-in timer: the device's is measured by `handoff bench engine`)."""
 
 from __future__ import annotations
@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handoff.rollout.gemm_choice import (_SLEEP_CYCLES, TIE_MARGIN, blas_library,
-                                         choose_libraries, sleep_cycles)
+from handoff.rollout.gemm_choice import (_SLEEP_CYCLES, SKINNY_MAX_ROWS, TIE_MARGIN,
+                                         backends_for, choose_backends, gemm_backend,
+                                         skinny_gemm_on, sleep_cycles)
+
+TWO = lambda size: ("cublas", "cublaslt")  # noqa: E731  (the two BLAS libraries alone)
 
 
 def test_each_size_takes_the_faster_library_and_a_near_tie_keeps_the_default():
@@ -20,7 +23,7 @@ def test_each_size_takes_the_faster_library_and_a_near_tie_keeps_the_default():
         calls.append((size, library))
         return ms[size][library]
 
-    choice, seconds = choose_libraries([1, 32, 256], time_step)
+    choice, seconds = choose_backends([1, 32, 256], time_step, TWO)
     assert choice == {1: "cublaslt", 32: "cublas", 256: "cublas"}
     assert seconds == ms and calls == [(b, lib) for b in (1, 32, 256)
                                        for lib in ("cublas", "cublaslt")]
@@ -33,10 +36,10 @@ def test_a_library_that_fails_at_a_size_is_left_out_there():
         return 1.0 if library == "cublas" else 2.0
 
     with pytest.warns(UserWarning, match="through cublas failed at batch 8"):
-        choice, seconds = choose_libraries([4, 8], time_step)
+        choice, seconds = choose_backends([4, 8], time_step, TWO)
     assert choice == {4: "cublas", 8: "cublaslt"} and seconds[8] == {"cublaslt": 2.0}
     with pytest.raises(RuntimeError, match="batch 4"), pytest.warns(UserWarning):
-        choose_libraries([4], lambda size, library: (_ for _ in ()).throw(RuntimeError("no")))
+        choose_backends([4], lambda size, library: (_ for _ in ()).throw(RuntimeError("no")))
 
 
 def test_out_of_memory_is_not_taken_for_a_library_that_cannot_run():
@@ -44,18 +47,56 @@ def test_out_of_memory_is_not_taken_for_a_library_that_cannot_run():
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     with pytest.raises(torch.OutOfMemoryError):
-        choose_libraries([1], time_step)
+        choose_backends([1], time_step)
 
 
-def test_the_preference_is_set_inside_and_restored_after_also_on_an_error():
+def test_the_triton_kernel_is_timed_only_where_it_serves_and_kept_when_faster():
+    """At <= SKINNY_MAX_ROWS rows three backends are timed; above, the skinny kernel would
+    leave the step to cuBLAS, so only the two libraries are."""
+    assert backends_for(1) == backends_for(SKINNY_MAX_ROWS) == ("cublas", "cublaslt", "triton")
+    assert backends_for(SKINNY_MAX_ROWS + 1) == ("cublas", "cublaslt")
+    calls = []
+
+    def time_step(size, backend):
+        calls.append((size, backend))
+        return {"cublas": 1.0, "cublaslt": 1.0, "triton": 0.7}[backend]
+
+    choice, seconds = choose_backends([1, 16, 32], time_step)
+    assert choice == {1: "triton", 16: "triton", 32: "cublas"}
+    assert [b for s, b in calls if s == 32] == ["cublas", "cublaslt"]
+    assert set(seconds[16]) == {"cublas", "cublaslt", "triton"}
+
+
+def test_a_kernel_that_does_not_build_is_left_out_like_a_library():
+    class KernelBuildError(Exception):   # Triton's compile errors are not RuntimeErrors
+        pass
+
+    def time_step(size, backend):
+        if backend == "triton":
+            raise KernelBuildError("out of resource: shared memory")
+        return 1.0
+
+    with pytest.warns(UserWarning, match="through triton failed at batch 1"):
+        choice, seconds = choose_backends([1], time_step)
+    assert choice == {1: "cublas"} and set(seconds[1]) == {"cublas", "cublaslt"}
+
+
+def test_the_switches_are_set_inside_and_restored_after_also_on_an_error():
     before = torch.backends.cuda.preferred_blas_library()
-    with blas_library(None):
-        assert torch.backends.cuda.preferred_blas_library() == before
+    with gemm_backend(None):
+        assert torch.backends.cuda.preferred_blas_library() == before and not skinny_gemm_on()
     with pytest.raises(ValueError):
-        with blas_library("cublas"):
+        with gemm_backend("cublas"):
             assert str(torch.backends.cuda.preferred_blas_library()).endswith("Cublas")
             raise ValueError("inside")
     assert torch.backends.cuda.preferred_blas_library() == before
+    with gemm_backend("triton"):   # the skinny kernel, cuBLAS for whatever it does not serve
+        assert skinny_gemm_on()
+        assert str(torch.backends.cuda.preferred_blas_library()).endswith("Cublas")
+        with gemm_backend("cublas"):
+            assert not skinny_gemm_on()
+        assert skinny_gemm_on()
+    assert not skinny_gemm_on() and torch.backends.cuda.preferred_blas_library() == before
 
 
 def test_the_timing_sleep_outlasts_the_host_queueing_the_step():
@@ -72,6 +113,7 @@ def test_the_default_is_cublas_and_auto_is_asked_for():
 
     assert load_config(None, []).rollout.decode_gemm == "cublas"
     assert load_config(None, ["rollout.decode_gemm=auto"]).rollout.decode_gemm == "auto"
+    assert load_config(None, ["rollout.decode_gemm=triton"]).rollout.decode_gemm == "triton"
 
 
 def test_a_cpu_engine_chooses_nothing(qwen3_dir, ref):

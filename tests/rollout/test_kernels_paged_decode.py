@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 from paged_attention_oracles import check, flex_paged_decode, make_case, reference, run_kernel
-from triton_interpreter import results_under_interpreter
+from triton_interpreter import fix_interpreter_loop_bounds, results_under_interpreter
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -34,25 +34,9 @@ INTERP_CASES = {
 }
 
 
-def _fix_interpreter_loop_bounds() -> None:
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns a run-time loop
-    bound into an int with int(array), which numpy >= 2.4 refuses; read the element instead."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__",
-                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def _interpreter_main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _fix_interpreter_loop_bounds()
+    fix_interpreter_loop_bounds()
     results = {}
     for i, (name, (B, K, G, D, bs, ctx, kw, fp8)) in enumerate(INTERP_CASES.items()):
         kw = {"config": {"tile": 16}, **kw}

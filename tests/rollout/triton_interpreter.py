@@ -23,3 +23,19 @@ def results_under_interpreter(script: str) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULTS "):])
+
+
+def fix_interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns a run-time loop
+    bound into an int with int(array), which numpy >= 2.4 refuses; read the element instead."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched

@@ -90,6 +90,10 @@ class MemoryConfig:
         "prices it at the copy engines' rate)"))
 
 
+# rollout.decode_gemm's answers (rollout/gemm_choice.py says what each runs).
+DECODE_GEMMS = ("cublas", "cublaslt", "triton", "auto")
+
+
 @dataclass
 class RolloutConfig:
     gpu_memory_utilization: float = F(0.5, help="share of HBM the engine may use (kv_pool="
@@ -106,9 +110,11 @@ class RolloutConfig:
     graph_sampling: bool = F(True, help=(
         "the LM head and the sampler inside the decode graphs, so a decode step is two "
         "replays (with cuda_graphs; false: they run eagerly after the model's graph)"))
-    decode_gemm: str = F("cublas", choices=("cublas", "cublaslt", "auto"), help=(
-        "the BLAS library of the decode step's matrix products (CUDA): cublas, PyTorch's "
-        "default; auto times both at each batch size at start (~5 s) and keeps the faster"))
+    decode_gemm: str = F("cublas", choices=DECODE_GEMMS, help=(
+        "the decode step's matrix products (CUDA): cublas, PyTorch's default; cublaslt; "
+        "triton, our one-kernel product for batches of <= 16 (LoRA's shrink in the same "
+        "launch), cuBLAS above; auto times each at each batch size at start and keeps the "
+        "fastest"))
     readback_by_kernel: bool = F(True, help=(
         "each step's tokens and log-probs go to the host by a kernel, not the copy engines, "
         "where they would wait behind the trainer's state going to the host under generation "

@@ -1,20 +1,24 @@
-"""Which BLAS library runs a decode step's matrix products, chosen per ladder size at start.
+"""Which GEMMs run a decode step's matrix products, chosen per ladder size at start.
 
-    with blas_library("cublaslt"):
+    with gemm_backend("cublaslt"):
         ...                                      # every GEMM launched here goes through cuBLASLt
-    choice, ms = choose_libraries(sizes, time_step)   # {size: library}, {size: {library: ms}}
+    choice, ms = choose_backends(sizes, time_step)    # {size: backend}, {size: {backend: ms}}
 
 A decode step's GEMMs are skinny (M = the batch, 1-256 rows) and read every weight once: the
 HBM floor is the weights' bytes. cuBLAS's heuristics pick, per (M, N, K), kernels that add a
 split-K reduction at small M; profiled in the decode graphs (2026-12-04) they reached 60-72%
-of the bandwidth. cuBLASLt has its own heuristics and kernels for the same shapes. Neither is better everywhere,
-so `rollout.decode_gemm=auto` times one whole decode step (the model, the LM head, the
-sampler) at each ladder size under each library and captures that size's graphs under the
-faster one; the default is cuBLAS: on an H200 (2026-12-05, Qwen3-1.7B shape) the two took
-the same device time within 0.3% at every size from 1 to 256 rows, and auto costs the
-engine's start about 5 s. The choice is PyTorch's own switch
-(`torch.backends.cuda.preferred_blas_library`), set around the decode step only and restored
-after, so the trainer's GEMMs keep the default. CUDA only: a CPU run has nothing to choose.
+of the bandwidth. cuBLASLt has its own heuristics and kernels for the same shapes; "triton"
+is our one-kernel skinny product (kernels/skinny.py) for steps of at most SKINNY_MAX_ROWS
+rows, which also computes a LoRA slot's shrink in the same launch (cuBLAS for the rest of
+such a step, and for every larger one). None is better everywhere, so
+`rollout.decode_gemm=auto` times one whole decode step (the model, the LM head, the sampler)
+at each ladder size under each backend that serves it and captures that size's graphs under
+the fastest; the default is cuBLAS: on an H200 (2026-12-05, Qwen3-1.7B shape) cuBLAS and
+cuBLASLt took the same device time within 0.3% at every size from 1 to 256 rows, and auto
+costs the engine's start about 5 s. cuBLAS or cuBLASLt is PyTorch's own switch
+(`torch.backends.cuda.preferred_blas_library`); both it and the Triton switch are set around
+the decode step only and restored after, so the trainer's GEMMs keep the default. CUDA only:
+a CPU run has nothing to choose.
 """
 
 from __future__ import annotations
@@ -27,52 +31,70 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-BLAS_LIBRARIES = ("cublas", "cublaslt")   # the first is PyTorch's default: kept on a tie
-TIE_MARGIN = 0.02                          # another library must be 2% faster to be chosen
+GEMM_BACKENDS = ("cublas", "cublaslt", "triton")   # the first is PyTorch's default: kept on a tie
+SKINNY_MAX_ROWS = 16                       # the Triton skinny product's most rows
+TIE_MARGIN = 0.02                          # another backend must be 2% faster to be chosen
 _SLEEP_CYCLES = 40_000_000                 # ~20 ms of a GPU busy while the host queues a step
 _CYCLES_PER_SECOND = 2.0e9                 # above any data-center card's clock: sleeps long
-# A CUDA error that poisons the context is not one library's failure (torch >= 2.8 names it).
+# A CUDA error that poisons the context is not one backend's failure (torch >= 2.8 names it).
 _STICKY = getattr(torch, "AcceleratorError", ())
+_skinny_on = False                         # set by gemm_backend("triton"), read by ops.linear
+
+
+def skinny_gemm_on() -> bool:
+    """Whether GEMMs launched now take the Triton skinny product where it applies."""
+    return _skinny_on
 
 
 @contextlib.contextmanager
-def blas_library(name: str | None) -> Iterator[None]:
-    """GEMMs launched inside run through `name` ("cublas" or "cublaslt"; None: unchanged);
-    the previous preference is restored after, also on an error."""
+def gemm_backend(name: str | None) -> Iterator[None]:
+    """GEMMs launched inside run through `name` ("cublas", "cublaslt", or "triton": the skinny
+    kernel for products of <= SKINNY_MAX_ROWS rows, cuBLAS for the rest; None: unchanged);
+    the previous setting is restored after, also on an error."""
+    global _skinny_on
     if name is None:
         yield
         return
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
+    before, skinny_before = torch.backends.cuda.preferred_blas_library(), _skinny_on
+    torch.backends.cuda.preferred_blas_library("cublas" if name == "triton" else name)
+    _skinny_on = name == "triton"
     try:
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(before)
+        _skinny_on = skinny_before
 
 
-def choose_libraries(sizes: Sequence[int], time_step: Callable[[int, str], float],
-                     libraries: Sequence[str] = BLAS_LIBRARIES
-                     ) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
-    """({size: the fastest library}, {size: {library: seconds}}) from `time_step(size,
-    library)`. A library whose step raises is left out at that size; the first library is kept
-    unless another is TIE_MARGIN faster (timing noise does not flip a choice)."""
+def backends_for(size: int) -> tuple[str, ...]:
+    """The backends a decode step of `size` rows can differ under (Triton only up to
+    SKINNY_MAX_ROWS: above it the step would be cuBLAS's again)."""
+    return GEMM_BACKENDS if size <= SKINNY_MAX_ROWS else GEMM_BACKENDS[:2]
+
+
+def choose_backends(sizes: Sequence[int], time_step: Callable[[int, str], float],
+                    backends: Callable[[int], Sequence[str]] = backends_for
+                    ) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
+    """({size: the fastest backend}, {size: {backend: seconds}}) from `time_step(size,
+    backend)` over `backends(size)`. A backend whose step raises is left out at that size; the
+    first is kept unless another is TIE_MARGIN faster (timing noise does not flip a choice)."""
     choice, seconds = {}, {}
     for size in sizes:
         times = {}
-        for library in libraries:
+        candidates = backends(size)
+        for backend in candidates:
             try:
-                times[library] = time_step(size, library)
+                times[backend] = time_step(size, backend)
             except (torch.OutOfMemoryError, _STICKY):
                 raise
-            except RuntimeError as e:
+            except Exception as e:   # a library's refusal, a Triton kernel that did not build
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                warnings.warn(f"decode GEMMs through {library} failed at batch {size} ({first}): "
-                              "that size uses the other library", stacklevel=2)
+                warnings.warn(f"decode GEMMs through {backend} failed at batch {size} ({first}): "
+                              "that size uses another backend", stacklevel=2)
                 continue
         if not times:
-            raise RuntimeError(f"no BLAS library ran the decode step of batch {size}")
+            raise RuntimeError(f"no GEMM backend ran the decode step of batch {size}")
         best = min(times, key=times.get)
-        default = libraries[0]
+        default = candidates[0]
         if default in times and times[best] > (1 - TIE_MARGIN) * times[default]:
             best = default
         choice[size], seconds[size] = best, times

@@ -132,8 +132,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
     def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
-        y_TF = F.linear(x_TE, self.weight, self.bias)
-        return y_TF if self.lora is None else self.lora.add_to(y_TF, x_TE)
+        return ops.linear(x_TE, self.weight, self.bias, self.lora)
 
 
 class RowParallelLinear(nn.Module):
@@ -150,11 +149,10 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
-    def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
-        y_TF = F.linear(x_TE, self.weight)
-        if self.lora is not None:  # this rank's partial delta, summed by the all-reduce
-            y_TF = self.lora.add_to(y_TF, x_TE)
-        y_TF = self.tp.all_reduce_(y_TF)
+    def forward(self, x_TE: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
+        """`gated`: x is the MLP's [gate | up], the input SiLU(gate) * up (ops.linear)."""
+        # With an adapter, this rank's partial delta: the all-reduce sums them.
+        y_TF = self.tp.all_reduce_(ops.linear(x_TE, self.weight, None, self.lora, gated=gated))
         return y_TF if self.bias is None else y_TF + self.bias
 
 
@@ -180,7 +178,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden_BE: torch.Tensor) -> torch.Tensor:
         """Full logits [B, V] on every rank: local rows, gathered, padding dropped."""
-        logits_BV = self.tp.gather_last(F.linear(hidden_BE, self.weight))
+        logits_BV = self.tp.gather_last(ops.linear(hidden_BE, self.weight))
         return logits_BV if logits_BV.shape[-1] == self.vocab_size else logits_BV[:, :self.vocab_size]
 
 

@@ -62,7 +62,11 @@ class LoraSlot:
     def add_to(self, y_TF: torch.Tensor, x_TE: torch.Tensor) -> torch.Tensor:
         """y += (x A^T) B^T in place (y is the fresh output of the base GEMM): two GEMMs, the
         add in the second one's epilogue."""
-        return y_TF.addmm_(F.linear(x_TE, self.A), self.B.t())
+        return self.expand_into(y_TF, F.linear(x_TE, self.A))
+
+    def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:
+        """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows)."""
+        return y_TF.addmm_(t_TR, self.B.t())
 
 
 class LoraAdapters:

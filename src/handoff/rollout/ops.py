@@ -1,8 +1,10 @@
-"""The elementwise ops between a decoder layer's matrix products, in one place.
+"""A decoder layer's ops in one place: its linears, and the elementwise ops between them.
 
-Each op has the plain-torch reference (any device, any dtype) and, for bf16/fp16 tensors on
-CUDA, one fused Triton kernel (kernels/fused.py) that rounds where the reference rounds.
-HANDOFF_FUSED=0 in the environment forces the reference everywhere (A/B benches).
+Each elementwise op has the plain-torch reference (any device, any dtype) and, for bf16/fp16
+tensors on CUDA, one fused Triton kernel (kernels/fused.py) that rounds where the reference
+rounds. A linear is cuBLAS's, or under rollout.decode_gemm's "triton" (gemm_choice.py) a
+decode step's skinny product in the Triton kernel (kernels/skinny.py). HANDOFF_FUSED=0 in the
+environment forces the reference everywhere (A/B benches).
 
 Shape legend: T = tokens, E = hidden size, H = query heads, K = KV heads, D = head dim,
 I = intermediate size, L = RoPE table positions.
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from handoff.rollout.attention import AttnMeta, store_kv
+from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS, skinny_gemm_on
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,6 +36,24 @@ def _fused_available() -> bool:
 def use_fused(x: torch.Tensor) -> bool:
     """Whether `x` takes the fused kernels: CUDA, half precision, triton importable."""
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _fused_available()
+
+
+def linear(x_TE: torch.Tensor, weight_FE: torch.Tensor, bias_F: torch.Tensor | None = None,
+           lora=None, *, gated: bool = False) -> torch.Tensor:
+    """x W^T + b, plus a LoRA slot's delta (rollout/lora.py); `gated`: x is the MLP's
+    [gate | up] and the input is silu_mul(x). Under gemm_backend("triton") a product of
+    <= SKINNY_MAX_ROWS rows (CUDA, half precision) is the Triton skinny kernel: the slot's
+    shrink x A^T as more rows of the same launch, the SiLU made as x is read."""
+    if skinny_gemm_on() and x_TE.shape[0] <= SKINNY_MAX_ROWS and use_fused(x_TE):
+        from handoff.rollout.kernels.skinny import skinny_linear
+
+        y_TF, t_TR = skinny_linear(x_TE, weight_FE, bias_F, None if lora is None else lora.A,
+                                   gated=gated)
+        return y_TF if lora is None else lora.expand_into(y_TF, t_TR)
+    if gated:
+        x_TE = silu_mul(x_TE)
+    y_TF = F.linear(x_TE, weight_FE, bias_F)
+    return y_TF if lora is None else lora.add_to(y_TF, x_TE)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -31,7 +31,7 @@ from handoff.memory.allocator import expandable_segments
 from handoff.memory.host_copy import results_to_host, upload
 from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefill,
                                        packed_prefill_available, select_decode_backend)
-from handoff.rollout.gemm_choice import blas_library, choose_libraries, gpu_seconds
+from handoff.rollout.gemm_choice import choose_backends, gemm_backend, gpu_seconds
 from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
 from handoff.rollout.models.qwen3 import CausalLM
 from handoff.rollout.sampling import (SamplerRows, SamplingBatch, draw, fused_draw_applies,
@@ -70,7 +70,7 @@ class ModelRunner:
         # Not under TP yet: the head's all_gather in a graph has no test on a card.
         single = model.tp.size == 1
         self.sample_in_graph = self.use_graphs and bool(graph_sampling) and single
-        # The BLAS library of each ladder size's decode step (gemm_choice.py): padded CUDA
+        # The GEMM backend of each ladder size's decode step (gemm_choice.py): padded CUDA
         # decode only; "auto" times them at bind_tables (one process: TP ranks timing on
         # their own could choose apart and fall out of step, so TP keeps cuBLAS).
         self.decode_gemm = decode_gemm if single or decode_gemm != "auto" else "cublas"
@@ -191,21 +191,21 @@ class ModelRunner:
                 self.graphs.capture(steps, self.device)
 
     def _choose_gemm_libraries(self) -> None:
-        """Each ladder size's BLAS library: the one named by decode_gemm, or with "auto" the
-        faster whole decode step (device time, gemm_choice.gpu_seconds)."""
+        """Each ladder size's GEMM backend: the one named by decode_gemm, or with "auto" the
+        fastest whole decode step (device time, gemm_choice.gpu_seconds)."""
         if self.decode_gemm != "auto":
             self.gemm_by_size = dict.fromkeys(self.sizes, self.decode_gemm)
             return
 
-        def time_step(rows: int, library: str) -> float:
+        def time_step(rows: int, backend: str) -> float:
             def step() -> None:
-                with blas_library(library):
+                with gemm_backend(backend):
                     self._sample_step(self._forward_decode(rows, self.inputs.max_blocks),
                                       rows, "sample")
             return gpu_seconds(step, self.device)
 
         with torch.inference_mode():
-            self.gemm_by_size, self.gemm_seconds = choose_libraries(self.sizes, time_step)
+            self.gemm_by_size, self.gemm_seconds = choose_backends(self.sizes, time_step)
         torch.cuda.empty_cache()   # what the timed steps cached: nothing stays reserved
 
     def stats(self) -> dict:
@@ -317,7 +317,7 @@ class ModelRunner:
         else:
             # Padded decode runs at the graphs' full table width: the same shapes, same numbers.
             full = self.inputs.max_blocks if self.pad_decode else width
-            with blas_library(self.gemm_by_size.get(rows)):
+            with gemm_backend(self.gemm_by_size.get(rows)):
                 hidden_BE = self._forward_decode(rows, full)
         if self.sample_in_graph:
             self.graphs.replay(rows, mode)
@@ -327,7 +327,7 @@ class ModelRunner:
 
     def _model_step(self, rows: int) -> None:
         """The captured model step: hidden states of the first `rows` rows into hidden_out."""
-        with blas_library(self.gemm_by_size.get(rows)):
+        with gemm_backend(self.gemm_by_size.get(rows)):
             self.hidden_out[:rows].copy_(self._forward_decode(rows, self.inputs.max_blocks))
 
     def _sample_step(self, hidden_RE: torch.Tensor, rows: int, mode: str) -> None:
@@ -337,7 +337,7 @@ class ModelRunner:
         its float32/float64 [rows, V] temporaries (resident in the graph pool when captured);
         every sampler op works row by row, so the draws do not depend on the split. The
         one-kernel draw (sampled, no truncation, CUDA) has no such temporaries: one launch."""
-        with blas_library(self.gemm_by_size.get(rows)):
+        with gemm_backend(self.gemm_by_size.get(rows)):
             logits_BV = self.model.compute_logits(hidden_RE[:rows])
         one_kernel = mode == "sample" and fused_draw_applies(logits_BV, truncate=False)
         chunk = rows if one_kernel else _SAMPLER_ROWS

@@ -67,15 +67,23 @@ def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E:
 
 
 @triton.jit
+def silu_times(gate, up, dtype):
+    """SiLU(gate) * up from half-precision tiles, rounded to `dtype` where the reference
+    rounds (after the SiLU, after the product); the skinny product's gated prologue too."""
+    gate = gate.to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    dtype = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up, out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def silu_mul(gate_up_T2I: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""Decode's skinny matrix products (at most 16 rows) in one Triton kernel, LoRA's shrink beside.
+
+    y_MN, t_MR = skinny_linear(x_MK, weight_NK, bias_N, extra_RK)   # t is None without extra
+
+At decode's batch sizes a linear reads every weight once and computes almost nothing: its
+floor is the weight's bytes at the copy rate. cuBLAS reached 62% of it on the Qwen3-1.7B
+shape at batch 1 (H200, 2026-12-05: split-K kernels and a reduction per product). Here each
+program owns BLOCK_N rows of the weight and streams them over K once; x (16 rows at most,
+padded to 16 for the tensor-core dot) is re-read from L2 by every program. Nothing is split
+over K, so no second kernel reduces. `extra_RK` (a LoRA slot's stacked A, rollout/lora.py) is
+read as R more rows of the same product into `t`: LoRA's shrink x A^T takes no launch of its
+own. With `gated` the input is the MLP's [gate | up] and each tile of SiLU(gate) * up is made
+as it is read (silu_mul's rounding): down_proj takes no silu_mul launch. cuBLAS offers neither
+a GEMV without its reduce at these shapes, nor a second weight or a prologue in one call,
+hence a kernel of our own.
+
+Triton's autotuner picks BLOCK_N / BLOCK_K / stages per (N, K) from graph-replayed timings
+and keeps them on disk (a second start does not tune again). Whether a decode step uses this
+kernel at all is rollout.decode_gemm's choice, timed per batch size (rollout/gemm_choice.py).
+
+Shape legend: M = rows (tokens), K = in features, N = out features, R = extra rows (LoRA's
+parts x rank).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench_cudagraph
+
+from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS
+from handoff.rollout.kernels.fused import silu_times
+
+_M_PAD = 16   # tl.dot's least row count; compute is free here, bytes are not
+
+# BLOCK_N x BLOCK_K x 2 bytes x stages of shared memory stays under 100 KB.
+CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+           for n, k, w, s in ((16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3),
+                              (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 8, 4),
+                              (64, 128, 4, 3), (64, 64, 4, 4))]
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr, M, N, R, K,
+                   stride_xm, stride_wn, stride_en, stride_ym, stride_tm,
+                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, M_PAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Programs [0, cdiv(N, BLOCK_N)) own rows of the weight, the rest rows of the extra: the
+    # source is chosen by scalars, so one pipelined loop (and one set of buffers) serves both.
+    pid = tl.program_id(0)
+    weight_blocks = tl.cdiv(N, BLOCK_N)
+    own = pid < weight_blocks
+    src = tl.where(own, w_ptr, e_ptr)
+    stride_src = tl.where(own, stride_wn, stride_en)
+    num_rows = tl.where(own, N, R)
+    rows = tl.where(own, pid, pid - weight_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    r_ok = rows < num_rows
+    src_rows = src + rows.to(tl.int64)[None, :] * stride_src
+    acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < K
+        x_tile = x_ptr + offs_m[:, None] * stride_xm + ks[None, :]
+        x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED:   # x holds [gate | up]: this tile's SiLU(gate) * up, as silu_mul rounds it
+            up = tl.load(x_tile + K, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = silu_times(x, up, x_ptr.dtype.element_ty)
+        w = tl.load(src_rows + ks[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc)     # w is the [BLOCK_K, BLOCK_N] tile of the rows, transposed
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=r_ok & own, other=0.0).to(tl.float32)[None, :]
+    dst = tl.where(own, y_ptr, t_ptr)
+    stride_dst = tl.where(own, stride_ym, stride_tm)
+    tl.store(dst + offs_m[:, None] * stride_dst + rows[None, :], acc.to(dst.dtype.element_ty),
+             mask=m_ok[:, None] & r_ok[None, :])
+
+
+def _graph_timed(kernel_call, quantiles):
+    # Decode replays these in CUDA graphs: time them replayed, not launched one by one.
+    return do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
+
+
+# Keyed by the weight's shape alone: with or without extra rows a weight's rows take the same
+# config, so a zero adapter's outputs are the base's bit for bit.
+_tuned_kernel = triton.autotune(configs=CONFIGS, key=["N", "K"], do_bench=_graph_timed,
+                                cache_results=True)(_skinny_kernel)
+
+
+def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None,
+                  extra_RK: torch.Tensor | None = None, *, gated: bool = False,
+                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x W^T + b [M, N], x E^T [M, R] or None) in one launch, both in x's dtype.
+
+    M <= SKINNY_MAX_ROWS; weight and extra row-major (their rows may be strided). `gated`:
+    x is [M, 2K], gate then up, and the product's input is SiLU(gate) * up (silu_mul's
+    numbers), made tile by tile: the MLP's down_proj without silu_mul's launch. `config`
+    ({"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}) skips the autotuner (the tests)."""
+    rows, width = x_MK.shape
+    in_features = width // 2 if gated else width
+    assert rows <= SKINNY_MAX_ROWS, f"{rows} rows: the skinny kernel serves <= {SKINNY_MAX_ROWS}"
+    if x_MK.stride(-1) != 1:
+        x_MK = x_MK.contiguous()
+    assert weight_NK.stride(-1) == 1 and weight_NK.shape[1] == in_features
+    out_features = weight_NK.shape[0]
+    extra = 0 if extra_RK is None else extra_RK.shape[0]
+    y = torch.empty(rows, out_features, dtype=x_MK.dtype, device=x_MK.device)
+    t = None if extra_RK is None else torch.empty(rows, extra, dtype=x_MK.dtype,
+                                                   device=x_MK.device)
+    if extra_RK is not None:
+        assert extra_RK.stride(-1) == 1 and extra_RK.shape[1] == in_features
+    args = (x_MK, weight_NK, weight_NK if extra_RK is None else extra_RK,
+            weight_NK if bias_N is None else bias_N, y, y if t is None else t,
+            rows, out_features, extra, in_features, x_MK.stride(0), weight_NK.stride(0),
+            0 if extra_RK is None else extra_RK.stride(0), y.stride(0),
+            0 if t is None else t.stride(0))
+
+    def grid(meta):
+        return (triton.cdiv(out_features, meta["BLOCK_N"]) + triton.cdiv(extra, meta["BLOCK_N"]),)
+
+    if config is None:
+        _tuned_kernel[grid](*args, HAS_BIAS=bias_N is not None, GATED=gated, M_PAD=_M_PAD)
+    else:
+        _skinny_kernel[grid(config)](*args, HAS_BIAS=bias_N is not None, GATED=gated,
+                                     M_PAD=_M_PAD, **config)
+    return y, t

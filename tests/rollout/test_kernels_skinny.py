@@ -1,0 +1,176 @@
+"""The Triton skinny product (handoff.rollout.kernels.skinny) against a float32 reference.
+
+CPU: the kernel runs under TRITON_INTERPRET=1 in ONE subprocess (this module's __main__),
+fp16 (the interpreter's tl.dot mishandles bf16), with small blocks so that every case has
+ragged edges: rows of the weight and of the extra not a multiple of BLOCK_N, K not one of
+BLOCK_K, weights whose rows are strided (a view of a wider matrix), a gated input (the MLP's
+[gate | up], SiLU(gate) * up made in the kernel). The configs are also compiled for sm_90
+ahead of time (no GPU needed). CUDA (`-m cuda`): bf16
+at a real model's shapes through the autotuner, the decode linears routed to it under
+gemm_backend("triton") (a LoRA slot's shrink in the same launch), captured in a graph, and an
+engine decoding with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from triton_interpreter import fix_interpreter_loop_bounds, results_under_interpreter
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# name: (rows M, out N, in K, extra rows R, bias, extra padding of each weight row, gated)
+CASES = {
+    "one_row_ragged_n_and_k": (1, 40, 72, 0, False, 0, False),
+    "sixteen_rows_with_bias": (16, 48, 64, 0, True, 0, False),
+    "lora_extra_rows": (3, 32, 48, 12, False, 0, False),
+    "strided_rows_bias_and_extra": (5, 35, 40, 20, True, 8, False),
+    "gated_input_with_extra": (4, 40, 56, 12, False, 0, True),
+}
+SMALL = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+
+
+def run_cases(device: str, dtype: torch.dtype, skinny_linear, config: dict | None) -> dict:
+    results = {}
+    gen = torch.Generator().manual_seed(5)
+    for name, (m, n, k, r, bias, pad, gated) in CASES.items():
+        x = torch.randn(m, 2 * k if gated else k, generator=gen)
+        w = torch.randn(n, k + pad, generator=gen)[:, :k] / k ** 0.5
+        e = torch.randn(r, k + pad, generator=gen)[:, :k] / k ** 0.5 if r else None
+        b = torch.randn(n, generator=gen) if bias else None
+        half = [None if t_ is None else t_.to(device, dtype) for t_ in (x, w, b, e)]
+        y, t = skinny_linear(*half, gated=gated, config=config)
+        x32, w32, b32, e32 = (None if t_ is None else t_.float().cpu() for t_ in half)
+        if gated:   # silu_mul's reference: rounded after the SiLU and after the product
+            gate, up = x32.chunk(2, dim=-1)
+            act = torch.nn.functional.silu(gate).to(dtype).float()
+            x32 = (act * up).to(dtype).float()
+        want_y = x32 @ w32.T + (0 if b32 is None else b32)
+        results[name] = {"y_shape": list(y.shape), "y_err": _rel(y, want_y),
+                         "t_shape": None if t is None else list(t.shape),
+                         "t_err": None if t is None else _rel(t, x32 @ e32.T)}
+    return results
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float().cpu() - want).norm() / want.norm()).item()
+
+
+def _check(results: dict) -> None:
+    assert set(results) == set(CASES)
+    for name, r in results.items():
+        m, n, _, extra, _, _, _ = CASES[name]
+        assert r["y_shape"] == [m, n] and r["y_err"] < 2e-3, f"{name}: {r}"
+        if extra:
+            assert r["t_shape"] == [m, extra] and r["t_err"] < 2e-3, f"{name}: {r}"
+        else:
+            assert r["t_shape"] is None, f"{name}: {r}"
+
+
+def test_skinny_product_equals_the_reference_under_interpreter():
+    _check(results_under_interpreter(__file__))
+
+
+def test_more_rows_than_the_kernel_serves_are_refused():
+    pytest.importorskip("triton")
+    from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS
+    from handoff.rollout.kernels.skinny import skinny_linear
+
+    with pytest.raises(AssertionError, match="rows"):
+        skinny_linear(torch.zeros(SKINNY_MAX_ROWS + 1, 8), torch.zeros(4, 8), config=SMALL)
+
+
+def test_every_config_builds_for_hopper_with_pipelined_loads():
+    """Compiled ahead of time for sm_90 by Triton's own ptxas (no GPU), specialized as the JIT
+    specializes a decode call (16-byte aligned pointers, strides and sizes divisible by 16):
+    every autotuner config builds within the card's shared memory, and its loads are cp.async
+    copies, pipelined over K (plain loads would keep one tile in flight per program)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from handoff.rollout.kernels.skinny import CONFIGS, _skinny_kernel
+
+    names = _skinny_kernel.arg_names
+    const_names = ("HAS_BIAS", "GATED", "M_PAD", "BLOCK_N", "BLOCK_K")
+    signature = {n: "constexpr" if n in const_names else "*bf16" if n.endswith("_ptr") else "i32"
+                 for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n not in const_names and n not in ("M", "R")}   # M, R: any count
+    for config in CONFIGS:
+        for bias, gated in ((False, False), (True, False), (False, True)):
+            src = ASTSource(fn=_skinny_kernel, signature=signature, attrs=aligned,
+                            constexprs={"HAS_BIAS": bias, "GATED": gated, "M_PAD": 16,
+                                        **config.kwargs})
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": config.num_warps,
+                                             "num_stages": config.num_stages})
+            assert kernel.metadata.shared <= 227 * 1024, (config, kernel.metadata.shared)
+            assert "cp.async" in kernel.asm["ptx"], f"{config}: loads not pipelined"
+
+
+@pytest.mark.cuda
+@cuda
+def test_skinny_product_on_cuda_through_the_autotuner():
+    from handoff.rollout.kernels.skinny import skinny_linear
+
+    _check(run_cases("cuda", torch.bfloat16, skinny_linear, SMALL))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 2, 7, 16):     # a Qwen3-1.7B qkv_proj with a rank-16 slot on its 3 parts
+        x = torch.randn(m, 2048, device="cuda", generator=gen).bfloat16()
+        w = (torch.randn(4096, 2048, device="cuda", generator=gen) / 45).bfloat16()
+        a = (torch.randn(48, 2048, device="cuda", generator=gen) / 45).bfloat16()
+        y, t = skinny_linear(x, w, None, a)
+        assert _rel(y, x.float().cpu() @ w.float().cpu().T) < 1e-2
+        assert _rel(t, x.float().cpu() @ a.float().cpu().T) < 1e-2
+
+
+@pytest.mark.cuda
+@cuda
+def test_decode_linears_take_the_kernel_under_triton_and_it_captures():
+    """ops.linear under gemm_backend("triton"): at <= 16 rows the kernel (the slot's shrink
+    in its launch, then the expand), the same result as cuBLAS's path; above, cuBLAS's own."""
+    from handoff.rollout import ops
+    from handoff.rollout.gemm_choice import gemm_backend
+    from handoff.rollout.lora import LoraSlot
+
+    w = (torch.randn(1024, 512, device="cuda") / 23).bfloat16()
+    slot = LoraSlot(w, max_rank=8)
+    slot.A.copy_(torch.randn_like(slot.A) / 23)
+    slot.B.copy_(torch.randn_like(slot.B) / 3)
+    for m in (1, 16, 17):
+        for gated in (False, True):   # gated: x is [gate | up], the input silu_mul(x)
+            x = torch.randn(m, 1024 if gated else 512, device="cuda").bfloat16()
+            want = ops.linear(x, w, None, slot, gated=gated)
+            with gemm_backend("triton"):
+                got = ops.linear(x, w, None, slot, gated=gated)
+            assert _rel(got, want.float().cpu()) < 1e-2
+            if m > 16:
+                assert torch.equal(got, want)   # cuBLAS's path, bit for bit
+    x = torch.randn(4, 512, device="cuda").bfloat16()
+    out = torch.empty(4, 1024, device="cuda", dtype=torch.bfloat16)
+    with gemm_backend("triton"):
+        eager = ops.linear(x, w, None, slot)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            out.copy_(ops.linear(x, w, None, slot))   # warm-up: the autotuner runs here
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            out.copy_(ops.linear(x, w, None, slot))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, os.path.dirname(__file__))
+    fix_interpreter_loop_bounds()
+    from handoff.rollout.kernels.skinny import skinny_linear
+
+    print("RESULTS " + json.dumps(run_cases("cpu", torch.float16, skinny_linear, SMALL)))
