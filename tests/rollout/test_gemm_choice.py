@@ -8,7 +8,8 @@ import torch
 
 from handoff.rollout.gemm_choice import (_SLEEP_CYCLES, SKINNY_MAX_ROWS, TIE_MARGIN,
                                          backends_for, choose_backends, gemm_backend,
-                                         skinny_gemm_on, sleep_cycles)
+                                         rows_padded, skinny_gemm_on, skinny_tuning_sizes,
+                                         sleep_cycles)
 
 TWO = lambda size: ("cublas", "cublaslt")  # noqa: E731  (the two BLAS libraries alone)
 
@@ -61,10 +62,25 @@ def test_the_triton_kernel_is_timed_only_where_it_serves_and_kept_when_faster():
         calls.append((size, backend))
         return {"cublas": 1.0, "cublaslt": 1.0, "triton": 0.7}[backend]
 
-    choice, seconds = choose_backends([1, 16, 32], time_step)
-    assert choice == {1: "triton", 16: "triton", 32: "cublas"}
-    assert [b for s, b in calls if s == 32] == ["cublas", "cublaslt"]
-    assert set(seconds[16]) == {"cublas", "cublaslt", "triton"}
+    above = 2 * SKINNY_MAX_ROWS
+    choice, seconds = choose_backends([1, SKINNY_MAX_ROWS, above], time_step)
+    assert choice == {1: "triton", SKINNY_MAX_ROWS: "triton", above: "cublas"}
+    assert [b for s, b in calls if s == above] == ["cublas", "cublaslt"]
+    assert set(seconds[SKINNY_MAX_ROWS]) == {"cublas", "cublaslt", "triton"}
+
+
+def test_without_the_triton_kernels_auto_times_the_two_libraries_alone():
+    assert backends_for(1, skinny=False) == ("cublas", "cublaslt")
+
+
+def test_the_kernel_is_tuned_once_per_padded_row_count_at_the_largest_size():
+    """Configs are chosen per padded rows (16 or 32): the start tunes the largest ladder
+    size of each, whose steps give the kernel every shape it will see, and no other."""
+    assert [rows_padded(r) for r in (1, 15, 16, 17, 32)] == [16, 16, 16, 32, 32]
+    assert skinny_tuning_sizes([1, 2, 4, 8, 16, 32, 48, 64]) == [16, 32]
+    assert skinny_tuning_sizes([1, 2, 4, 8]) == [8]       # max_num_seqs 8: no size 16
+    assert skinny_tuning_sizes([1, 2, 4, 8, 16, 24]) == [16, 24]
+    assert skinny_tuning_sizes([48, 64]) == []
 
 
 def test_a_kernel_that_does_not_build_is_left_out_like_a_library():
@@ -140,3 +156,50 @@ def test_tensor_parallel_ranks_do_not_time_a_choice_of_their_own(tp_size, named,
     runner = ModelRunner(model, device=torch.device("cpu"), block_size=4,
                          kv_dtype=torch.float32, decode_gemm=named)
     assert runner.decode_gemm == want
+
+
+def test_decode_linears_route_to_the_kernel_only_where_it_serves(monkeypatch):
+    """ops.linear with a stand-in kernel (the kernel itself: test_kernels_skinny.py): under
+    gemm_backend("triton") a product of <= SKINNY_MAX_ROWS rows with a row-major weight of
+    x's dtype goes to it, with the LoRA slot's A as its extra rows and the expand after;
+    everything else is F.linear's, a gated input through silu_mul first."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    from handoff.rollout import ops
+    from handoff.rollout.kernels import skinny
+    from handoff.rollout.lora import LoraSlot
+
+    calls = []
+
+    def kernel(x, weight, bias, extra, *, gated):
+        calls.append((x.shape[0], extra is not None, gated))
+        t = None if extra is None else torch.ones(x.shape[0], extra.shape[0])
+        return torch.zeros(x.shape[0], weight.shape[0]), t
+
+    monkeypatch.setattr(ops, "use_fused", lambda x: True)
+    monkeypatch.setattr(skinny, "skinny_linear", kernel)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 4, generator=gen)
+    slot = LoraSlot(w, max_rank=2)
+    slot.B.copy_(torch.randn(slot.B.shape, generator=gen))
+    x = torch.randn(SKINNY_MAX_ROWS + 1, 4, generator=gen)
+    with gemm_backend("triton"):
+        got = ops.linear(x[:3], w, None, slot)
+        assert calls == [(3, True, False)]
+        assert torch.equal(got, torch.ones(3, slot.A.shape[0]) @ slot.B.T)   # the expand
+        ops.linear(x[:2], w)
+        ops.linear(torch.randn(1, 8, generator=gen), w, gated=True)
+        assert calls[1:] == [(2, False, False), (1, False, True)]
+        calls.clear()
+        want = F.linear(x, w)
+        assert torch.equal(ops.linear(x, w), want)                         # too many rows
+        column_major = w.T.contiguous().T
+        assert torch.equal(ops.linear(x[:1], column_major), F.linear(x[:1], column_major))
+        with pytest.raises(RuntimeError, match="dtype"):   # not x's dtype: F.linear's refusal
+            ops.linear(x[:1], w.double())
+    assert torch.equal(ops.linear(x[:3], w), F.linear(x[:3], w))          # outside: cuBLAS's
+    assert calls == []
+    monkeypatch.undo()   # the CPU's own silu_mul (the stand-in made every op "fused")
+    gate_up = torch.randn(2, 8, generator=gen)
+    assert torch.equal(ops.linear(gate_up, w, gated=True), F.linear(ops.silu_mul(gate_up), w))

@@ -30,6 +30,7 @@ CASES = {
     "lora_extra_rows": (3, 32, 48, 12, False, 0, False),
     "strided_rows_bias_and_extra": (5, 35, 40, 20, True, 8, False),
     "gated_input_with_extra": (4, 40, 56, 12, False, 0, True),
+    "twenty_rows_padded_to_32": (20, 24, 40, 12, True, 0, False),
 }
 SMALL = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 
@@ -53,6 +54,16 @@ def run_cases(device: str, dtype: torch.dtype, skinny_linear, config: dict | Non
         results[name] = {"y_shape": list(y.shape), "y_err": _rel(y, want_y),
                          "t_shape": None if t is None else list(t.shape),
                          "t_err": None if t is None else _rel(t, x32 @ e32.T)}
+    # The gated input bit for bit: silu_mul's own kernel, then the plain product.
+    from handoff.rollout.kernels.fused import silu_mul
+
+    gate_up = torch.randn(5, 96, generator=gen).to(device, dtype)
+    w = (torch.randn(40, 48, generator=gen) / 7).to(device, dtype)
+    e = (torch.randn(8, 48, generator=gen) / 7).to(device, dtype)
+    fused = skinny_linear(gate_up, w, None, e, gated=True, config=config)
+    apart = skinny_linear(silu_mul(gate_up), w, None, e, config=config)
+    results["gated_equals_silu_mul_then_product"] = all(
+        torch.equal(a, b) for a, b in zip(fused, apart))
     return results
 
 
@@ -61,6 +72,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _check(results: dict) -> None:
+    assert results.pop("gated_equals_silu_mul_then_product") is True
     assert set(results) == set(CASES)
     for name, r in results.items():
         m, n, _, extra, _, _, _ = CASES[name]
@@ -93,7 +105,7 @@ def test_every_config_builds_for_hopper_with_pipelined_loads():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from handoff.rollout.kernels.skinny import CONFIGS, _skinny_kernel
+    from handoff.rollout.kernels.skinny import CONFIGS, _fitting, _skinny_kernel
 
     names = _skinny_kernel.arg_names
     const_names = ("HAS_BIAS", "GATED", "M_PAD", "BLOCK_N", "BLOCK_K")
@@ -101,16 +113,19 @@ def test_every_config_builds_for_hopper_with_pipelined_loads():
                  for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n not in const_names and n not in ("M", "R")}   # M, R: any count
-    for config in CONFIGS:
-        for bias, gated in ((False, False), (True, False), (False, True)):
-            src = ASTSource(fn=_skinny_kernel, signature=signature, attrs=aligned,
-                            constexprs={"HAS_BIAS": bias, "GATED": gated, "M_PAD": 16,
-                                        **config.kwargs})
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": config.num_warps,
-                                             "num_stages": config.num_stages})
-            assert kernel.metadata.shared <= 227 * 1024, (config, kernel.metadata.shared)
-            assert "cp.async" in kernel.asm["ptx"], f"{config}: loads not pipelined"
+    cases = [(config, m_pad, bias, gated) for m_pad in (16, 32)
+             for bias, gated in ((False, False), (True, False), (False, True))
+             for config in _fitting(CONFIGS, {}, M_PAD=m_pad, GATED=gated)]
+    assert len(cases) >= 40   # the pruning leaves most configs to time at every size
+    for config, m_pad, bias, gated in cases:
+        src = ASTSource(fn=_skinny_kernel, signature=signature, attrs=aligned,
+                        constexprs={"HAS_BIAS": bias, "GATED": gated, "M_PAD": m_pad,
+                                    **config.kwargs})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": config.num_warps,
+                                         "num_stages": config.num_stages})
+        assert kernel.metadata.shared <= 227 * 1024, (config, m_pad, kernel.metadata.shared)
+        assert "cp.async" in kernel.asm["ptx"], f"{config}: loads not pipelined"
 
 
 @pytest.mark.cuda
@@ -120,7 +135,7 @@ def test_skinny_product_on_cuda_through_the_autotuner():
 
     _check(run_cases("cuda", torch.bfloat16, skinny_linear, SMALL))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for m in (1, 2, 7, 16):     # a Qwen3-1.7B qkv_proj with a rank-16 slot on its 3 parts
+    for m in (1, 2, 7, 16, 21, 32):   # a Qwen3-1.7B qkv_proj, a rank-16 slot on its 3 parts
         x = torch.randn(m, 2048, device="cuda", generator=gen).bfloat16()
         w = (torch.randn(4096, 2048, device="cuda", generator=gen) / 45).bfloat16()
         a = (torch.randn(48, 2048, device="cuda", generator=gen) / 45).bfloat16()
@@ -132,33 +147,40 @@ def test_skinny_product_on_cuda_through_the_autotuner():
 @pytest.mark.cuda
 @cuda
 def test_decode_linears_take_the_kernel_under_triton_and_it_captures():
-    """ops.linear under gemm_backend("triton"): at <= 16 rows the kernel (the slot's shrink
-    in its launch, then the expand), the same result as cuBLAS's path; above, cuBLAS's own."""
+    """ops.linear under gemm_backend("triton"): at <= SKINNY_MAX_ROWS rows the kernel (the
+    slot's shrink in its launch, then the expand), the same result as cuBLAS's path; above,
+    cuBLAS's own."""
     from handoff.rollout import ops
-    from handoff.rollout.gemm_choice import gemm_backend
+    from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS, gemm_backend
     from handoff.rollout.lora import LoraSlot
 
     w = (torch.randn(1024, 512, device="cuda") / 23).bfloat16()
     slot = LoraSlot(w, max_rank=8)
     slot.A.copy_(torch.randn_like(slot.A) / 23)
     slot.B.copy_(torch.randn_like(slot.B) / 3)
-    for m in (1, 16, 17):
+    from handoff.rollout.kernels.skinny import skinny_linear
+
+    for m in (1, 16, 20, SKINNY_MAX_ROWS + 1):
         for gated in (False, True):   # gated: x is [gate | up], the input silu_mul(x)
             x = torch.randn(m, 1024 if gated else 512, device="cuda").bfloat16()
             want = ops.linear(x, w, None, slot, gated=gated)
             with gemm_backend("triton"):
                 got = ops.linear(x, w, None, slot, gated=gated)
             assert _rel(got, want.float().cpu()) < 1e-2
-            if m > 16:
+            if m > SKINNY_MAX_ROWS:
                 assert torch.equal(got, want)   # cuBLAS's path, bit for bit
+            else:                               # the kernel's, bit for bit
+                y, t = skinny_linear(x, w, None, slot.A, gated=gated)
+                assert torch.equal(got, slot.expand_into(y, t))
     x = torch.randn(4, 512, device="cuda").bfloat16()
     out = torch.empty(4, 1024, device="cuda", dtype=torch.bfloat16)
     with gemm_backend("triton"):
         eager = ops.linear(x, w, None, slot)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            out.copy_(ops.linear(x, w, None, slot))   # warm-up: the autotuner runs here
+            out.copy_(ops.linear(x, w, None, slot))   # a warm-up on the capture stream
         stream.synchronize()
         with torch.cuda.graph(graph, stream=stream):
             out.copy_(ops.linear(x, w, None, slot))
@@ -166,6 +188,40 @@ def test_decode_linears_take_the_kernel_under_triton_and_it_captures():
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
 
+
+
+@pytest.mark.cuda
+@cuda
+def test_an_engine_tunes_the_kernel_at_start_and_never_in_a_step(qwen3_dir, ref):
+    """rollout.decode_gemm=triton: the configs are chosen while the engine starts (each
+    linear and the head at each padded row count); its decode steps then launch the kernel
+    and tune nothing."""
+    from handoff.rollout.engine import Engine
+    from handoff.rollout.kernels import skinny
+    from handoff.rollout.sampling import SamplingParams
+
+    # Decode without graphs (still padded to the ladder): every product is a Python call.
+    engine = Engine(str(qwen3_dir), ref.cfg(num_blocks=512, block_size=16, max_num_seqs=32,
+                                            decode_gemm="triton", cuda_graphs=False),
+                    dtype="bfloat16")
+    tuned = dict(skinny._tuned_kernel.cache)
+    assert engine.stats()["skinny_tune_s"] > 0 and tuned
+    calls = []
+    real = skinny.skinny_linear
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    skinny.skinny_linear = counted
+    try:
+        prompts = [[(7 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(3)]
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    finally:
+        skinny.skinny_linear = real
+    assert calls and max(calls) <= 32
+    assert dict(skinny._tuned_kernel.cache) == tuned   # no step tuned
+    engine.sleep(2)
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"

@@ -166,7 +166,7 @@ def _engine_facts(engine) -> dict:
     keys = ("attention_backend", "num_blocks", "kv_cache_bytes", "graph_captures",
             "graph_pool_bytes", "graph_driver_bytes", "graph_reserve_bytes", "packed_prefill",
             "activation_peak_bytes", "preemptions", "prefix_cache_hits", "decode_gemm",
-            "decode_gemm_ms")
+            "decode_gemm_ms", "skinny_tune_s")
     return {k: s[k] for k in keys}
 
 

@@ -104,7 +104,7 @@ def bench_engine_cmd(
                                         help="the LM head and the sampler inside the decode "
                                         "graphs (rollout.graph_sampling)"),
     decode_gemm: str = typer.Option("cublas", "--decode-gemm", help="rollout.decode_gemm: "
-                                    "cublas | cublaslt | triton (<= 16 rows) | auto (times each at "
+                                    "cublas | cublaslt | triton (<= 32 rows) | auto (times each at "
                                     "each batch size)"),
 ) -> None:
     """Engine decode step vs transformers generate and the HBM floor; the public workload;

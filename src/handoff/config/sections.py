@@ -112,7 +112,7 @@ class RolloutConfig:
         "replays (with cuda_graphs; false: they run eagerly after the model's graph)"))
     decode_gemm: str = F("cublas", choices=DECODE_GEMMS, help=(
         "the decode step's matrix products (CUDA): cublas, PyTorch's default; cublaslt; "
-        "triton, our one-kernel product for batches of <= 16 (LoRA's shrink in the same "
+        "triton, our one-kernel product for batches of <= 32 (LoRA's shrink in the same "
         "launch), cuBLAS above; auto times each at each batch size at start and keeps the "
         "fastest"))
     readback_by_kernel: bool = F(True, help=(

@@ -14,8 +14,9 @@ such a step, and for every larger one). None is better everywhere, so
 `rollout.decode_gemm=auto` times one whole decode step (the model, the LM head, the sampler)
 at each ladder size under each backend that serves it and captures that size's graphs under
 the fastest; the default is cuBLAS: on an H200 (2026-12-05, Qwen3-1.7B shape) cuBLAS and
-cuBLASLt took the same device time within 0.3% at every size from 1 to 256 rows, and auto
-costs the engine's start about 5 s. cuBLAS or cuBLASLt is PyTorch's own switch
+cuBLASLt took the same device time within 0.3% at every size from 1 to 256 rows, and timing
+the two cost the engine's start about 5 s (the Triton kernel's tuning adds its own:
+`skinny_tune_s` in the engine's stats). cuBLAS or cuBLASLt is PyTorch's own switch
 (`torch.backends.cuda.preferred_blas_library`); both it and the Triton switch are set around
 the decode step only and restored after, so the trainer's GEMMs keep the default. CUDA only:
 a CPU run has nothing to choose.
@@ -32,7 +33,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 GEMM_BACKENDS = ("cublas", "cublaslt", "triton")   # the first is PyTorch's default: kept on a tie
-SKINNY_MAX_ROWS = 16                       # the Triton skinny product's most rows
+SKINNY_MAX_ROWS = 32                       # the Triton skinny product's most rows
 TIE_MARGIN = 0.02                          # another backend must be 2% faster to be chosen
 _SLEEP_CYCLES = 40_000_000                 # ~20 ms of a GPU busy while the host queues a step
 _CYCLES_PER_SECOND = 2.0e9                 # above any data-center card's clock: sleeps long
@@ -65,10 +66,27 @@ def gemm_backend(name: str | None) -> Iterator[None]:
         _skinny_on = skinny_before
 
 
-def backends_for(size: int) -> tuple[str, ...]:
-    """The backends a decode step of `size` rows can differ under (Triton only up to
-    SKINNY_MAX_ROWS: above it the step would be cuBLAS's again)."""
-    return GEMM_BACKENDS if size <= SKINNY_MAX_ROWS else GEMM_BACKENDS[:2]
+def rows_padded(rows: int) -> int:
+    """The rows the skinny kernel computes for `rows`: tl.dot's least (16), else the next
+    power of two (compute is free at these sizes, bytes are not)."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def skinny_tuning_sizes(sizes: Sequence[int]) -> list[int]:
+    """Ladder sizes whose decode steps give the skinny kernel every shape it will see: the
+    largest size of each padded row count (the kernel's configs are chosen per padded rows)."""
+    largest = {}
+    for size in sorted(sizes):
+        if size <= SKINNY_MAX_ROWS:
+            largest[rows_padded(size)] = size
+    return sorted(largest.values())
+
+
+def backends_for(size: int, skinny: bool = True) -> tuple[str, ...]:
+    """The backends a decode step of `size` rows can differ under (Triton only where its
+    kernels may run, `skinny`, and up to SKINNY_MAX_ROWS: elsewhere the step would be
+    cuBLAS's again)."""
+    return GEMM_BACKENDS if skinny and size <= SKINNY_MAX_ROWS else GEMM_BACKENDS[:2]
 
 
 def choose_backends(sizes: Sequence[int], time_step: Callable[[int, str], float],

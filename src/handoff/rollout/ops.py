@@ -23,7 +23,8 @@ from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS, skinny_gemm_on
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_available() -> bool:
+def fused_available() -> bool:
+    """Whether the Triton kernels may run at all: triton importable, HANDOFF_FUSED not 0."""
     if os.environ.get("HANDOFF_FUSED", "1") == "0":
         return False
     try:
@@ -35,7 +36,7 @@ def _fused_available() -> bool:
 
 def use_fused(x: torch.Tensor) -> bool:
     """Whether `x` takes the fused kernels: CUDA, half precision, triton importable."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _fused_available()
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fused_available()
 
 
 def linear(x_TE: torch.Tensor, weight_FE: torch.Tensor, bias_F: torch.Tensor | None = None,
@@ -43,8 +44,10 @@ def linear(x_TE: torch.Tensor, weight_FE: torch.Tensor, bias_F: torch.Tensor | N
     """x W^T + b, plus a LoRA slot's delta (rollout/lora.py); `gated`: x is the MLP's
     [gate | up] and the input is silu_mul(x). Under gemm_backend("triton") a product of
     <= SKINNY_MAX_ROWS rows (CUDA, half precision) is the Triton skinny kernel: the slot's
-    shrink x A^T as more rows of the same launch, the SiLU made as x is read."""
-    if skinny_gemm_on() and x_TE.shape[0] <= SKINNY_MAX_ROWS and use_fused(x_TE):
+    shrink x A^T as more rows of the same launch, the SiLU made as x is read (HANDOFF_FUSED=0
+    turns it off: cuBLAS, as for a weight that is not row-major or not in x's dtype)."""
+    if (skinny_gemm_on() and x_TE.shape[0] <= SKINNY_MAX_ROWS and use_fused(x_TE)
+            and weight_FE.stride(-1) == 1 and weight_FE.dtype == x_TE.dtype):
         from handoff.rollout.kernels.skinny import skinny_linear
 
         y_TF, t_TR = skinny_linear(x_TE, weight_FE, bias_F, None if lora is None else lora.A,

@@ -29,9 +29,11 @@ import torch
 
 from handoff.memory.allocator import expandable_segments
 from handoff.memory.host_copy import results_to_host, upload
+from handoff.rollout import ops
 from handoff.rollout.attention import (FP8_DTYPE, AttnMeta, KVCache, PackedPrefill,
                                        packed_prefill_available, select_decode_backend)
-from handoff.rollout.gemm_choice import choose_backends, gemm_backend, gpu_seconds
+from handoff.rollout.gemm_choice import (backends_for, choose_backends, gemm_backend,
+                                         gpu_seconds, skinny_tuning_sizes)
 from handoff.rollout.graphs import DecodeGraphs, DecodeInputs, bucket, graph_batch_sizes
 from handoff.rollout.models.qwen3 import CausalLM
 from handoff.rollout.sampling import (SamplerRows, SamplingBatch, draw, fused_draw_applies,
@@ -74,6 +76,11 @@ class ModelRunner:
         # decode only; "auto" times them at bind_tables (one process: TP ranks timing on
         # their own could choose apart and fall out of step, so TP keeps cuBLAS).
         self.decode_gemm = decode_gemm if single or decode_gemm != "auto" else "cublas"
+        if self.decode_gemm == "triton" and self.pad_decode and not ops.fused_available():
+            warnings.warn("rollout.decode_gemm=triton needs the Triton kernels (triton "
+                          "installed, HANDOFF_FUSED not 0): decode runs cuBLAS", stacklevel=2)
+            self.decode_gemm = "cublas"
+        self.skinny_tune_seconds = 0.0   # the skinny kernel's tuning at start (gemm_choice.py)
         self.gemm_by_size: dict[int, str] = {}
         self.gemm_seconds: dict[int, dict[str, float]] = {}
         self.packed_prefill = packed_prefill_available(device, self.dtype)
@@ -192,7 +199,11 @@ class ModelRunner:
 
     def _choose_gemm_libraries(self) -> None:
         """Each ladder size's GEMM backend: the one named by decode_gemm, or with "auto" the
-        fastest whole decode step (device time, gemm_choice.gpu_seconds)."""
+        fastest whole decode step (device time, gemm_choice.gpu_seconds). The skinny kernel,
+        where it may run, is tuned first."""
+        skinny = ops.fused_available()
+        if skinny and self.decode_gemm in ("triton", "auto"):
+            self._tune_skinny()
         if self.decode_gemm != "auto":
             self.gemm_by_size = dict.fromkeys(self.sizes, self.decode_gemm)
             return
@@ -205,8 +216,23 @@ class ModelRunner:
             return gpu_seconds(step, self.device)
 
         with torch.inference_mode():
-            self.gemm_by_size, self.gemm_seconds = choose_backends(self.sizes, time_step)
+            self.gemm_by_size, self.gemm_seconds = choose_backends(
+                self.sizes, time_step, functools.partial(backends_for, skinny=skinny))
         torch.cuda.empty_cache()   # what the timed steps cached: nothing stays reserved
+
+    def _tune_skinny(self) -> None:
+        """The skinny kernel's configs chosen now for every shape a decode step gives it
+        (each linear and the LM head, at each padded row count), so that no step tunes:
+        tuning compiles and times eight configs a shape, seconds inside a generate."""
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        with torch.inference_mode(), gemm_backend("triton"):
+            for rows in skinny_tuning_sizes(self.sizes):
+                self._sample_step(self._forward_decode(rows, self.inputs.max_blocks), rows,
+                                  "sample")
+        torch.cuda.synchronize(self.device)
+        self.skinny_tune_seconds = time.perf_counter() - start
+        torch.cuda.empty_cache()
 
     def stats(self) -> dict:
         graphs = self.graphs
@@ -216,6 +242,7 @@ class ModelRunner:
                 "graph_driver_bytes": 0 if graphs is None else graphs.driver_bytes,
                 "graph_batch_sizes": list(self.sizes), "graph_sampling": self.sample_in_graph,
                 "decode_gemm": dict(self.gemm_by_size),
+                "skinny_tune_s": self.skinny_tune_seconds,
                 "decode_gemm_ms": {b: {lib: 1e3 * s for lib, s in t.items()}
                                    for b, t in self.gemm_seconds.items()},
                 "packed_prefill": self.packed_prefill,

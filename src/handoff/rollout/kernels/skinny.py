@@ -1,12 +1,13 @@
-"""Decode's skinny matrix products (at most 16 rows) in one Triton kernel, LoRA's shrink beside.
+"""Decode's skinny matrix products (at most 32 rows) in one Triton kernel, LoRA's shrink beside.
 
     y_MN, t_MR = skinny_linear(x_MK, weight_NK, bias_N, extra_RK)   # t is None without extra
 
 At decode's batch sizes a linear reads every weight once and computes almost nothing: its
 floor is the weight's bytes at the copy rate. cuBLAS reached 62% of it on the Qwen3-1.7B
 shape at batch 1 (H200, 2026-12-05: split-K kernels and a reduction per product). Here each
-program owns BLOCK_N rows of the weight and streams them over K once; x (16 rows at most,
-padded to 16 for the tensor-core dot) is re-read from L2 by every program. Nothing is split
+program owns BLOCK_N rows of the weight and streams them over K once; x (32 rows at most,
+padded to 16 or 32 for the tensor-core dot) is re-read from L2 by every program, so its tile
+stays no larger than the weight's (more rows would read x more than the weight: cuBLAS's). Nothing is split
 over K, so no second kernel reduces. `extra_RK` (a LoRA slot's stacked A, rollout/lora.py) is
 read as R more rows of the same product into `t`: LoRA's shrink x A^T takes no launch of its
 own. With `gated` the input is the MLP's [gate | up] and each tile of SiLU(gate) * up is made
@@ -14,9 +15,12 @@ as it is read (silu_mul's rounding): down_proj takes no silu_mul launch. cuBLAS 
 a GEMV without its reduce at these shapes, nor a second weight or a prologue in one call,
 hence a kernel of our own.
 
-Triton's autotuner picks BLOCK_N / BLOCK_K / stages per (N, K) from graph-replayed timings
-and keeps them on disk (a second start does not tune again). Whether a decode step uses this
-kernel at all is rollout.decode_gemm's choice, timed per batch size (rollout/gemm_choice.py).
+Triton's autotuner picks BLOCK_N / BLOCK_K / stages per (N, K, padded rows), each config
+timed with the weight coming from HBM, and keeps the choice on disk (a second start does not
+tune again); the runner tunes every shape at start (`tune`), before any step. Nothing is split
+over K, so a product with fewer than ~132 programs (N / BLOCK_N: Qwen3-0.6B's o_proj and
+down_proj, N = 1024) leaves SMs idle; whether a decode step uses this kernel at all is
+rollout.decode_gemm's choice, timed per batch size with `auto` (rollout/gemm_choice.py).
 
 Shape legend: M = rows (tokens), K = in features, N = out features, R = extra rows (LoRA's
 parts x rank).
@@ -27,18 +31,29 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench_cudagraph
+from triton.testing import do_bench
 
-from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS
+from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS, rows_padded
 from handoff.rollout.kernels.fused import silu_times
 
-_M_PAD = 16   # tl.dot's least row count; compute is free here, bytes are not
-
-# BLOCK_N x BLOCK_K x 2 bytes x stages of shared memory stays under 100 KB.
 CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
            for n, k, w, s in ((16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3),
                               (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 8, 4),
                               (64, 128, 4, 3), (64, 64, 4, 4))]
+SHARED_BYTES = 200 * 1024   # a config's pipeline buffers stay under the H100/H200's 227 KB
+
+
+def pipeline_bytes(config: triton.Config, m_pad: int, gated: bool) -> int:
+    """Shared memory of a config's pipelined x (gate and up when gated) and weight tiles,
+    bf16, all stages: at most what Triton allocates (tests/rollout/test_kernels_skinny.py)."""
+    x_rows = 2 * m_pad if gated else m_pad
+    return (x_rows + config.kwargs["BLOCK_N"]) * config.kwargs["BLOCK_K"] * 2 * config.num_stages
+
+
+def _fitting(configs, named_args, **kwargs):
+    # x's tiles grow with the rows: a config too large for shared memory is not timed.
+    return [c for c in configs
+            if pipeline_bytes(c, kwargs["M_PAD"], kwargs["GATED"]) <= SHARED_BYTES]
 
 
 @triton.jit
@@ -79,14 +94,19 @@ def _skinny_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr, M, N, R, K,
              mask=m_ok[:, None] & r_ok[None, :])
 
 
-def _graph_timed(kernel_call, quantiles):
-    # Decode replays these in CUDA graphs: time them replayed, not launched one by one.
-    return do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
+def _from_hbm(kernel_call, quantiles):
+    # Each timed call after a 256 MB write that evicts L2 (do_bench's own flush): a decode step
+    # streams every weight from HBM, and a replay loop would leave a 50 MB weight in L2 and
+    # pick the config for L2's bandwidth. The caller's queued work first: the benchmark's
+    # writes into y and t must not race it.
+    torch.cuda.current_stream().synchronize()
+    return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
-# Keyed by the weight's shape alone: with or without extra rows a weight's rows take the same
-# config, so a zero adapter's outputs are the base's bit for bit.
-_tuned_kernel = triton.autotune(configs=CONFIGS, key=["N", "K"], do_bench=_graph_timed,
+# Keyed by the weight's shape and the padded rows alone: with or without extra rows a weight's
+# rows take the same config, so a zero adapter's outputs are the base's bit for bit.
+_tuned_kernel = triton.autotune(configs=CONFIGS, key=["N", "K", "M_PAD"], do_bench=_from_hbm,
+                                prune_configs_by={"early_config_prune": _fitting},
                                 cache_results=True)(_skinny_kernel)
 
 
@@ -122,8 +142,9 @@ def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
         return (triton.cdiv(out_features, meta["BLOCK_N"]) + triton.cdiv(extra, meta["BLOCK_N"]),)
 
     if config is None:
-        _tuned_kernel[grid](*args, HAS_BIAS=bias_N is not None, GATED=gated, M_PAD=_M_PAD)
+        _tuned_kernel[grid](*args, HAS_BIAS=bias_N is not None, GATED=gated,
+                            M_PAD=rows_padded(rows))
     else:
         _skinny_kernel[grid(config)](*args, HAS_BIAS=bias_N is not None, GATED=gated,
-                                     M_PAD=_M_PAD, **config)
+                                     M_PAD=rows_padded(rows), **config)
     return y, t
