@@ -161,8 +161,9 @@ def test_tensor_parallel_ranks_do_not_time_a_choice_of_their_own(tp_size, named,
 def test_decode_linears_route_to_the_kernel_only_where_it_serves(monkeypatch):
     """ops.linear with a stand-in kernel (the kernel itself: test_kernels_skinny.py): under
     gemm_backend("triton") a product of <= SKINNY_MAX_ROWS rows with a row-major weight of
-    x's dtype goes to it, with the LoRA slot's A as its extra rows and the expand after;
-    everything else is F.linear's, a gated input through silu_mul first."""
+    x's dtype goes to it, with the LoRA slot's A as its extra rows and the expand after, a
+    pending norm with its residual and the stream's buffer; everything else is F.linear's,
+    a gated input through silu_mul first, a pending norm through add_rms_norm."""
     pytest.importorskip("triton")
     import torch.nn.functional as F
 
@@ -172,8 +173,8 @@ def test_decode_linears_route_to_the_kernel_only_where_it_serves(monkeypatch):
 
     calls = []
 
-    def kernel(x, weight, bias, extra, *, gated):
-        calls.append((x.shape[0], extra is not None, gated))
+    def kernel(x, weight, bias, extra, *, gated, norm):
+        calls.append((x.shape[0], extra is not None, gated, norm))
         t = None if extra is None else torch.ones(x.shape[0], extra.shape[0])
         return torch.zeros(x.shape[0], weight.shape[0]), t
 
@@ -186,11 +187,20 @@ def test_decode_linears_route_to_the_kernel_only_where_it_serves(monkeypatch):
     x = torch.randn(SKINNY_MAX_ROWS + 1, 4, generator=gen)
     with gemm_backend("triton"):
         got = ops.linear(x[:3], w, None, slot)
-        assert calls == [(3, True, False)]
+        assert calls == [(3, True, False, None)]
         assert torch.equal(got, torch.ones(3, slot.A.shape[0]) @ slot.B.T)   # the expand
         ops.linear(x[:2], w)
         ops.linear(torch.randn(1, 8, generator=gen), w, gated=True)
-        assert calls[1:] == [(2, False, False), (1, False, True)]
+        assert calls[1:] == [(2, False, False, None), (1, False, True, None)]
+        # A layer's norm left to the product: the kernel gets it and the stream's buffer.
+        g = torch.randn(4, generator=gen)
+        first, later = ops.NormInput(x[:2], None, g, 1e-6), ops.NormInput(x[:2], x[2:4], g, 1e-6)
+        ops.linear(first, w)
+        ops.linear(later, w)
+        assert first.residual_out is first.x_TE           # no residual: the stream is x
+        assert calls[3][3] == (None, g, 1e-6, first.x_TE)
+        res, weight, eps, out = calls[4][3]
+        assert res is later.residual_TE and out is later.residual_out and out.shape == (2, 4)
         calls.clear()
         want = F.linear(x, w)
         assert torch.equal(ops.linear(x, w), want)                         # too many rows
@@ -203,3 +213,7 @@ def test_decode_linears_route_to_the_kernel_only_where_it_serves(monkeypatch):
     monkeypatch.undo()   # the CPU's own silu_mul (the stand-in made every op "fused")
     gate_up = torch.randn(2, 8, generator=gen)
     assert torch.equal(ops.linear(gate_up, w, gated=True), F.linear(ops.silu_mul(gate_up), w))
+    later = ops.NormInput(x[:2], x[2:4], g, 1e-6)      # elsewhere: add_rms_norm first
+    normed, stream = ops.add_rms_norm(x[:2], x[2:4], g, 1e-6)
+    assert torch.equal(ops.linear(later, w), F.linear(normed, w))
+    assert torch.equal(later.residual_out, stream)

@@ -23,14 +23,18 @@ from triton_interpreter import fix_interpreter_loop_bounds, results_under_interp
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# name: (rows M, out N, in K, extra rows R, bias, extra padding of each weight row, gated)
+# name: (rows M, out N, in K, extra rows R, bias, extra padding of each weight row, input):
+# input "plain"; "gated" ([gate | up]); "normed" (weight * RMSNorm(x + residual)); "normed
+# first" (a first layer's: no residual)
 CASES = {
-    "one_row_ragged_n_and_k": (1, 40, 72, 0, False, 0, False),
-    "sixteen_rows_with_bias": (16, 48, 64, 0, True, 0, False),
-    "lora_extra_rows": (3, 32, 48, 12, False, 0, False),
-    "strided_rows_bias_and_extra": (5, 35, 40, 20, True, 8, False),
-    "gated_input_with_extra": (4, 40, 56, 12, False, 0, True),
-    "twenty_rows_padded_to_32": (20, 24, 40, 12, True, 0, False),
+    "one_row_ragged_n_and_k": (1, 40, 72, 0, False, 0, "plain"),
+    "sixteen_rows_with_bias": (16, 48, 64, 0, True, 0, "plain"),
+    "lora_extra_rows": (3, 32, 48, 12, False, 0, "plain"),
+    "strided_rows_bias_and_extra": (5, 35, 40, 20, True, 8, "plain"),
+    "gated_input_with_extra": (4, 40, 56, 12, False, 0, "gated"),
+    "twenty_rows_padded_to_32": (20, 24, 40, 12, True, 0, "plain"),
+    "normed_with_residual_and_extra": (3, 40, 72, 12, False, 0, "normed"),
+    "normed_first_layer_ragged_k": (2, 24, 40, 0, True, 0, "normed first"),
 }
 SMALL = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 
@@ -38,22 +42,38 @@ SMALL = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 def run_cases(device: str, dtype: torch.dtype, skinny_linear, config: dict | None) -> dict:
     results = {}
     gen = torch.Generator().manual_seed(5)
-    for name, (m, n, k, r, bias, pad, gated) in CASES.items():
+    from handoff.rollout import ops
+
+    for name, (m, n, k, r, bias, pad, kind) in CASES.items():
+        gated = kind == "gated"
         x = torch.randn(m, 2 * k if gated else k, generator=gen)
         w = torch.randn(n, k + pad, generator=gen)[:, :k] / k ** 0.5
         e = torch.randn(r, k + pad, generator=gen)[:, :k] / k ** 0.5 if r else None
         b = torch.randn(n, generator=gen) if bias else None
         half = [None if t_ is None else t_.to(device, dtype) for t_ in (x, w, b, e)]
-        y, t = skinny_linear(*half, gated=gated, config=config)
+        norm = stream = None
+        if kind.startswith("normed"):
+            res = None if kind == "normed first" else torch.randn(m, k, generator=gen).to(
+                device, dtype)
+            g = (1 + torch.randn(k, generator=gen) / 4).to(device, dtype)
+            stream = half[0] if res is None else torch.empty_like(half[0])
+            norm = (res, g, 1e-6, stream)
+        y, t = skinny_linear(*half, gated=gated, norm=norm, config=config)
         x32, w32, b32, e32 = (None if t_ is None else t_.float().cpu() for t_ in half)
+        result = {}
         if gated:   # silu_mul's reference: rounded after the SiLU and after the product
             gate, up = x32.chunk(2, dim=-1)
             act = torch.nn.functional.silu(gate).to(dtype).float()
             x32 = (act * up).to(dtype).float()
+        if norm is not None:   # add_rms_norm's reference on the CPU, in the same dtype
+            normed, want_stream = ops.add_rms_norm(half[0].cpu(), None if res is None
+                                                   else res.cpu(), g.cpu(), 1e-6)
+            x32 = normed.float()
+            result["stream_equal"] = torch.equal(stream.cpu(), want_stream)
         want_y = x32 @ w32.T + (0 if b32 is None else b32)
         results[name] = {"y_shape": list(y.shape), "y_err": _rel(y, want_y),
                          "t_shape": None if t is None else list(t.shape),
-                         "t_err": None if t is None else _rel(t, x32 @ e32.T)}
+                         "t_err": None if t is None else _rel(t, x32 @ e32.T), **result}
     # The gated input bit for bit: silu_mul's own kernel, then the plain product.
     from handoff.rollout.kernels.fused import silu_mul
 
@@ -75,8 +95,10 @@ def _check(results: dict) -> None:
     assert results.pop("gated_equals_silu_mul_then_product") is True
     assert set(results) == set(CASES)
     for name, r in results.items():
-        m, n, _, extra, _, _, _ = CASES[name]
+        m, n, _, extra, _, _, kind = CASES[name]
         assert r["y_shape"] == [m, n] and r["y_err"] < 2e-3, f"{name}: {r}"
+        # x + residual, the residual stream, is add_rms_norm's bit for bit
+        assert r.get("stream_equal", kind == "plain" or kind == "gated") is True, f"{name}: {r}"
         if extra:
             assert r["t_shape"] == [m, extra] and r["t_err"] < 2e-3, f"{name}: {r}"
         else:
@@ -108,18 +130,24 @@ def test_every_config_builds_for_hopper_with_pipelined_loads():
     from handoff.rollout.kernels.skinny import CONFIGS, _fitting, _skinny_kernel
 
     names = _skinny_kernel.arg_names
-    const_names = ("HAS_BIAS", "GATED", "M_PAD", "BLOCK_N", "BLOCK_K")
-    signature = {n: "constexpr" if n in const_names else "*bf16" if n.endswith("_ptr") else "i32"
-                 for n in names}
+    const_names = ("HAS_BIAS", "GATED", "NORMED", "HAS_RESIDUAL", "M_PAD", "BLOCK_N",
+                   "BLOCK_K")
+    signature = {n: "constexpr" if n in const_names else "*bf16" if n.endswith("_ptr")
+                 else "fp32" if n == "eps" else "i32" for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n not in const_names and n not in ("M", "R")}   # M, R: any count
-    cases = [(config, m_pad, bias, gated) for m_pad in (16, 32)
-             for bias, gated in ((False, False), (True, False), (False, True))
-             for config in _fitting(CONFIGS, {}, M_PAD=m_pad, GATED=gated)]
-    assert len(cases) >= 40   # the pruning leaves most configs to time at every size
-    for config, m_pad, bias, gated in cases:
+               if n not in const_names and n not in ("M", "R", "eps")}   # M, R: any count
+    # (bias, gated, normed, residual): plain, biased, down_proj's, a layer's norm, the first's
+    variants = ((False, False, False, False), (True, False, False, False),
+                (False, True, False, False), (False, False, True, True),
+                (False, False, True, False))
+    cases = [(config, m_pad, flags) for m_pad in (16, 32) for flags in variants
+             for config in _fitting(CONFIGS, {}, M_PAD=m_pad, GATED=flags[1],
+                                    HAS_RESIDUAL=flags[3])]
+    assert len(cases) >= 70   # the pruning leaves most configs to time at every size
+    for config, m_pad, (bias, gated, normed, residual) in cases:
         src = ASTSource(fn=_skinny_kernel, signature=signature, attrs=aligned,
-                        constexprs={"HAS_BIAS": bias, "GATED": gated, "M_PAD": m_pad,
+                        constexprs={"HAS_BIAS": bias, "GATED": gated, "NORMED": normed,
+                                    "HAS_RESIDUAL": residual, "M_PAD": m_pad,
                                     **config.kwargs})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": config.num_warps,
@@ -172,6 +200,16 @@ def test_decode_linears_take_the_kernel_under_triton_and_it_captures():
             else:                               # the kernel's, bit for bit
                 y, t = skinny_linear(x, w, None, slot.A, gated=gated)
                 assert torch.equal(got, slot.expand_into(y, t))
+        # A layer's norm left to the product: close to add_rms_norm + cuBLAS, the same stream
+        x, res = (torch.randn(m, 512, device="cuda").bfloat16() for _ in range(2))
+        g = (1 + torch.randn(512, device="cuda") / 4).bfloat16()
+        apart = ops.NormInput(x, res, g, 1e-6)
+        want = ops.linear(apart, w, None, slot)
+        fused = ops.NormInput(x, res, g, 1e-6)
+        with gemm_backend("triton"):
+            got = ops.linear(fused, w, None, slot)
+        assert _rel(got, want.float().cpu()) < 1e-2
+        assert torch.equal(fused.residual_out, apart.residual_out)
     x = torch.randn(4, 512, device="cuda").bfloat16()
     out = torch.empty(4, 1024, device="cuda", dtype=torch.bfloat16)
     with gemm_backend("triton"):

@@ -131,7 +131,7 @@ class ColumnParallelLinear(nn.Module):
         self.shard_sizes = tuple(length for _, _, length in parts)
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
-    def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor:
         return ops.linear(x_TE, self.weight, self.bias, self.lora)
 
 
@@ -209,6 +209,11 @@ class RMSNorm(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight * RMSNorm(x + residual), x + residual); no residual (first layer): x."""
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def pending(self, x: torch.Tensor, residual: torch.Tensor | None) -> ops.NormInput:
+        """add_and_norm left to the linear that reads it (ops.NormInput: the skinny kernel
+        makes it as it reads; elsewhere add_and_norm's numbers)."""
+        return ops.NormInput(x, residual, self.weight, self.eps)
 
 
 def _rope_params(hf: dict) -> tuple[float, dict]:

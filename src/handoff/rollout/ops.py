@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,20 +40,54 @@ def use_fused(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fused_available()
 
 
-def linear(x_TE: torch.Tensor, weight_FE: torch.Tensor, bias_F: torch.Tensor | None = None,
-           lora=None, *, gated: bool = False) -> torch.Tensor:
+@dataclass
+class NormInput:
+    """weight * RMSNorm(x + residual), not computed yet: the linear that reads it computes it
+    (the skinny kernel, tile by tile, without a launch of its own) or has add_rms_norm make
+    it first. Either way `residual_out` (x + residual, the stream; x without a residual) is
+    set then, for the layer's next add."""
+
+    x_TE: torch.Tensor
+    residual_TE: torch.Tensor | None
+    weight_E: torch.Tensor
+    eps: float
+    residual_out: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x_TE.shape
+
+    def materialize(self) -> torch.Tensor:
+        normed_TE, self.residual_out = add_rms_norm(self.x_TE, self.residual_TE, self.weight_E,
+                                                    self.eps)
+        return normed_TE
+
+
+def linear(x_TE: torch.Tensor | NormInput, weight_FE: torch.Tensor,
+           bias_F: torch.Tensor | None = None, lora=None, *, gated: bool = False
+           ) -> torch.Tensor:
     """x W^T + b, plus a LoRA slot's delta (rollout/lora.py); `gated`: x is the MLP's
-    [gate | up] and the input is silu_mul(x). Under gemm_backend("triton") a product of
-    <= SKINNY_MAX_ROWS rows (CUDA, half precision) is the Triton skinny kernel: the slot's
-    shrink x A^T as more rows of the same launch, the SiLU made as x is read (HANDOFF_FUSED=0
-    turns it off: cuBLAS, as for a weight that is not row-major or not in x's dtype)."""
-    if (skinny_gemm_on() and x_TE.shape[0] <= SKINNY_MAX_ROWS and use_fused(x_TE)
-            and weight_FE.stride(-1) == 1 and weight_FE.dtype == x_TE.dtype):
+    [gate | up] and the input is silu_mul(x); a NormInput: the input is its norm. Under
+    gemm_backend("triton") a product of <= SKINNY_MAX_ROWS rows (CUDA, half precision) is
+    the Triton skinny kernel: the slot's shrink x A^T as more rows of the same launch, the
+    SiLU or the norm made as x is read (HANDOFF_FUSED=0 turns it off: cuBLAS, as for a
+    weight that is not row-major or not in x's dtype)."""
+    pending = x_TE if isinstance(x_TE, NormInput) else None
+    x = x_TE if pending is None else pending.x_TE
+    if (skinny_gemm_on() and x.shape[0] <= SKINNY_MAX_ROWS and use_fused(x)
+            and weight_FE.stride(-1) == 1 and weight_FE.dtype == x.dtype):
         from handoff.rollout.kernels.skinny import skinny_linear
 
-        y_TF, t_TR = skinny_linear(x_TE, weight_FE, bias_F, None if lora is None else lora.A,
-                                   gated=gated)
+        norm = None
+        if pending is not None:
+            res = pending.residual_TE
+            pending.residual_out = x if res is None else torch.empty_like(x)
+            norm = (res, pending.weight_E, pending.eps, pending.residual_out)
+        y_TF, t_TR = skinny_linear(x, weight_FE, bias_F, None if lora is None else lora.A,
+                                   gated=gated, norm=norm)
         return y_TF if lora is None else lora.expand_into(y_TF, t_TR)
+    if pending is not None:
+        x_TE = pending.materialize()
     if gated:
         x_TE = silu_mul(x_TE)
     y_TF = F.linear(x_TE, weight_FE, bias_F)

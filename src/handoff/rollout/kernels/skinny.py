@@ -11,7 +11,11 @@ stays no larger than the weight's (more rows would read x more than the weight: 
 over K, so no second kernel reduces. `extra_RK` (a LoRA slot's stacked A, rollout/lora.py) is
 read as R more rows of the same product into `t`: LoRA's shrink x A^T takes no launch of its
 own. With `gated` the input is the MLP's [gate | up] and each tile of SiLU(gate) * up is made
-as it is read (silu_mul's rounding): down_proj takes no silu_mul launch. cuBLAS offers neither
+as it is read (silu_mul's rounding): down_proj takes no silu_mul launch. With `norm` the
+input is a layer's weight * RMSNorm(x + residual): every program first sums its rows'
+squares over K (16-32 rows, from L2), then makes each tile as it reads it; one program
+writes x + residual, the residual stream: qkv_proj and gate_up_proj take no add_rms_norm
+launch (ops.NormInput). cuBLAS offers neither
 a GEMV without its reduce at these shapes, nor a second weight or a prologue in one call,
 hence a kernel of our own.
 
@@ -43,24 +47,35 @@ CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s
 SHARED_BYTES = 200 * 1024   # a config's pipeline buffers stay under the H100/H200's 227 KB
 
 
-def pipeline_bytes(config: triton.Config, m_pad: int, gated: bool) -> int:
-    """Shared memory of a config's pipelined x (gate and up when gated) and weight tiles,
-    bf16, all stages: at most what Triton allocates (tests/rollout/test_kernels_skinny.py)."""
-    x_rows = 2 * m_pad if gated else m_pad
+def pipeline_bytes(config: triton.Config, m_pad: int, two_inputs: bool) -> int:
+    """Shared memory of a config's pipelined x (and up, or the residual: `two_inputs`) and
+    weight tiles, bf16, all stages: at most what Triton allocates (the tests check)."""
+    x_rows = 2 * m_pad if two_inputs else m_pad
     return (x_rows + config.kwargs["BLOCK_N"]) * config.kwargs["BLOCK_K"] * 2 * config.num_stages
 
 
 def _fitting(configs, named_args, **kwargs):
     # x's tiles grow with the rows: a config too large for shared memory is not timed.
-    return [c for c in configs
-            if pipeline_bytes(c, kwargs["M_PAD"], kwargs["GATED"]) <= SHARED_BYTES]
+    two = kwargs["GATED"] or kwargs["HAS_RESIDUAL"]
+    return [c for c in configs if pipeline_bytes(c, kwargs["M_PAD"], two) <= SHARED_BYTES]
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr, M, N, R, K,
-                   stride_xm, stride_wn, stride_en, stride_ym, stride_tm,
-                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, M_PAD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _summed(x_ptr, r_ptr, stride_xm, stride_rm, offs_m, ks, mask, HAS_RESIDUAL: tl.constexpr):
+    """fp32 [M_PAD, BLOCK_K] of x + residual rounded to x's dtype (the residual stream's)."""
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs_m[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr, M, N, R, K,
+                   stride_xm, stride_rm, stride_sm, stride_wn, stride_en, stride_ym, stride_tm,
+                   eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     # Programs [0, cdiv(N, BLOCK_N)) own rows of the weight, the rest rows of the extra: the
     # source is chosen by scalars, so one pipelined loop (and one set of buffers) serves both.
     pid = tl.program_id(0)
@@ -75,15 +90,34 @@ def _skinny_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr, M, N, R, K,
     m_ok = offs_m < M
     r_ok = rows < num_rows
     src_rows = src + rows.to(tl.int64)[None, :] * stride_src
+    dtype = x_ptr.dtype.element_ty
+    if NORMED:   # each row's 1 / RMS of x + residual first: one pass over its K columns
+        squares = tl.zeros((M_PAD,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            summed = _summed(x_ptr, r_ptr, stride_xm, stride_rm, offs_m, ks,
+                             m_ok[:, None] & (ks < K)[None, :], HAS_RESIDUAL)
+            squares += tl.sum(summed * summed, axis=1)
+        rstd = tl.rsqrt(squares / K + eps)
     acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_ok = ks < K
-        x_tile = x_ptr + offs_m[:, None] * stride_xm + ks[None, :]
-        x = tl.load(x_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if GATED:   # x holds [gate | up]: this tile's SiLU(gate) * up, as silu_mul rounds it
-            up = tl.load(x_tile + K, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            x = silu_times(x, up, x_ptr.dtype.element_ty)
+        mask = m_ok[:, None] & k_ok[None, :]
+        if NORMED:   # weight * RMSNorm(x + residual), rounded where add_rms_norm rounds
+            summed = _summed(x_ptr, r_ptr, stride_xm, stride_rm, offs_m, ks, mask, HAS_RESIDUAL)
+            if HAS_RESIDUAL:   # the residual stream for the next add, written by one program
+                tl.store(s_ptr + offs_m[:, None] * stride_sm + ks[None, :], summed.to(dtype),
+                         mask=mask & (pid == 0))
+            normed = (summed * rstd[:, None]).to(dtype).to(tl.float32)
+            g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = (normed * g[None, :]).to(dtype)
+        else:
+            x_tile = x_ptr + offs_m[:, None] * stride_xm + ks[None, :]
+            x = tl.load(x_tile, mask=mask, other=0.0)
+            if GATED:   # x holds [gate | up]: this tile's SiLU(gate) * up, as silu_mul rounds
+                up = tl.load(x_tile + K, mask=mask, other=0.0)
+                x = silu_times(x, up, dtype)
         w = tl.load(src_rows + ks[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc)     # w is the [BLOCK_K, BLOCK_N] tile of the rows, transposed
     if HAS_BIAS:
@@ -112,18 +146,26 @@ _tuned_kernel = triton.autotune(configs=CONFIGS, key=["N", "K", "M_PAD"], do_ben
 
 def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None,
                   extra_RK: torch.Tensor | None = None, *, gated: bool = False,
-                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  norm: tuple | None = None, config: dict | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x W^T + b [M, N], x E^T [M, R] or None) in one launch, both in x's dtype.
 
     M <= SKINNY_MAX_ROWS; weight and extra row-major (their rows may be strided). `gated`:
     x is [M, 2K], gate then up, and the product's input is SiLU(gate) * up (silu_mul's
-    numbers), made tile by tile: the MLP's down_proj without silu_mul's launch. `config`
-    ({"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}) skips the autotuner (the tests)."""
+    numbers), made tile by tile: the MLP's down_proj without silu_mul's launch. `norm`
+    (residual [M, K] or None, norm weight [K], eps, residual_out [M, K]): the input is
+    weight * RMSNorm(x + residual) (add_rms_norm's rounding, the sum of squares in another
+    order) and x + residual goes to residual_out: a layer's norm without its own launch.
+    `config` ({"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}) skips the autotuner."""
     rows, width = x_MK.shape
     in_features = width // 2 if gated else width
     assert rows <= SKINNY_MAX_ROWS, f"{rows} rows: the skinny kernel serves <= {SKINNY_MAX_ROWS}"
+    assert not (gated and norm), "a gated input is not normed"
     if x_MK.stride(-1) != 1:
         x_MK = x_MK.contiguous()
+    residual, norm_weight, eps, residual_out = norm or (None, None, 0.0, None)
+    if residual is not None:
+        assert residual.stride(-1) == 1 and residual_out.stride(-1) == 1
     assert weight_NK.stride(-1) == 1 and weight_NK.shape[1] == in_features
     out_features = weight_NK.shape[0]
     extra = 0 if extra_RK is None else extra_RK.shape[0]
@@ -132,19 +174,24 @@ def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
                                                    device=x_MK.device)
     if extra_RK is not None:
         assert extra_RK.stride(-1) == 1 and extra_RK.shape[1] == in_features
-    args = (x_MK, weight_NK, weight_NK if extra_RK is None else extra_RK,
+    args = (x_MK, x_MK if residual is None else residual,
+            x_MK if norm_weight is None else norm_weight,
+            x_MK if residual_out is None else residual_out,
+            weight_NK, weight_NK if extra_RK is None else extra_RK,
             weight_NK if bias_N is None else bias_N, y, y if t is None else t,
-            rows, out_features, extra, in_features, x_MK.stride(0), weight_NK.stride(0),
+            rows, out_features, extra, in_features, x_MK.stride(0),
+            0 if residual is None else residual.stride(0),
+            0 if residual_out is None else residual_out.stride(0), weight_NK.stride(0),
             0 if extra_RK is None else extra_RK.stride(0), y.stride(0),
-            0 if t is None else t.stride(0))
+            0 if t is None else t.stride(0), float(eps))
+    flags = {"HAS_BIAS": bias_N is not None, "GATED": gated, "NORMED": norm is not None,
+             "HAS_RESIDUAL": residual is not None, "M_PAD": rows_padded(rows)}
 
     def grid(meta):
         return (triton.cdiv(out_features, meta["BLOCK_N"]) + triton.cdiv(extra, meta["BLOCK_N"]),)
 
     if config is None:
-        _tuned_kernel[grid](*args, HAS_BIAS=bias_N is not None, GATED=gated,
-                            M_PAD=rows_padded(rows))
+        _tuned_kernel[grid](*args, **flags)
     else:
-        _skinny_kernel[grid(config)](*args, HAS_BIAS=bias_N is not None, GATED=gated,
-                                     M_PAD=rows_padded(rows), **config)
+        _skinny_kernel[grid(config)](*args, **flags, **config)
     return y, t

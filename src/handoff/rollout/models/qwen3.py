@@ -93,8 +93,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, spec.rms_norm_eps, **kw) if spec.qk_norm else None
         self.scale = d ** -0.5
 
-    def forward(self, x_TE: torch.Tensor, positions_T: torch.Tensor, rope_LD: torch.Tensor,
-                meta: AttnMeta) -> torch.Tensor:
+    def forward(self, x_TE: torch.Tensor | ops.NormInput, positions_T: torch.Tensor,
+                rope_LD: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         num_tokens = x_TE.shape[0]
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
@@ -116,7 +116,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, bias=spec.mlp_bias, tp=tp,
                                            **kw)
 
-    def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor:
         # silu_mul inside down_proj's product: one launch fewer where the skinny kernel runs
         return self.down_proj(self.gate_up_proj(x_TE), gated=True)
 
@@ -130,11 +130,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec, tp, **kw)
 
     def forward(self, x_TE, residual_TE, positions_T, rope_LD, meta):
-        """(this layer's output, the residual stream before it): the next norm adds them."""
-        h_TE, residual_TE = self.input_layernorm.add_and_norm(x_TE, residual_TE)
-        h_TE = self.self_attn(h_TE, positions_T, rope_LD, meta)
-        h_TE, residual_TE = self.post_attention_layernorm.add_and_norm(h_TE, residual_TE)
-        return self.mlp(h_TE), residual_TE
+        """(this layer's output, the residual stream before it): the next norm adds them.
+        Each norm is left to the projection that reads it (RMSNorm.pending), which sets the
+        stream after it."""
+        normed = self.input_layernorm.pending(x_TE, residual_TE)
+        h_TE = self.self_attn(normed, positions_T, rope_LD, meta)
+        normed = self.post_attention_layernorm.pending(h_TE, normed.residual_out)
+        return self.mlp(normed), normed.residual_out
 
 
 class Backbone(nn.Module):
