@@ -121,3 +121,23 @@ def test_the_modelled_step_trains_at_the_compiled_rate_when_compile_is_on(lora):
     assert c["modelled_seconds"] < e["modelled_seconds"]
     assert c["modelled_seconds"] - c["switch_seconds"] == pytest.approx(
         e["modelled_seconds"] - e["switch_seconds"] - COMPILED_TRAIN_SAVING * e["train_seconds"])
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_handoff_plan_prices_the_compile_on_the_step_it_models(lora):
+    """The plan's step trains the workload's tokens (here 8x the run's): the compile's saving
+    per step is that step's training times the saving, not the run's smaller step's."""
+    if lora:
+        from handoff.plan.lora_report import build_lora_plan as build
+    else:
+        build = build_plan
+    extra = ["actor.lora.rank=16"] if lora else []
+    base = _h200_4b("run.steps=6", *extra)
+    tokens = build(base, advise=False)["step"]["train_tokens_per_card"]
+    big = build(_h200_4b("run.steps=6", f"workload.tokens_per_step={8 * int(tokens)}", *extra),
+                advise=False)
+    step, choice = big["step"], big["compile"]
+    assert step["train_tokens_per_card"] > 7 * tokens
+    eager_train_s = step["train_seconds"] / (1 - COMPILED_TRAIN_SAVING if choice["on"] else 1)
+    assert choice["saving_seconds"] == pytest.approx(6 * eager_train_s * COMPILED_TRAIN_SAVING)
+    assert f"{step['train_tokens_per_card']:,.0f} tokens" in choice["reason"]

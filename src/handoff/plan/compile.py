@@ -12,9 +12,10 @@ compute. So auto turns it on when run.steps x that saving exceeds the compile's 
   compile seconds = COLD_COMPILE_SECONDS, or WARM_COMPILE_SECONDS when this layer shape was
                     compiled into the persistent cache before (handoff.compile_cache)
 
-The trainer's tokens per card and step are the run's: data.prompts_per_step x rollout.n
-sequences over parallel.gpus cards, each workload.prompt_len + workload.response_len tokens
-(the response capped at rollout.max_tokens). A CPU run stays eager: inductor's CPU compile
+The trainer's tokens per card and step are the run's (`handoff train`): data.prompts_per_step
+x rollout.n sequences over parallel.gpus cards, each workload.prompt_len +
+workload.response_len tokens (the response capped at rollout.max_tokens); `handoff plan`
+prices the step it models, the workload's tokens (plan.report.trained_tokens_per_card). A CPU run stays eager: inductor's CPU compile
 takes minutes on a small host and the CPU demo's numbers stay the eager path's.
 
 Where the constants come from (docs/PERF.md, "The trainer's compute", H200):
@@ -114,9 +115,11 @@ def price_compile(requested: bool | str, *, device_type: str, hardware: str,
 
 
 def choose_compile(cfg: Config, shape: ModelShape, hw: HardwareProfile, *, device_type: str,
-                   warm: bool) -> CompileChoice:
-    """price_compile for the run `cfg` on a `device_type` card priced with `hw`."""
-    tokens = run_train_tokens_per_card(cfg)
+                   warm: bool, tokens_per_card: float | None = None) -> CompileChoice:
+    """price_compile for the run `cfg` on a `device_type` card priced with `hw`; each step
+    trains `tokens_per_card` (None: the run's, run_train_tokens_per_card; `handoff plan`
+    passes the tokens its modelled step trains, so both price the same step)."""
+    tokens = run_train_tokens_per_card(cfg) if tokens_per_card is None else tokens_per_card
     seconds = train_seconds(shape, tokens, hw,
                             ref=cfg.actor.kl_coef > 0,
                             old_logprobs=cfg.actor.updates_per_step > 1,

@@ -29,7 +29,8 @@ from handoff.plan.lora import (BaseCopies, adapter_params, adapter_sync_seconds,
                                lora_memory_by_owner, lora_switch_actions)
 from handoff.plan.lora_verdict import (decide_lora, lora_elastic_utilization,
                                        lora_max_safe_utilization, lora_training_peak_bytes)
-from handoff.plan.report import auto_tp, build_plan, kv_and_host, plan_workload, step_time
+from handoff.plan.report import (auto_tp, build_plan, kv_and_host, plan_workload, step_time,
+                                 trained_tokens_per_card)
 from handoff.plan.shapes import load_shape
 from handoff.plan.verdict import TRAIN_PEAK_FRACTION
 
@@ -93,7 +94,8 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
                     kv_bytes=dtypes.kv_bytes, extra_weight_bytes=engine_adapters)
     req_row = next(r for r in rows if r.requested)
     compiled = choose_compile(cfg, shape, hw, device_type=named_device(cfg, hw),
-                              warm=compile_warm)
+                              warm=compile_warm,
+                              tokens_per_card=trained_tokens_per_card(workload))
     step, exposed = step_time(shape, compiled_rate(hw, compiled), workload, actions,
                               req_row.generation_seconds, memory=memory, elastic_pool=elastic,
                               given=cfg.workload.step_seconds, ref=ref,

@@ -54,6 +54,12 @@ def auto_tp(shape: ModelShape, hw: HardwareProfile, gpus: int, dtypes: Dtypes) -
     return tp
 
 
+def trained_tokens_per_card(workload: Workload) -> float:
+    """Prompt + response tokens one card trains on per step of `workload`."""
+    responses = workload.tokens_per_card / workload.response_len
+    return workload.tokens_per_card + responses * workload.prompt_len
+
+
 def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
               actions: list[SwitchAction], generation_seconds: float | None, *,
               memory: MemoryConfig, elastic_pool: bool, given: float | None, ref: bool,
@@ -66,8 +72,7 @@ def step_time(shape: ModelShape, hw: HardwareProfile, workload: Workload,
     memory.overlap the copies back hide behind its forwards before the update
     (plan.ledger.exposed_seconds); `lora`: a frozen base's compute, and LoRA's switch order
     unless `lora_order` says otherwise (exposed_behind_compute)."""
-    responses = workload.tokens_per_card / workload.response_len
-    tokens = workload.tokens_per_card + responses * workload.prompt_len
+    tokens = trained_tokens_per_card(workload)
     train_s, exposed = exposed_behind_compute(
         {a.name: a.seconds for a in actions}, memory, shape, tokens, hw, ref=ref,
         updates_per_step=updates_per_step, generation_seconds=generation_seconds,
@@ -156,7 +161,8 @@ def build_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = Fal
                     kv_bytes=dtypes.kv_bytes)
     req_row = next(r for r in rows if r.requested)
     compiled = choose_compile(cfg, shape, hw, device_type=named_device(cfg, hw),
-                              warm=compile_warm)
+                              warm=compile_warm,
+                              tokens_per_card=trained_tokens_per_card(workload))
     step, exposed = step_time(shape, compiled_rate(hw, compiled), workload, actions,
                               req_row.generation_seconds, memory=memory, elastic_pool=elastic,
                               given=wl_cfg.step_seconds, ref=ref,
