@@ -74,7 +74,7 @@ def test_unreadable_config_json(tmp_path):
 def test_json_shape():
     res = invoke("--model", "qwen3-32b", "--gpus", "8", "--step-seconds", "300", "--json")
     assert res.exit_code == 0, res.output
-    r = json.loads(res.output)
+    r = json.loads(res.stdout)
     assert isinstance(r["model"]["params"], int) and r["model"]["params"] > 3e10
     assert set(r["memory"]["train"]) >= {"params", "grads", "optimizer", "reference"}
     assert set(r["memory"]["generate"]) >= {"engine_weights", "kv_pool", "activation_peak",
@@ -112,7 +112,7 @@ def test_flags_config_file_and_overrides(tmp_path):
     cfg = tmp_path / "plan.yaml"
     cfg.write_text("model:\n  path: llama3-8b\nparallel:\n  gpus: 16\n  tp: 2\n")
     res = invoke("--config", str(cfg), "rollout.gpu_memory_utilization=0.6", "--json")
-    r = json.loads(res.output)
+    r = json.loads(res.stdout)
     assert r["model"]["name"] == "llama3-8b" and r["layout"]["gpus"] == 16
     assert r["layout"]["tp"] == 2 and not r["layout"]["tp_auto"]
     assert r["workload"]["utilization"] == 0.6

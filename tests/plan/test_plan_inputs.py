@@ -33,7 +33,7 @@ def plan(model, gpus, *overrides, **kw):
 
 def test_the_demo_model_name_that_train_accepts_is_planned():
     res = invoke("--model", SMOLLM2_PRESET, "--gpus", "1", "--json")
-    report = json.loads(res.output)
+    report = json.loads(res.stdout)
     assert res.exit_code == 0 and report["verdict"]["fits"] and report["verdict"]["runnable"]
     # SmolLM2-135M: 30 layers of 576 wide, 9 heads over 3 KV heads, tied 49152-token vocab.
     assert report["model"]["params"] == 134_515_008 == count_params(PRESETS[SMOLLM2_PRESET])
