@@ -156,6 +156,20 @@ def test_every_config_builds_for_hopper_with_pipelined_loads():
         assert "cp.async" in kernel.asm["ptx"], f"{config}: loads not pipelined"
 
 
+def test_tuned_configs_are_kept_apart_by_what_the_input_needs_in_shared_memory():
+    """Layer 0's qkv_proj (norm, no residual) has every later qkv_proj's shape: a config
+    chosen for one input tile may not fit two. The autotuner's key keeps them apart, and a
+    config pruned for two inputs at that shape exists (else the key would not matter)."""
+    pytest.importorskip("triton")
+    from handoff.rollout.kernels.skinny import CONFIGS, _fitting, _tuned_kernel
+
+    one = _fitting(CONFIGS, {}, M_PAD=32, GATED=False, HAS_RESIDUAL=False)
+    two = _fitting(CONFIGS, {}, M_PAD=32, GATED=False, HAS_RESIDUAL=True)
+    assert set(two) < set(one)
+    assert {"N", "K", "M_PAD", "GATED", "NORMED", "HAS_RESIDUAL"} <= set(_tuned_kernel.keys)
+    assert "R" not in _tuned_kernel.keys   # with or without an adapter: one config
+
+
 @pytest.mark.cuda
 @cuda
 def test_skinny_product_on_cuda_through_the_autotuner():

@@ -137,9 +137,12 @@ def _from_hbm(kernel_call, quantiles):
     return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
-# Keyed by the weight's shape and the padded rows alone: with or without extra rows a weight's
-# rows take the same config, so a zero adapter's outputs are the base's bit for bit.
-_tuned_kernel = triton.autotune(configs=CONFIGS, key=["N", "K", "M_PAD"], do_bench=_from_hbm,
+# Keyed by the weight's shape, the padded rows and the input's kind, not the extra rows: with
+# or without an adapter a weight's rows take the same config, so a zero adapter's outputs are
+# the base's bit for bit. The kind is in the key because it sets the shared memory a config
+# needs (_fitting): layer 0's qkv_proj (no residual) shares its shape with every later one's.
+_tuned_kernel = triton.autotune(configs=CONFIGS, key=["N", "K", "M_PAD", "GATED", "NORMED",
+                                                      "HAS_RESIDUAL"], do_bench=_from_hbm,
                                 prune_configs_by={"early_config_prune": _fitting},
                                 cache_results=True)(_skinny_kernel)
 
