@@ -1,6 +1,7 @@
 """Where the skinny product's time goes (device, one minute): each Qwen3-1.7B decode linear at
-1, 16 and 32 rows, the weight from HBM (do_bench's L2 flush), as GB/s of its weight bytes:
-cuBLAS, the skinny kernel autotuned and under each config, and the same product with the
+1, 4, 16 and 32 rows, the weight from HBM (do_bench's L2 flush), as GB/s of its weight bytes:
+cuBLAS, the skinny kernel autotuned and under each config (SPLIT_K among them: the best
+config's split says whether splitting K pays), and the same product with the
 operands swapped (y^T = W x^T: the weight is the dot's left operand, BLOCK_N rows wide, so
 Hopper's wgmma serves it where BLOCK_N >= 64), to see whether the loop or the layout is slow.
     python3 scripts/device/skinny_probe.py
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from handoff.rollout.kernels.skinny import CONFIGS, skinny_linear
+from handoff.rollout.kernels.skinny import CONFIGS, _fitting, skinny_linear
 
 
 @triton.jit
@@ -54,15 +55,17 @@ def main():
     print("|---|---|---|---|---|---|")
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda").bfloat16()
-        for m in (1, 16, 32):
+        for m in (1, 4, 16, 32):
             x = torch.randn(m, k, device="cuda").bfloat16()
             ref = x.float() @ w.float().T
             nbytes = w.numel() * 2
             cublas = gbps(lambda: F.linear(x, w), nbytes)
             tuned = gbps(lambda: skinny_linear(x, w), nbytes)
             best = max((gbps(lambda c=c: skinny_linear(x, w, config={**c.kwargs,
-                        "num_warps": c.num_warps, "num_stages": c.num_stages}), nbytes), str(c))
-                       for c in CONFIGS)
+                        "num_warps": c.num_warps, "num_stages": c.num_stages}), nbytes),
+                         str(c.kwargs) + f" w{c.num_warps} s{c.num_stages}")
+                       for c in _fitting(CONFIGS, {"N": n, "K": k}, M_PAD=16, GATED=False,
+                                         HAS_RESIDUAL=False))
             rows = []
             for cfg in swaps:
                 try:
@@ -72,7 +75,7 @@ def main():
                     print(f"swapped {cfg}: {type(exc).__name__}")
             sw = max(rows) if rows else (0.0, None, 0.0)
             print(f"| {name} {n}x{k} | {m} | {cublas:.0f} | {tuned:.0f} | {best[0]:.0f} "
-                  f"({best[1][:60]}) | {sw[0]:.0f} {sw[1]} err {sw[2]:.3f} |")
+                  f"({best[1]}) | {sw[0]:.0f} {sw[1]} err {sw[2]:.3f} |")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,29 @@ def run_cases(device: str, dtype: torch.dtype, skinny_linear, config: dict | Non
     return results
 
 
+def interpreted_results(skinny_linear) -> dict:
+    """Every case whole (SMALL), with K split in 2, and in 4 (some splits then get no tile
+    of K: their partial is zero); then whether a split product leaves its counters at zero and
+    gives the same bits twice."""
+    from handoff.rollout.kernels.skinny import split_buffers
+
+    results = {f"split {split}": run_cases("cpu", torch.float16, skinny_linear,
+                                           {**SMALL, "BLOCK_K": 16, "SPLIT_K": split})
+               for split in (2, 4)}
+    results["whole"] = run_cases("cpu", torch.float16, skinny_linear, SMALL)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 80, generator=gen).half()
+    w = (torch.randn(50, 80, generator=gen) / 9).half()
+    e = (torch.randn(12, 80, generator=gen) / 9).half()
+    split = {**SMALL, "BLOCK_K": 16, "SPLIT_K": 4}
+    first, again = (skinny_linear(x, w, None, e, config=split) for _ in range(2))
+    results["counters_zero"] = not split_buffers(x.device)[1].any().item()
+    results["split_repeats_bitwise"] = all(torch.equal(a, b) for a, b in zip(first, again))
+    whole_y, _ = skinny_linear(x, w, None, e, config=SMALL)
+    results["split_differs_from_whole_by"] = _rel(first[0], whole_y.float())
+    return results
+
+
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float().cpu() - want).norm() / want.norm()).item()
 
@@ -106,7 +129,13 @@ def _check(results: dict) -> None:
 
 
 def test_skinny_product_equals_the_reference_under_interpreter():
-    _check(results_under_interpreter(__file__))
+    """Whole and split over K (the last split's program sums the partials in order)."""
+    results = results_under_interpreter(__file__)
+    for name in ("whole", "split 2", "split 4"):
+        _check(results[name])
+    assert results["counters_zero"] is True   # a captured graph replays from zero
+    assert results["split_repeats_bitwise"] is True
+    assert results["split_differs_from_whole_by"] < 2e-3
 
 
 def test_more_rows_than_the_kernel_serves_are_refused():
@@ -131,19 +160,26 @@ def test_every_config_builds_for_hopper_with_pipelined_loads():
 
     names = _skinny_kernel.arg_names
     const_names = ("HAS_BIAS", "GATED", "NORMED", "HAS_RESIDUAL", "M_PAD", "BLOCK_N",
-                   "BLOCK_K")
-    signature = {n: "constexpr" if n in const_names else "*bf16" if n.endswith("_ptr")
-                 else "fp32" if n == "eps" else "i32" for n in names}
+                   "BLOCK_K", "SPLIT_K")
+    pointers = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    signature = {n: "constexpr" if n in const_names else pointers.get(n, "*bf16")
+                 if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n not in const_names and n not in ("M", "R", "eps")}   # M, R: any count
     # (bias, gated, normed, residual): plain, biased, down_proj's, a layer's norm, the first's
     variants = ((False, False, False, False), (True, False, False, False),
                 (False, True, False, False), (False, False, True, True),
                 (False, False, True, False))
+    qkv = {"N": 4096, "K": 2048}   # a Qwen3-1.7B qkv_proj: every split fits
     cases = [(config, m_pad, flags) for m_pad in (16, 32) for flags in variants
-             for config in _fitting(CONFIGS, {}, M_PAD=m_pad, GATED=flags[1],
-                                    HAS_RESIDUAL=flags[3])]
+             for config in _fitting(CONFIGS, qkv, M_PAD=m_pad, GATED=flags[1],
+                                    HAS_RESIDUAL=flags[3])
+             if config.kwargs["SPLIT_K"] == 1]
     assert len(cases) >= 70   # the pruning leaves most configs to time at every size
+    # split over K: its counting and summing epilogue, at the largest tiles' shared memory
+    cases += [(config, 32, flags) for flags in variants[2:4]
+              for config in _fitting(CONFIGS, qkv, M_PAD=32, GATED=flags[1],
+                                     HAS_RESIDUAL=flags[3]) if config.kwargs["SPLIT_K"] == 4]
     for config, m_pad, (bias, gated, normed, residual) in cases:
         src = ASTSource(fn=_skinny_kernel, signature=signature, attrs=aligned,
                         constexprs={"HAS_BIAS": bias, "GATED": gated, "NORMED": normed,
@@ -163,11 +199,30 @@ def test_tuned_configs_are_kept_apart_by_what_the_input_needs_in_shared_memory()
     pytest.importorskip("triton")
     from handoff.rollout.kernels.skinny import CONFIGS, _fitting, _tuned_kernel
 
-    one = _fitting(CONFIGS, {}, M_PAD=32, GATED=False, HAS_RESIDUAL=False)
-    two = _fitting(CONFIGS, {}, M_PAD=32, GATED=False, HAS_RESIDUAL=True)
+    qkv = {"N": 4096, "K": 2048}
+    one = _fitting(CONFIGS, qkv, M_PAD=32, GATED=False, HAS_RESIDUAL=False)
+    two = _fitting(CONFIGS, qkv, M_PAD=32, GATED=False, HAS_RESIDUAL=True)
     assert set(two) < set(one)
     assert {"N", "K", "M_PAD", "GATED", "NORMED", "HAS_RESIDUAL"} <= set(_tuned_kernel.keys)
     assert "R" not in _tuned_kernel.keys   # with or without an adapter: one config
+
+
+def test_k_is_split_only_where_each_split_streams_tiles_and_the_slots_hold_them():
+    """Split-K where the weight has few column blocks and a long K; not for the LM head (its
+    thousands of blocks fill the card and would pass the partials' slots)."""
+    pytest.importorskip("triton")
+    from handoff.rollout.kernels.skinny import CONFIGS, SPLIT_SLOTS, _fitting
+
+    def splits(n, k):
+        kept = _fitting(CONFIGS, {"N": n, "K": k}, M_PAD=16, GATED=False, HAS_RESIDUAL=False)
+        for c in kept:   # every split's partials have a slot
+            blocks = -(-n // c.kwargs["BLOCK_N"])
+            assert c.kwargs["SPLIT_K"] == 1 or blocks * c.kwargs["SPLIT_K"] <= SPLIT_SLOTS
+        return {c.kwargs["SPLIT_K"] for c in kept}
+
+    assert splits(2048, 6144) == {1, 2, 4, 8}     # a 1.7B down_proj: 128 column blocks
+    assert splits(151936, 2048) == {1}            # the LM head
+    assert splits(2048, 128) == {1}               # K too short to split
 
 
 @pytest.mark.cuda
@@ -175,7 +230,12 @@ def test_tuned_configs_are_kept_apart_by_what_the_input_needs_in_shared_memory()
 def test_skinny_product_on_cuda_through_the_autotuner():
     from handoff.rollout.kernels.skinny import skinny_linear
 
-    _check(run_cases("cuda", torch.bfloat16, skinny_linear, SMALL))
+    from handoff.rollout.kernels.skinny import split_buffers
+
+    for split in (1, 2, 4):   # the counting epilogue on the card's atomics too
+        _check(run_cases("cuda", torch.bfloat16, skinny_linear,
+                         {**SMALL, "BLOCK_K": 16, "SPLIT_K": split}))
+    assert not split_buffers(torch.device("cuda", torch.cuda.current_device()))[1].any()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m in (1, 2, 7, 16, 21, 32):   # a Qwen3-1.7B qkv_proj, a rank-16 slot on its 3 parts
         x = torch.randn(m, 2048, device="cuda", generator=gen).bfloat16()
@@ -281,4 +341,4 @@ if __name__ == "__main__":
     fix_interpreter_loop_bounds()
     from handoff.rollout.kernels.skinny import skinny_linear
 
-    print("RESULTS " + json.dumps(run_cases("cpu", torch.float16, skinny_linear, SMALL)))
+    print("RESULTS " + json.dumps(interpreted_results(skinny_linear)))

@@ -4,27 +4,30 @@
 
 At decode's batch sizes a linear reads every weight once and computes almost nothing: its
 floor is the weight's bytes at the copy rate. cuBLAS reached 62% of it on the Qwen3-1.7B
-shape at batch 1 (H200, 2026-12-05: split-K kernels and a reduction per product). Here each
-program owns BLOCK_N rows of the weight and streams them over K once; x (32 rows at most,
-padded to 16 or 32 for the tensor-core dot) is re-read from L2 by every program, so its tile
-stays no larger than the weight's (more rows would read x more than the weight: cuBLAS's). Nothing is split
-over K, so no second kernel reduces. `extra_RK` (a LoRA slot's stacked A, rollout/lora.py) is
-read as R more rows of the same product into `t`: LoRA's shrink x A^T takes no launch of its
-own. With `gated` the input is the MLP's [gate | up] and each tile of SiLU(gate) * up is made
-as it is read (silu_mul's rounding): down_proj takes no silu_mul launch. With `norm` the
-input is a layer's weight * RMSNorm(x + residual): every program first sums its rows'
-squares over K (16-32 rows, from L2), then makes each tile as it reads it; one program
-writes x + residual, the residual stream: qkv_proj and gate_up_proj take no add_rms_norm
-launch (ops.NormInput). cuBLAS offers neither
-a GEMV without its reduce at these shapes, nor a second weight or a prologue in one call,
-hence a kernel of our own.
+shape at batch 1 (H200, 2026-12-05: split-K kernels and a reduce kernel per product). Here a
+program owns BLOCK_N rows of the weight over 1 / SPLIT_K of K; x (32 rows at most, padded to
+16 or 32 for the tensor-core dot) is re-read from L2 by every program, so its tile stays no
+larger than the weight's (more rows would read x more than the weight: cuBLAS's). With
+SPLIT_K > 1 each program stores its fp32 partial and counts in on its column block's
+counter; the one that counts last sums the partials in split order (the same bits at every
+run) and writes y: no reduce kernel. `extra_RK` (a LoRA slot's stacked A, rollout/lora.py)
+is read as R more rows of the same product into `t`, over all of K: LoRA's shrink x A^T takes
+no launch of its own. With `gated` the input is the MLP's [gate | up] and each tile of
+SiLU(gate) * up is made as it is read (silu_mul's rounding): down_proj takes no silu_mul
+launch. With `norm` the input is a layer's weight * RMSNorm(x + residual): every program first
+sums its rows' squares over K (16-32 rows, from L2), then makes each tile as it reads it;
+column block 0 writes x + residual, the residual stream: qkv_proj and gate_up_proj take no
+add_rms_norm launch (ops.NormInput). cuBLAS offers neither a reduce inside the product, nor a
+second weight or a prologue in one call, hence a kernel of our own.
 
-Triton's autotuner picks BLOCK_N / BLOCK_K / stages per (N, K, padded rows), each config
-timed with the weight coming from HBM, and keeps the choice on disk (a second start does not
-tune again); the runner tunes every shape at start (`tune`), before any step. Nothing is split
-over K, so a product with fewer than ~132 programs (N / BLOCK_N: Qwen3-0.6B's o_proj and
-down_proj, N = 1024) leaves SMs idle; whether a decode step uses this kernel at all is
-rollout.decode_gemm's choice, timed per batch size with `auto` (rollout/gemm_choice.py).
+Triton's autotuner picks BLOCK_N / BLOCK_K / SPLIT_K / stages per (N, K, padded rows, the
+input's kind), each config timed with the weight coming from HBM, and keeps the choice on
+disk (a second start does not tune again); the runner tunes every shape at start, before any
+step. Why K is split: measured on the H200 (2026-12-05) without it, a product of N / BLOCK_N
+<= 132 programs (a 2048-wide o_proj or down_proj) held one program an SM with 12-32 KB of
+weight in flight, a third of what the copy rate needs, and the kernel ran 1.6-1.8x slower
+than cuBLAS. Whether a decode step uses this kernel at all is rollout.decode_gemm's choice,
+timed per batch size with `auto` (rollout/gemm_choice.py).
 
 Shape legend: M = rows (tokens), K = in features, N = out features, R = extra rows (LoRA's
 parts x rank).
@@ -40,11 +43,19 @@ from triton.testing import do_bench
 from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS, rows_padded
 from handoff.rollout.kernels.fused import silu_times
 
-CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-           for n, k, w, s in ((16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3),
-                              (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 8, 4),
-                              (64, 128, 4, 3), (64, 64, 4, 4))]
+BASE_CONFIGS = ((16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4),
+                (32, 256, 4, 3), (32, 256, 8, 4), (64, 128, 4, 3), (64, 64, 4, 4))
+SPLITS = (1, 2, 4, 8)
+CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split}, num_warps=w,
+                         num_stages=s)
+           for n, k, w, s in BASE_CONFIGS for split in SPLITS]
 SHARED_BYTES = 200 * 1024   # a config's pipeline buffers stay under the H100/H200's 227 KB
+# Split-K's partial sums: one slot of [M_PAD, BLOCK_N] fp32 per (split, column block), at
+# most SPLIT_SLOTS of them (8 MB), and a counter per column block; one pair per device,
+# made before any graph is captured and reused by every launch (launches on a stream run one
+# after another, and each leaves its counters at zero).
+SPLIT_SLOTS = 1024
+SLOT_FLOATS = SKINNY_MAX_ROWS * 64
 
 
 def pipeline_bytes(config: triton.Config, m_pad: int, two_inputs: bool) -> int:
@@ -54,10 +65,22 @@ def pipeline_bytes(config: triton.Config, m_pad: int, two_inputs: bool) -> int:
     return (x_rows + config.kwargs["BLOCK_N"]) * config.kwargs["BLOCK_K"] * 2 * config.num_stages
 
 
+def split_fits(n: int, block_n: int, split: int, m_pad: int) -> bool:
+    """Whether a product's split partials (N wide, `split` ways) fit the slots."""
+    return split == 1 or (triton.cdiv(n, block_n) * split <= SPLIT_SLOTS
+                          and block_n * m_pad <= SLOT_FLOATS)
+
+
 def _fitting(configs, named_args, **kwargs):
-    # x's tiles grow with the rows: a config too large for shared memory is not timed.
+    # x's tiles grow with the rows: a config too large for shared memory is not timed. A
+    # split gives each program at least two of its tiles, and all splits fit the slots.
     two = kwargs["GATED"] or kwargs["HAS_RESIDUAL"]
-    return [c for c in configs if pipeline_bytes(c, kwargs["M_PAD"], two) <= SHARED_BYTES]
+    n, k, m_pad = named_args["N"], named_args["K"], kwargs["M_PAD"]
+    return [c for c in configs
+            if pipeline_bytes(c, m_pad, two) <= SHARED_BYTES
+            and split_fits(n, c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], m_pad)
+            and (c.kwargs["SPLIT_K"] == 1
+                 or triton.cdiv(k, c.kwargs["BLOCK_K"]) >= 2 * c.kwargs["SPLIT_K"])]
 
 
 @triton.jit
@@ -71,27 +94,33 @@ def _summed(x_ptr, r_ptr, stride_xm, stride_rm, offs_m, ks, mask, HAS_RESIDUAL: 
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr, M, N, R, K,
-                   stride_xm, stride_rm, stride_sm, stride_wn, stride_en, stride_ym, stride_tm,
-                   eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    # Programs [0, cdiv(N, BLOCK_N)) own rows of the weight, the rest rows of the extra: the
-    # source is chosen by scalars, so one pipelined loop (and one set of buffers) serves both.
+def _skinny_kernel(x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr, ws_ptr,
+                   cnt_ptr, M, N, R, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_en,
+                   stride_ym, stride_tm, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                   NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, M_PAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    # Programs [0, SPLIT_K * cdiv(N, BLOCK_N)) own rows of the weight over 1 / SPLIT_K of K,
+    # the rest rows of the extra over all of K: the source is chosen by scalars, so one
+    # pipelined loop (and one set of buffers) serves both.
     pid = tl.program_id(0)
     weight_blocks = tl.cdiv(N, BLOCK_N)
-    own = pid < weight_blocks
+    own = pid < weight_blocks * SPLIT_K
+    block = tl.where(own, pid % weight_blocks, pid - weight_blocks * SPLIT_K)
+    split = tl.where(own, pid // weight_blocks, 0)
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = split * k_per_split
+    k_end = tl.where(own, tl.minimum(K, k_start + k_per_split), K)
     src = tl.where(own, w_ptr, e_ptr)
     stride_src = tl.where(own, stride_wn, stride_en)
     num_rows = tl.where(own, N, R)
-    rows = tl.where(own, pid, pid - weight_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     r_ok = rows < num_rows
     src_rows = src + rows.to(tl.int64)[None, :] * stride_src
     dtype = x_ptr.dtype.element_ty
-    if NORMED:   # each row's 1 / RMS of x + residual first: one pass over its K columns
+    if NORMED:   # each row's 1 / RMS of x + residual first: one pass over all K columns
         squares = tl.zeros((M_PAD,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
@@ -100,15 +129,16 @@ def _skinny_kernel(x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr
             squares += tl.sum(summed * summed, axis=1)
         rstd = tl.rsqrt(squares / K + eps)
     acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
         k_ok = ks < K
         mask = m_ok[:, None] & k_ok[None, :]
         if NORMED:   # weight * RMSNorm(x + residual), rounded where add_rms_norm rounds
             summed = _summed(x_ptr, r_ptr, stride_xm, stride_rm, offs_m, ks, mask, HAS_RESIDUAL)
-            if HAS_RESIDUAL:   # the residual stream for the next add, written by one program
+            if HAS_RESIDUAL:   # the residual stream for the next add: column block 0 of
+                # each split writes its part of K
                 tl.store(s_ptr + offs_m[:, None] * stride_sm + ks[None, :], summed.to(dtype),
-                         mask=mask & (pid == 0))
+                         mask=mask & own & (block == 0))
             normed = (summed * rstd[:, None]).to(dtype).to(tl.float32)
             g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             x = (normed * g[None, :]).to(dtype)
@@ -120,12 +150,41 @@ def _skinny_kernel(x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr
                 x = silu_times(x, up, dtype)
         w = tl.load(src_rows + ks[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc)     # w is the [BLOCK_K, BLOCK_N] tile of the rows, transposed
+    finished = pid >= 0
+    if SPLIT_K > 1:
+        if own:   # the split's partial to its slot; the block's last split to count in sums
+            slot = ws_ptr + (split * weight_blocks + block) * (M_PAD * BLOCK_N)
+            tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(slot + tile, acc)
+            tl.debug_barrier()   # every thread's partial stored before the count releases it
+            finished = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel") == SPLIT_K - 1
+            if finished:   # the partials in split order: the same sum at every run
+                acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
+                for part in range(SPLIT_K):
+                    acc += tl.load(ws_ptr + (part * weight_blocks + block) * (M_PAD * BLOCK_N)
+                                   + tile, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + block, 0)   # zero for the next launch
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=r_ok & own, other=0.0).to(tl.float32)[None, :]
     dst = tl.where(own, y_ptr, t_ptr)
     stride_dst = tl.where(own, stride_ym, stride_tm)
     tl.store(dst + offs_m[:, None] * stride_dst + rows[None, :], acc.to(dst.dtype.element_ty),
-             mask=m_ok[:, None] & r_ok[None, :])
+             mask=m_ok[:, None] & r_ok[None, :] & finished)
+
+
+_split_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials [SPLIT_SLOTS * SLOT_FLOATS] fp32, counters [SPLIT_SLOTS] int32 at zero) of
+    `device`, made at its first product: the runner's tuning, before any capture."""
+    if device not in _split_buffers:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+            "the skinny kernel's split buffers are made before a graph is captured (tune first)"
+        _split_buffers[device] = (
+            torch.empty(SPLIT_SLOTS * SLOT_FLOATS, dtype=torch.float32, device=device),
+            torch.zeros(SPLIT_SLOTS, dtype=torch.int32, device=device))
+    return _split_buffers[device]
 
 
 def _from_hbm(kernel_call, quantiles):
@@ -159,7 +218,8 @@ def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
     (residual [M, K] or None, norm weight [K], eps, residual_out [M, K]): the input is
     weight * RMSNorm(x + residual) (add_rms_norm's rounding, the sum of squares in another
     order) and x + residual goes to residual_out: a layer's norm without its own launch.
-    `config` ({"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}) skips the autotuner."""
+    `config` ({"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"}; SPLIT_K 1 if
+    left out) skips the autotuner."""
     rows, width = x_MK.shape
     in_features = width // 2 if gated else width
     assert rows <= SKINNY_MAX_ROWS, f"{rows} rows: the skinny kernel serves <= {SKINNY_MAX_ROWS}"
@@ -182,7 +242,7 @@ def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
             x_MK if residual_out is None else residual_out,
             weight_NK, weight_NK if extra_RK is None else extra_RK,
             weight_NK if bias_N is None else bias_N, y, y if t is None else t,
-            rows, out_features, extra, in_features, x_MK.stride(0),
+            *split_buffers(x_MK.device), rows, out_features, extra, in_features, x_MK.stride(0),
             0 if residual is None else residual.stride(0),
             0 if residual_out is None else residual_out.stride(0), weight_NK.stride(0),
             0 if extra_RK is None else extra_RK.stride(0), y.stride(0),
@@ -191,10 +251,14 @@ def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
              "HAS_RESIDUAL": residual is not None, "M_PAD": rows_padded(rows)}
 
     def grid(meta):
-        return (triton.cdiv(out_features, meta["BLOCK_N"]) + triton.cdiv(extra, meta["BLOCK_N"]),)
+        return (triton.cdiv(out_features, meta["BLOCK_N"]) * meta["SPLIT_K"]
+                + triton.cdiv(extra, meta["BLOCK_N"]),)
 
     if config is None:
         _tuned_kernel[grid](*args, **flags)
     else:
+        config = {"SPLIT_K": 1, **config}
+        assert split_fits(out_features, config["BLOCK_N"], config["SPLIT_K"], flags["M_PAD"]), \
+            f"{config}: the split's partials pass the {SPLIT_SLOTS} slots"
         _skinny_kernel[grid(config)](*args, **flags, **config)
     return y, t
