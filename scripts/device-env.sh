@@ -6,3 +6,6 @@ export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 handoff() { python3 -m handoff "$@"; }
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv,noheader
+# The hardware preset the runs plan with: the lent card may be an H100 or an H200.
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then HW=h200; else HW=h100-sxm; fi
+export HW

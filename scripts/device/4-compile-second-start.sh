@@ -13,7 +13,7 @@ handoff init-model --preset qwen3-4b --out /tmp/qwen3-4b --device cuda > "$OUT/i
 for run in eager:false cold:true warm:true; do
     name=${run%%:*}; compile=${run##*:}
     timeout 140 python3 -m handoff train examples/h200-4b.yaml run.steps=2 run.checkpoint=false \
-        rollout.kv_pool=elastic actor.compile=$compile run.out_dir="$OUT/4b-$name" \
+        rollout.kv_pool=elastic hardware.name=$HW actor.compile=$compile run.out_dir="$OUT/4b-$name" \
         > "$OUT/4b-$name.log" 2>&1
     echo "4B $name: rc=$?"
 done
@@ -35,6 +35,6 @@ PY
 timeout 40 python3 -m handoff init-model --preset qwen3-1.7b --out /tmp/qwen3-1.7b --device cuda \
     > "$OUT/init-1.7b.log" 2>&1
 timeout 130 python3 -m handoff train examples/h200-reasoning.yaml run.steps=2 rollout.kv_pool=elastic \
-    run.out_dir="$OUT/reasoning" > "$OUT/reasoning.log" 2>&1
+    hardware.name=$HW run.out_dir="$OUT/reasoning" > "$OUT/reasoning.log" 2>&1
 echo "reasoning workload: rc=$?"
 python3 scripts/device/reasoning_floor.py "$OUT/reasoning"
