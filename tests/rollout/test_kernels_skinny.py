@@ -177,9 +177,11 @@ def test_every_config_builds_for_hopper_with_pipelined_loads():
              if config.kwargs["SPLIT_K"] == 1]
     assert len(cases) >= 70   # the pruning leaves most configs to time at every size
     # split over K: its counting and summing epilogue, at the largest tiles' shared memory
-    cases += [(config, 32, flags) for flags in variants[2:4]
-              for config in _fitting(CONFIGS, qkv, M_PAD=32, GATED=flags[1],
-                                     HAS_RESIDUAL=flags[3]) if config.kwargs["SPLIT_K"] == 4]
+    split = [(config, 32, flags) for flags in variants[2:4]
+             for config in _fitting(CONFIGS, qkv, M_PAD=32, GATED=flags[1],
+                                    HAS_RESIDUAL=flags[3]) if config.kwargs["SPLIT_K"] in (4, 8)]
+    assert {c.kwargs["SPLIT_K"] for c, _, _ in split} == {4, 8}
+    cases += split
     for config, m_pad, (bias, gated, normed, residual) in cases:
         src = ASTSource(fn=_skinny_kernel, signature=signature, attrs=aligned,
                         constexprs={"HAS_BIAS": bias, "GATED": gated, "NORMED": normed,
@@ -190,6 +192,18 @@ def test_every_config_builds_for_hopper_with_pipelined_loads():
                                          "num_stages": config.num_stages})
         assert kernel.metadata.shared <= 227 * 1024, (config, m_pad, kernel.metadata.shared)
         assert "cp.async" in kernel.asm["ptx"], f"{config}: loads not pipelined"
+        if config.kwargs["SPLIT_K"] > 1:
+            assert _counts_in_after_its_partial(kernel.asm["ptx"]), config
+
+
+def _counts_in_after_its_partial(ptx: str) -> bool:
+    """A split program's count-in (the acq_rel atomic, one thread) follows a barrier after its
+    last global store (its threads' partials): else the program counting last could sum a
+    partial that another thread of the counting program has not stored yet."""
+    lines = ptx.splitlines()
+    atom = next(i for i, line in enumerate(lines) if "atom.global.gpu.acq_rel.add" in line)
+    store = max(i for i, line in enumerate(lines[:atom]) if "st.global" in line)
+    return any("bar.sync" in line for line in lines[store:atom])
 
 
 def test_tuned_configs_are_kept_apart_by_what_the_input_needs_in_shared_memory():
@@ -221,6 +235,13 @@ def test_k_is_split_only_where_each_split_streams_tiles_and_the_slots_hold_them(
         return {c.kwargs["SPLIT_K"] for c in kept}
 
     assert splits(2048, 6144) == {1, 2, 4, 8}     # a 1.7B down_proj: 128 column blocks
+    for c in _fitting(CONFIGS, {"N": 2048, "K": 6144}, M_PAD=16, GATED=False,
+                      HAS_RESIDUAL=False):   # no part of K left without a tile
+        tiles, split = -(-6144 // c.kwargs["BLOCK_K"]), c.kwargs["SPLIT_K"]
+        assert (split - 1) * -(-tiles // split) < tiles, c
+    assert not any(c.kwargs["SPLIT_K"] == 8 and c.kwargs["BLOCK_K"] == 512   # 12 tiles: 2 x 6
+                   for c in _fitting(CONFIGS, {"N": 2048, "K": 6144}, M_PAD=16, GATED=False,
+                                     HAS_RESIDUAL=False))
     assert splits(151936, 2048) == {1}            # the LM head
     assert splits(2048, 128) == {1}               # K too short to split
 

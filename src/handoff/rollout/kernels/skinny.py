@@ -17,7 +17,9 @@ SiLU(gate) * up is made as it is read (silu_mul's rounding): down_proj takes no 
 launch. With `norm` the input is a layer's weight * RMSNorm(x + residual): every program first
 sums its rows' squares over K (16-32 rows, from L2), then makes each tile as it reads it;
 column block 0 writes x + residual, the residual stream: qkv_proj and gate_up_proj take no
-add_rms_norm launch (ops.NormInput). cuBLAS offers neither a reduce inside the product, nor a
+add_rms_norm launch (ops.NormInput). (Split over K, each part still sums the squares over
+all of K: x's reads from L2 grow with the split, which the autotuner's timing weighs; an
+extra's rows are not split, so a LoRA slot's programs run the whole K.) cuBLAS offers neither a reduce inside the product, nor a
 second weight or a prologue in one call, hence a kernel of our own.
 
 Triton's autotuner picks BLOCK_N / BLOCK_K / SPLIT_K / stages per (N, K, padded rows, the
@@ -71,16 +73,25 @@ def split_fits(n: int, block_n: int, split: int, m_pad: int) -> bool:
                           and block_n * m_pad <= SLOT_FLOATS)
 
 
+def split_streams(k: int, block_k: int, split: int) -> bool:
+    """Whether every one of `split` parts of K gets tiles to stream: the kernel gives each
+    cdiv(tiles, split) of them, so the last parts can be left empty (still correct, a program
+    spent on nothing); a split is kept where each part but the last has two tiles or more
+    and the last has one or more."""
+    tiles = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(tiles, split)
+    return split == 1 or (per_split >= 2 and (split - 1) * per_split < tiles)
+
+
 def _fitting(configs, named_args, **kwargs):
-    # x's tiles grow with the rows: a config too large for shared memory is not timed. A
-    # split gives each program at least two of its tiles, and all splits fit the slots.
+    # x's tiles grow with the rows: a config too large for shared memory is not timed; a
+    # split is timed only where its parts all stream tiles and its partials fit the slots.
     two = kwargs["GATED"] or kwargs["HAS_RESIDUAL"]
     n, k, m_pad = named_args["N"], named_args["K"], kwargs["M_PAD"]
     return [c for c in configs
             if pipeline_bytes(c, m_pad, two) <= SHARED_BYTES
             and split_fits(n, c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], m_pad)
-            and (c.kwargs["SPLIT_K"] == 1
-                 or triton.cdiv(k, c.kwargs["BLOCK_K"]) >= 2 * c.kwargs["SPLIT_K"])]
+            and split_streams(k, c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"])]
 
 
 @triton.jit
@@ -177,7 +188,10 @@ _split_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials [SPLIT_SLOTS * SLOT_FLOATS] fp32, counters [SPLIT_SLOTS] int32 at zero) of
-    `device`, made at its first product: the runner's tuning, before any capture."""
+    `device`, made at its first product: the runner's tuning, before any capture. One pair
+    serves every launch because they run one after another on one stream: two products
+    launched on concurrent streams would share slots and counters (the engine decodes on
+    one stream)."""
     if device not in _split_buffers:
         assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
             "the skinny kernel's split buffers are made before a graph is captured (tune first)"
