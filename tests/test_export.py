@@ -164,6 +164,16 @@ def test_export_bad_inputs_are_one_line_and_lose_nothing(trained, tmp_path):
     with pytest.raises(HandoffError, match="is a symbolic link"):
         export_model(run, tmp_path / "link")
 
+    # --overwrite into the run itself, below it or above it: its config.json and checkpoints
+    # would be replaced (the next export of the run would then fail)
+    files = {p: p.read_bytes() for p in run.rglob("*")
+             if p.is_file() and p.name != ".handoff.lock"}
+    for out, where in ((run, "is the run directory"), (run / "exported", "is inside the run"),
+                       (run.parent, "is a directory that holds the run")):
+        with pytest.raises(HandoffError, match=where):
+            export_model(run, out, overwrite=True)
+    assert {p: p.read_bytes() for p in files} == files and not (run / "exported").exists()
+
 
 def test_overwrite_replaces_the_export_and_never_writes_through_a_link(trained, tmp_path,
                                                                         monkeypatch):

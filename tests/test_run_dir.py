@@ -13,10 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from handoff.cli import app
-from handoff.config import load_config
+from handoff.config import load_config, to_dict
 from handoff.errors import HandoffError
 from handoff.modelzoo import init_model
-from handoff.run_dir import (check_out_dir, claim_out_dir, interrupted_message, read_metrics,
+from handoff.run_dir import (check_out_dir, claim_out_dir, clear_earlier_run, earlier_run,
+                             interrupted_message, keep_changed_config, read_metrics,
                              resume_command, trim_metrics)
 from wrapped_text import flat
 
@@ -40,7 +41,7 @@ def _earlier_run(out: Path) -> None:
     (out / "checkpoints" / "step_00000002_abc" / "meta.json").write_text('{"step": 2}')
     (out / "checkpoints" / "latest").write_text("step_00000002_abc")
     (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    (out / "config.json").write_text('{"earlier": true}')
+    (out / "config.json").write_text(json.dumps(to_dict(_cfg(out))))
     (out / "summary.json").write_text("{}")
     (out / "notes.txt").write_text("the user's own file")
 
@@ -65,12 +66,89 @@ def test_a_used_out_dir_is_refused_without_resume_or_overwrite_and_keeps_every_b
 
 def test_overwrite_removes_the_run_files_and_nothing_else(tmp_path, capsys):
     _earlier_run(tmp_path)
-    lock = claim_out_dir(_cfg(tmp_path, "run.overwrite=true"))
-    try:
+    cfg = _cfg(tmp_path, "run.overwrite=true")
+    lock = claim_out_dir(cfg)
+    try:   # the claim removes nothing: the start's later checks may still refuse it
+        assert "checkpoints" in {p.name for p in tmp_path.iterdir()}
+        clear_earlier_run(cfg)
         assert sorted(p.name for p in tmp_path.iterdir()) == [".handoff.lock", "notes.txt"]
         assert "overwrite: removed the earlier run's" in capsys.readouterr().err
     finally:
         lock.release()
+
+
+def _foreign(out: Path, model_dir: Path) -> None:
+    """Files with a run's names that no handoff run wrote: a model's config.json, another
+    tool's checkpoints/ and wandb/."""
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    (out / "checkpoints" / "other").mkdir(parents=True)
+    (out / "checkpoints" / "other" / "model.pt").write_bytes(b"weights")
+    (out / "wandb" / "run-1").mkdir(parents=True)
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
+def test_files_that_are_not_a_handoff_run_are_never_removed_or_written_over(
+        model_dir, tmp_path, flag):
+    _foreign(tmp_path / "proj", model_dir)
+    before = _snapshot(tmp_path / "proj")
+    res = runner.invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",
+                              f"run.out_dir={tmp_path / 'proj'}", flag], terminal_width=400)
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "not a handoff run's" in lines[0] and "choose another run.out_dir" in lines[0]
+    assert _snapshot(tmp_path / "proj") == before
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
+def test_the_models_own_directory_is_refused_as_out_dir(model_dir, tmp_path, flag):
+    model = tmp_path / "m"
+    model.mkdir()
+    for f in model_dir.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    before = _snapshot(model)
+    res = runner.invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model}",
+                              f"run.out_dir={model}", flag], terminal_width=400)
+    assert res.exit_code == 2 and "is the model's directory" in res.output, res.output
+    assert _snapshot(model) == before
+
+
+def test_overwrite_keeps_the_earlier_run_when_a_later_check_refuses_the_start(
+        model_dir, tmp_path):
+    """The reward function is loaded after the out_dir is claimed: its refusal must find the
+    earlier run whole."""
+    _earlier_run(tmp_path)
+    before = _snapshot(tmp_path)
+    res = runner.invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",
+                              f"run.out_dir={tmp_path}", "reward.functions=[nosuchmod:f]",
+                              "--overwrite"], terminal_width=400)
+    assert res.exit_code == 2 and "nosuchmod" in res.output, res.output
+    assert "removed" not in res.output
+    assert {k: v for k, v in _snapshot(tmp_path).items() if k != ".handoff.lock"} == before
+
+
+def test_a_refused_start_leaves_no_out_dir_it_made(model_dir, tmp_path):
+    out = tmp_path / "new" / "run"
+    res = runner.invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",
+                              f"run.out_dir={out}", "reward.functions=[nosuchmod:f]"],
+                        terminal_width=400)
+    assert res.exit_code == 2 and not out.exists(), res.output
+
+
+def test_a_resume_with_changed_settings_names_them_and_keeps_the_earlier_config(
+        tmp_path, capsys):
+    before = _cfg(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(before)))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    keep_changed_config(_cfg(tmp_path, "run.resume=true"))   # only the flag: nothing to say
+    assert not list(tmp_path.glob("config.before-*")) and not capsys.readouterr().err
+    keep_changed_config(_cfg(tmp_path, "run.resume=true", "actor.lr=0.5", "rollout.n=2"))
+    err = flat(capsys.readouterr().err)
+    assert flat("settings changed since the run began") in err
+    assert "actor.lr" in err and "rollout.n" in err and "config.before-step-2.json" in err
+    kept = json.loads((tmp_path / "config.before-step-2.json").read_text())
+    assert kept == to_dict(before)
+    assert "config.before-step-2.json" in earlier_run(tmp_path)   # --overwrite removes it too
 
 
 def test_a_second_live_run_on_one_out_dir_is_refused(tmp_path):

@@ -60,6 +60,7 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     directory (a LoRA run: merged; with `adapter`, its PEFT adapter directory); returns `out`."""
     run_dir, out = Path(run_dir), Path(out)
     _check_out(out, overwrite=overwrite)   # refused before a large checkpoint is read
+    _check_apart(run_dir, out)
     run_config, run_file = _run_config(run_dir)
     model_dir = _run_model_dir(run_config, run_file)
     lora = run_lora(run_config, run_file)
@@ -215,6 +216,19 @@ def _check_out(out: Path, *, overwrite: bool) -> None:
         raise HandoffError(f"--out {str(out)!r} already holds files ({', '.join(sorted(used)[:3])}"
                            f"{', ...' if len(used) > 3 else ''}): pass --overwrite to replace "
                            "them, or choose an empty directory")
+
+
+def _check_apart(run_dir: Path, out: Path) -> None:
+    """Refuse a DIR that is the run's directory or inside it, or that holds it: the export's
+    config.json and weights would replace the run's own files (or a checkpoint being read)."""
+    run, target = run_dir.resolve(), out.resolve()
+    where = ("the run directory" if target == run else "inside the run directory"
+             if run in target.parents else "a directory that holds the run" if target in
+             run.parents else None)
+    if where is not None:
+        raise HandoffError(f"--out {str(out)!r} is {where} {str(run_dir)!r}: the export would "
+                           "replace the run's files; pass a directory apart from it, e.g. "
+                           "--out exported/")
 
 
 def _fresh_staging(out: Path) -> Path:

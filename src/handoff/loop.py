@@ -44,7 +44,8 @@ from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.memory.allocator import frozen_gc_heap
 from handoff.rollout.sampling import SamplingParams
-from handoff.run_dir import claim_out_dir, trim_metrics, write_run_config
+from handoff.run_dir import (claim_out_dir, clear_earlier_run, keep_changed_config,
+                             trim_metrics, write_run_config)
 from handoff.run_report import RunReport, console
 from handoff.rewards import RewardSet, Sample
 from handoff.runplan import RunPlan
@@ -184,8 +185,6 @@ class Run:
 
     def __init__(self, cfg: Config, plan: RunPlan | None = None, *,
                  reward_funcs: Sequence[Callable] = ()):
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
         self.rank, self.world = world_rank_size()
         self.out_dir = Path(cfg.run.out_dir)
@@ -197,6 +196,16 @@ class Run:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
+        try:
+            self._start(cfg, plan, reward_funcs)
+        except BaseException:
+            if self.run_lock is not None:   # a refused start: out_dir as it was
+                self.run_lock.release(failed_start=True)
+            raise
+
+    def _start(self, cfg: Config, plan: RunPlan | None, reward_funcs: Sequence[Callable]):
+        from transformers import AutoTokenizer
+
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
         self.task = build_task(cfg.data, seed=cfg.run.seed)
@@ -212,6 +221,8 @@ class Run:
         self.pending_checkpoint: Path | None = None
         if cfg.run.resume:
             self._resume()
+        if self.rank == 0:   # every check passed: --overwrite may remove the earlier run now
+            clear_earlier_run(cfg)
         self.report = (RunReport(self.plan, self.out_dir, rates=self.rates, meter=self.worker.meter,
                                  kv_pool_bytes=self.worker.kv_pool_bytes,
                                  rows=trim_metrics(self.out_dir, self.start_step))
@@ -386,6 +397,8 @@ def train(cfg: Config, *, plan: RunPlan | None = None,
     run = Run(cfg, plan, reward_funcs=reward_funcs)
     try:
         if run.rank == 0:   # after the resume: a failed one leaves the run's config as it was
+            if cfg.run.resume:
+                keep_changed_config(cfg)
             write_run_config(cfg)
         return run.run()
     finally:

@@ -37,6 +37,7 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
              "memory_timeline.jsonl", "memory_timeline.png", "tensorboard", "checkpoints",
              "samples.jsonl", "wandb", "mlruns")
 LOCK_FILE = ".handoff.lock"
+KEPT_CONFIG_PREFIX = "config.before-step-"   # a resume with changed settings keeps the old
 # Every name a run writes in out_dir (and its temporary files): none may be a link.
 WRITTEN = (*RUN_FILES, LOCK_FILE, *(f"{name}.tmp" for name in RUN_FILES[:6]),
            "samples.jsonl.tmp", "checkpoints/latest", "checkpoints/latest.tmp")
@@ -45,21 +46,49 @@ console = Console(stderr=True)
 
 
 def earlier_run(out_dir: Path) -> list[str]:
-    """The run files (RUN_FILES) already in out_dir."""
-    return [name for name in RUN_FILES if (out_dir / name).exists()]
+    """The run files (RUN_FILES, and configs kept by a resume) already in out_dir."""
+    kept = sorted(p.name for p in out_dir.glob(f"{KEPT_CONFIG_PREFIX}*.json"))
+    return [name for name in RUN_FILES if (out_dir / name).exists()] + kept
+
+
+def is_run_config(data) -> bool:
+    """Whether `data` (a parsed config.json) is a handoff run's config, not a model's."""
+    return (isinstance(data, dict) and {"model", "run", "rollout", "actor"} <= data.keys()
+            and isinstance(data["model"], dict) and "path" in data["model"])
+
+
+def holds_handoff_run(out_dir: Path) -> bool:
+    """Whether out_dir's run files are a handoff run's: its lock file (written before any
+    other) or a run's config.json. A model directory's config.json, or another tool's
+    checkpoints/ or wandb/, are not: --overwrite must never remove them."""
+    if (out_dir / LOCK_FILE).is_file():
+        return True
+    try:
+        return is_run_config(json.loads((out_dir / "config.json").read_text()))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
 
 
 def check_out_dir(cfg: Config) -> None:
-    """Refuse an out_dir that is not a directory, or holds a run this one would erase."""
+    """Refuse an out_dir that is not a directory, is the model's, holds files that are not a
+    handoff run where a run would write, or holds a run this one would erase."""
     out = Path(cfg.run.out_dir)
     for where in (out, *out.parents):
         if where.exists() and not where.is_dir():
             raise HandoffError(f"run.out_dir={cfg.run.out_dir!r}: {where} is a file, not a "
                                "directory: point run.out_dir at a directory (created if missing)")
+    if out.is_dir() and Path(cfg.model.path).is_dir() and out.samefile(cfg.model.path):
+        raise HandoffError(f"run.out_dir={cfg.run.out_dir!r} is the model's directory "
+                           "(model.path): a run's files would replace the model's; choose "
+                           "another run.out_dir")
     for name in WRITTEN if out.is_dir() else ():
         if (out / name).is_symlink():
             raise link_refused(out / name)
     found = earlier_run(out) if out.is_dir() else []
+    if found and not holds_handoff_run(out):
+        raise HandoffError(f"run.out_dir={cfg.run.out_dir!r} holds files a run would write "
+                           f"over ({', '.join(found)}) and they are not a handoff run's (no "
+                           "run config.json): nothing was changed; choose another run.out_dir")
     if found and not (cfg.run.resume or cfg.run.overwrite):
         raise HandoffError(f"run.out_dir={cfg.run.out_dir!r} holds an earlier run "
                            f"({', '.join(found)}): pass --resume to continue it, --overwrite "
@@ -69,9 +98,10 @@ def check_out_dir(cfg: Config) -> None:
 class RunLock:
     """An exclusive flock on out_dir's lock file, held until `release` or the process ends."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, *, created: bool = False):
         self._fd: int | None = None
         self.path = out_dir / LOCK_FILE
+        self.created = created   # out_dir was made by this run
         with failing_write_is_one_line(self.path, "nothing was written"):
             fd = open_fd(self.path, out_dir, os.O_RDWR | os.O_CREAT)   # a planted link refused
         try:
@@ -88,38 +118,96 @@ class RunLock:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
 
-    def release(self) -> None:
+    def release(self, *, failed_start: bool = False) -> None:
+        """Drop the lock; `failed_start`: a start refused before writing anything removes the
+        out_dir it made (it holds the lock file alone), so no empty run is left behind."""
         if self._fd is not None:
             os.close(self._fd)   # closing the descriptor drops the flock
             self._fd = None
+            out = self.path.parent
+            if failed_start and self.created and [p.name for p in out.iterdir()] == [LOCK_FILE]:
+                self.path.unlink()
+                out.rmdir()
 
     def __del__(self) -> None:
         self.release()
 
 
 def claim_out_dir(cfg: Config) -> RunLock:
-    """Rank 0: create out_dir, lock it, check it again under the lock, apply --overwrite."""
+    """Rank 0: create out_dir, lock it, check it again under the lock. An earlier run stays
+    until `clear_earlier_run`, once every check of the start has passed."""
     check_out_dir(cfg)
     out = Path(cfg.run.out_dir)
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise HandoffError(f"cannot create run.out_dir={cfg.run.out_dir!r} ({e.strerror}): "
                            "choose a directory you can write to") from None
-    lock = RunLock(out)
-    check_out_dir(cfg)   # a run that ended between the first check and the lock left files
-    if cfg.run.overwrite:
-        found = earlier_run(out)
-        for name in found:
-            path = out / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        if found:
-            console.print(f"[yellow]overwrite: removed the earlier run's {', '.join(found)} "
-                          f"from {escape(str(out))}[/]", highlight=False, soft_wrap=True)
+    # the lock file is the first thing written: a dir this run made holds it alone until then
+    lock = RunLock(out, created=created)
+    try:
+        check_out_dir(cfg)   # a run that ended between the first check and the lock left files
+    except BaseException:
+        lock.release(failed_start=True)
+        raise
     return lock
+
+
+def clear_earlier_run(cfg: Config) -> None:
+    """--overwrite: remove the earlier run's files (RUN_FILES and nothing else), after every
+    check of this start passed (a refused start loses nothing)."""
+    if not cfg.run.overwrite:
+        return
+    out = Path(cfg.run.out_dir)
+    found = earlier_run(out)
+    for name in found:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if found:
+        console.print(f"[yellow]overwrite: removed the earlier run's {', '.join(found)} "
+                      f"from {escape(str(out))}[/]", highlight=False, soft_wrap=True)
+
+
+def keep_changed_config(cfg: Config) -> None:
+    """--resume with other settings than the run began with: say which, and keep the earlier
+    config.json beside the new one (config.before-step-N.json), so what trained the earlier
+    steps stays on record."""
+    out = Path(cfg.run.out_dir)
+    try:
+        before = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return
+    if not is_run_config(before):
+        return
+    now = to_dict(cfg)
+    changed = [key for key in sorted(set(_flat(before)) | set(_flat(now)))
+               if key not in ("run.resume", "run.overwrite")
+               and _flat(before).get(key) != _flat(now).get(key)]
+    if not changed:
+        return
+    rows, _ = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else ([], None)
+    step = max((row["step"] for row in rows), default=0)
+    kept = out / f"{KEPT_CONFIG_PREFIX}{step}.json"
+    with failing_write_is_one_line(kept, "the run's files are as they were"):
+        replace_file(kept, json.dumps(before, indent=1).encode(), out)
+    shown = ", ".join(f"{key} {_flat(before).get(key)!r} -> {_flat(now).get(key)!r}"
+                      for key in changed[:6]) + (", ..." if len(changed) > 6 else "")
+    console.print(f"[yellow]resume: settings changed since the run began: {escape(shown)} (the "
+                  f"earlier config is kept as {kept.name})[/]", highlight=False, soft_wrap=True)
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def write_run_config(cfg: Config) -> None:
