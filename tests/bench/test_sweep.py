@@ -77,3 +77,26 @@ def test_a_failure_says_out_of_memory_and_who_did_not_fit(tmp_path):
     assert torch_oom["owner"].startswith("trainer")
     other = failed_point("error: model.path='x' is not an HF checkpoint directory", tmp_path)
     assert other["status"] == "error" and other["owner"] is None
+
+
+def test_a_link_or_a_file_where_the_sweep_writes_is_one_line_and_nothing_is_written(
+        model_dir, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("VICTIM")
+    out = tmp_path / "sweep"
+    (out / "points").mkdir(parents=True)
+    for name, link in (("sweep.md", out / "sweep.md"),
+                       ("a point", out / "points" / "all@0.50")):
+        link.symlink_to(victim)
+        result = CliRunner().invoke(app, ["bench", "sweep", "examples/cpu-tiny.yaml",
+                                          f"model.path={model_dir}", "--utils", "0.5",
+                                          "--steps", "2", "--out", str(out)], terminal_width=300)
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1, (name, result.output)
+        assert "is a symbolic link" in lines[0], name
+        assert victim.read_text() == "VICTIM" and not (out / "sweep.json").exists()
+        link.unlink()
+    result = CliRunner().invoke(app, ["bench", "sweep", "examples/cpu-tiny.yaml",
+                                      f"model.path={model_dir}", "--out", str(victim)],
+                                terminal_width=300)
+    assert result.exit_code == 2 and "is a file, not a directory" in result.output

@@ -41,6 +41,7 @@ from handoff.plan.kvpool import Workload, kv_row
 from handoff.plan.ledger import Dtypes
 from handoff.plan.shapes import load_shape
 from handoff.plan.verdict import max_safe_utilization
+from handoff.safe_files import link_refused, replace_file
 
 # name -> (param_offload, optimizer_offload, ref_offload)
 OFFLOAD_SETS = {"none": (False, False, False), "ref": (False, False, True),
@@ -183,6 +184,36 @@ def safe_util(cfg: Config, offloads: str) -> float:
                                 ref=cfg.actor.kl_coef > 0)
 
 
+def check_sweep_args(out_dir: str | Path, *, utils: list[float] | None,
+                     offloads: list[str] | None, steps: int) -> None:
+    """One line for arguments a sweep cannot run with, before anything is started."""
+    for name in offloads or []:
+        if name not in OFFLOAD_SETS:
+            raise HandoffError(f"--offloads {name!r} is not an offload set: use "
+                               f"{', '.join(OFFLOAD_SETS)}")
+    for u in utils or []:
+        if not 0 < u <= 1:
+            raise HandoffError(f"--utils {u} is outside (0, 1]: a share of the card")
+    if steps < 2:
+        raise HandoffError(f"--steps {steps}: a point needs 2 or more (the first is a warm-up)")
+    check_sweep_out(Path(out_dir))
+
+
+def check_sweep_out(out: Path) -> None:
+    """--out a directory (made if missing) with no link where the sweep writes: its files and
+    its points' run directories (which it replaces) stay inside it."""
+    for where in (out, *out.parents):
+        if where.exists() and not where.is_dir():
+            raise HandoffError(f"--out {str(out)!r}: {where} is a file, not a directory: pass "
+                               "a directory (created if missing)")
+    points = out / "points"
+    names = [out / n for n in ("sweep.json", "sweep.md", "sweep.png", "points")]
+    names += list(points.iterdir()) if points.is_dir() and not points.is_symlink() else []
+    for path in names:
+        if path.is_symlink():
+            raise link_refused(path)
+
+
 class Sweep:
     """The sweep's files and its points (see the module docstring)."""
 
@@ -191,6 +222,7 @@ class Sweep:
         self.config, self.overrides = config, list(overrides)
         self.cfg = load_config(config, self.overrides)
         self.out = Path(out_dir)
+        check_sweep_out(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.steps, self.timeout_s = steps, timeout_s
         self.progress = progress
@@ -287,7 +319,7 @@ class Sweep:
 
     def save(self) -> None:
         self.state["boundary"] = boundaries(self.state["points"])
-        (self.out / "sweep.json").write_text(json.dumps(self.state, indent=1))
+        replace_file(self.out / "sweep.json", json.dumps(self.state, indent=1).encode(), self.out)
         write_report(self.state, self.out)
 
 
@@ -334,15 +366,7 @@ def run_sweep(config: str, overrides: list[str], *, out_dir: str, utils: list[fl
               offloads: list[str] | None, steps: int = 3, exclusive: bool = True,
               timeout_s: float = 600.0, progress=None) -> dict:
     """Every point the arguments name (see the module docstring); returns sweep.json's dict."""
-    for name in offloads or []:
-        if name not in OFFLOAD_SETS:
-            raise HandoffError(f"--offloads {name!r} is not an offload set: use "
-                               f"{', '.join(OFFLOAD_SETS)}")
-    for u in utils or []:
-        if not 0 < u <= 1:
-            raise HandoffError(f"--utils {u} is outside (0, 1]: a share of the card")
-    if steps < 2:
-        raise HandoffError(f"--steps {steps}: a point needs 2 or more (the first is a warm-up)")
+    check_sweep_args(out_dir, utils=utils, offloads=offloads, steps=steps)
     sweep = Sweep(config, overrides, out_dir, steps=steps, timeout_s=timeout_s,
                   progress=progress)
     sets = offloads or [offload_set_of(sweep.cfg)]

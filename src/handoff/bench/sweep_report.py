@@ -6,7 +6,10 @@ sweep.png (generation time and KV pool against utilization, the exclusive card, 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+
+from handoff.safe_files import replace_file
 
 GB = 1e9
 
@@ -72,7 +75,7 @@ def markdown(state: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(state: dict, path: Path) -> Path:
+def plot(state: dict, path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,11 +124,14 @@ def plot(state: dict, path: Path) -> Path:
         ax.legend(fontsize=7, loc="lower left" if ax is ax_gen else "upper left")
     fig.suptitle(f"{state['model']}: the real cost of colocation, planned and measured")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path
 
 
 def write_report(state: dict, out: Path) -> None:
-    (out / "sweep.md").write_text(markdown(state))
-    plot(state, out / "sweep.png")
+    """sweep.md and sweep.png in `out`, never through a link planted there."""
+    replace_file(out / "sweep.md", markdown(state).encode(), out)
+    picture = io.BytesIO()
+    plot(state, picture)
+    replace_file(out / "sweep.png", picture.getvalue(), out)

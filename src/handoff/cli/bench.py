@@ -149,7 +149,7 @@ def bench_sweep_cmd(
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from handoff.bench.sweep import replan as replan_sweep, run_sweep
+    from handoff.bench.sweep import check_sweep_args, replan as replan_sweep, run_sweep
 
     if replan:
         state = replan_sweep(config, list(overrides or []), out)
@@ -158,13 +158,15 @@ def bench_sweep_cmd(
                       markup=False)
         return
 
+    util_list = float_list(utils, "--utils") if utils else None
+    offload_list = [o.strip() for o in offloads.split(",")] if offloads else None
+    check_sweep_args(out, utils=util_list, offloads=offload_list, steps=steps)   # before the bar
     with Progress(SpinnerColumn(), TextColumn("[bold]sweep"), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console) as bar:
         task = bar.add_task("", total=None)
-        state = run_sweep(config, list(overrides or []), out_dir=out,
-                          utils=float_list(utils, "--utils") if utils else None,
-                          offloads=[o.strip() for o in offloads.split(",")] if offloads else None,
-                          steps=steps, exclusive=exclusive, timeout_s=timeout,
+        state = run_sweep(config, list(overrides or []), out_dir=out, utils=util_list,
+                          offloads=offload_list, steps=steps, exclusive=exclusive,
+                          timeout_s=timeout,
                           progress=lambda text: bar.update(task, description=text))
     console.print((Path(out) / "sweep.md").read_text(), highlight=False, markup=False)
     console.print(f"wrote {out}/sweep.json, sweep.md, sweep.png ({len(state['points'])} points)",
