@@ -76,7 +76,11 @@ def _check_fits(preset: str, dtype: str, device: str) -> None:
 
 
 def check_out(out: Path, *, overwrite: bool) -> None:
-    """Refuse an --out that is a file, or a directory holding files (unless overwrite)."""
+    """Refuse an --out that is a file, a dangling link, or a directory holding files (unless
+    overwrite)."""
+    if out.is_symlink() and not out.exists():
+        raise HandoffError(f"--out {str(out)!r} is a symbolic link to nothing: remove it or "
+                           "pass another directory")
     if out.exists() and not out.is_dir():
         raise HandoffError(f"--out {str(out)!r} is a file, not a directory: pass a directory "
                            "(created if missing)")

@@ -22,3 +22,12 @@ def test_plan_plot_is_drawn_for_a_plan_that_does_not_fit(tmp_path):
                                       "--hardware", "h100-sxm", "--plot", str(out)])
     assert result.exit_code == 3, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_plot_to_another_format_is_one_line_before_planning(tmp_path):
+    out = tmp_path / "sweep.txt"
+    result = CliRunner().invoke(app, ["plan", "--model", "qwen3-8b", "--plot", str(out)],
+                                terminal_width=300)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "not a .png path" in lines[0]
+    assert not out.exists()

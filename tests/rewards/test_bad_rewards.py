@@ -37,6 +37,8 @@ CASES = {
     "gives_inf": "reward gives_inf gave -inf for sample 0: return a finite float",
     "one_short": "reward one_short returned 3 values for 4 completions (samples 0..3)",
     "gives_text": "reward gives_text gave 'good' (str) for sample 2: return a float, or None",
+    "gives_a_huge_int": "reward gives_a_huge_int gave 1000000000000000000000000000000000000000000"
+                        "00000000000000... for sample 0, which is not a float",
     "gives_a_float": "reward gives_a_float returned 1.0 (float) for samples 0..3, not a list",
     "verl_raises": "reward verl_raises raised KeyError on sample 2: 'no answer': fix the "
                    "function",

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import typer
 
 from handoff.cli import app, console, float_list, friendly_errors, int_list, positive
+from handoff.errors import HandoffError
 
 bench_app = typer.Typer(no_args_is_help=True,
                         help="Benchmarks on the machine at hand (results go in docs/PERF.md).")
@@ -28,7 +29,15 @@ def bench_memory_cmd(
     from handoff.bench.memory import render, run_memory_bench
 
     positive(size_gib=size_gib, kv_gib=kv_gib, repeats=repeats)
-    result = run_memory_bench(size_gib=size_gib, kv_gib=kv_gib, repeats=repeats, device=device)
+    try:
+        result = run_memory_bench(size_gib=size_gib, kv_gib=kv_gib, repeats=repeats,
+                                  device=device)
+    except (RuntimeError, MemoryError) as e:   # torch.OutOfMemoryError is a RuntimeError
+        if "memory" not in str(e).lower():
+            raise
+        raise HandoffError(f"bench memory: cannot allocate --size-gib {size_gib:g} / --kv-gib "
+                           f"{kv_gib:g} on this device ({str(e).splitlines()[0][:80]}): pass "
+                           "smaller sizes") from None
     _show_and_save(result, out, render)
 
 

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from handoff.cli import PLAN_DOES_NOT_FIT, app, console, err_console, friendly_errors
+from handoff.errors import HandoffError
 
 
 @app.command("plan")
@@ -67,6 +68,9 @@ def plan_cmd(
     from handoff.plan.shapes import load_shape
 
     flags = dict(locals())
+    if plot and not plot.lower().endswith(".png"):
+        raise HandoffError(f"--plot {plot!r} is not a .png path: the sweep is drawn as a PNG, "
+                           "e.g. --plot plan.png")
     cfg, auto_tp = plan_config(config, overrides, flags)
     # A Hub id is read from the local cache; a preset stays a shape (no weights written).
     cfg.model.path = resolve_model(cfg.model.path, materialise_presets=False)

@@ -135,7 +135,12 @@ def checked_value(value: Any, name: str, index: int) -> float | None:
             isinstance(value, numbers.Real) or hasattr(type(value), "__float__")):
         raise HandoffError(f"reward {name} gave {_show(value)} ({type(value).__name__}) for "
                            f"sample {index}: return a float, or None for no reward")
-    number = float(value)
+    try:
+        number = float(value)
+    except (OverflowError, ValueError, TypeError):   # an int past float's range, a bad __float__
+        raise HandoffError(f"reward {name} gave {_show(value)} for sample {index}, which is not "
+                           "a float (out of its range?): return a finite float, or None for no "
+                           "reward") from None
     if not math.isfinite(number):
         raise HandoffError(f"reward {name} gave {number} for sample {index}: return a finite "
                            "float, or None for no reward")
