@@ -64,3 +64,11 @@ def test_missing_and_broken_files(tmp_path):
 @pytest.mark.parametrize("example", sorted(Path("examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_example_config_loads(example):
     load_config(example)
+
+
+def test_a_config_line_names_the_real_cause(tmp_path):
+    """A directory given as the config file, and a section given a scalar, are named as such."""
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"^actor must be a mapping of keys, got 3"):
+        load_config(None, ["actor=3"])

@@ -15,6 +15,9 @@ def test_check_finite_update_names_the_value():
     check_finite_update({"loss": 0.5, "grad_norm": 1.0, "kl": 0.0}, step=3)
     with pytest.raises(HandoffError, match=r"step 3 gave a non-finite grad_norm \(inf\)"):
         check_finite_update({"loss": 0.5, "grad_norm": math.inf}, step=3)
+    with pytest.raises(HandoffError, match=r"step 1 gave a non-finite loss \(nan\) before any "
+                                           r"update: check model.path's weights"):
+        check_finite_update({"loss": math.nan}, step=1)   # no update yet: not actor.lr's fault
 
 
 def test_a_nan_update_is_never_checkpointed(tmp_path_factory, tmp_path, monkeypatch):

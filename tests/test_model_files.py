@@ -104,3 +104,10 @@ def test_init_model_over_an_existing_model_or_a_file_is_refused(model, tmp_path)
                               "--overwrite"])
     assert res.exit_code == 0, res.output
     assert '"model_type": "llama"' in (model / "config.json").read_text()
+
+
+def test_a_peft_adapter_directory_given_as_the_model_is_named_as_one(tmp_path):
+    (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": "base"}')
+    with pytest.raises(HandoffError, match=r"is a PEFT adapter directory, not a model: point it "
+                                           r"at the adapter's base model"):
+        check_model_dir(tmp_path, flag="model.path")

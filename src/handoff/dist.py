@@ -80,7 +80,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise HandoffError("device 'cuda' was asked for but torch sees no GPU: "
-                               "pass --device cpu (or run.device=cpu)")
+                               "run on the CPU (run.device=cpu in a config; --device cpu for "
+                               "the bench and generate commands)")
         if device.index is None:
             local = (launch_env() or (0, 1, 0))[2]
             if local >= torch.cuda.device_count():

@@ -174,6 +174,10 @@ def step_row(step: int, scored: Scored, update: dict[str, float], gen: Generatio
 def check_finite_update(update: dict, step: int) -> None:
     """Stop before a non-finite loss or gradient norm reaches the weights' checkpoint."""
     bad = [k for k in ("loss", "grad_norm") if k in update and not math.isfinite(update[k])]
+    if bad and step == 1:   # no update has run yet: the model's own weights are the suspect
+        raise HandoffError(f"step 1 gave a non-finite {bad[0]} ({update[bad[0]]}) before any "
+                           "update: check model.path's weights for NaN or inf values (a "
+                           "damaged or wrongly converted checkpoint); nothing was checkpointed")
     if bad:
         raise HandoffError(f"step {step} gave a non-finite {bad[0]} ({update[bad[0]]}): the "
                            "weights are no longer trustworthy and no checkpoint of them is "

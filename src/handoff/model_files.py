@@ -42,6 +42,10 @@ _CONVERT = ("convert it once on a machine you trust with transformers: "
 def read_model_config(path: str | Path, *, flag: str = "--model") -> dict:
     """config.json of a checkpoint directory as a dict, or one line naming what is wrong."""
     file = Path(path) / "config.json"
+    if not file.is_file() and (Path(path) / "adapter_config.json").is_file():
+        raise HandoffError(f"{flag}={str(path)!r} is a PEFT adapter directory, not a model: point "
+                           "it at the adapter's base model (adapter_config.json names it), or "
+                           "`handoff export RUN --out DIR` without --adapter for a merged model")
     if not file.is_file():
         raise HandoffError(f"{flag}={str(path)!r} is not an HF checkpoint directory (no "
                            "config.json): create one with `handoff init-model --preset "

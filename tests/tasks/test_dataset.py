@@ -113,3 +113,12 @@ def test_build_task_from_config(tmp_path):
     cfg = load_config(None, ["data.task=gsm8k", f"data.path={path}", "data.prompt_field=q",
                              "data.answer_field=a"])
     assert isinstance(build_task(cfg.data), GSM8KTask)
+
+
+def test_a_missing_eval_file_names_data_eval_path():
+    from handoff.config import load_config
+    from handoff.tasks import build_eval_problems
+
+    cfg = load_config(None, ["data.eval_path=no-such-eval.jsonl"])
+    with pytest.raises(HandoffError, match="set data.eval_path to an existing"):
+        build_eval_problems(cfg.data, cfg.eval, seed=0)

@@ -91,7 +91,8 @@ def _coerce_list(value: Any, item_tp: Any, key: str, meta: dict) -> list:
 
 def _apply(obj: Any, data: dict, prefix: str) -> None:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'} must be a mapping of keys, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping of keys, got "
+                          f"{data!r}")
     hints = _field_types(type(obj))
     metas = {f.name: dict(f.metadata) for f in dataclasses.fields(obj)}
     for key, value in data.items():
@@ -136,7 +137,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found: pass the path of a YAML file "
+            what = "is a directory, not a file" if p.is_dir() else "not found"
+            raise ConfigError(f"config file {str(p)!r} {what}: pass the path of a YAML file "
                               "such as examples/cpu-demo.yaml")
         _apply(cfg, read_yaml(p) or {}, "")
     for item in overrides or []:

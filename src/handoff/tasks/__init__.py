@@ -56,6 +56,7 @@ def build_eval_problems(data: DataConfig, evaluation: EvalConfig, *,
         return task, [task.get(i) for i in range(evaluation.n)]
     cls = GSM8KTask if data.task == "gsm8k" else DatasetTask
     task = cls(data.eval_path, prompt_field=data.prompt_field, answer_field=data.answer_field,
-               seed=seed, split=data.eval_split, subset=data.subset, shuffle=False)
+               seed=seed, split=data.eval_split, subset=data.subset, shuffle=False,
+               flag="data.eval_path")
     count = len(task) if evaluation.n == 0 else min(evaluation.n, len(task))
     return task, [task.get(i) for i in range(count)]

@@ -77,7 +77,7 @@ def _read_parquet(path: Path) -> list[dict]:
 
 
 def load_records(path: str | Path, *, split: str = "train",
-                 subset: str | None = None) -> list[dict]:
+                 subset: str | None = None, flag: str = "data.path") -> list[dict]:
     """Every record of a JSONL / JSON / Parquet file, a save_to_disk directory or a cached Hub
     dataset (`split`, `subset`), as dicts; HandoffError if none."""
     p = Path(path)
@@ -89,7 +89,7 @@ def load_records(path: str | Path, *, split: str = "train",
                                "pick another data.split or add rows")
         return rows
     if not p.is_file():
-        raise HandoffError(f"data file {str(p)!r} not found: set data.path to an existing "
+        raise HandoffError(f"data file {str(p)!r} not found: set {flag} to an existing "
                            "JSONL or Parquet file")
     if p.suffix.lower() not in SUFFIXES:
         raise HandoffError(f"data file {str(p)!r} has an unsupported extension: use one of "
@@ -147,11 +147,12 @@ class DatasetTask(Task):
 
     def __init__(self, path: str | Path, *, prompt_field: str = "prompt",
                  answer_field: str = "answer", seed: int = 0, split: str = "train",
-                 subset: str | None = None, shuffle: bool = True) -> None:
+                 subset: str | None = None, shuffle: bool = True,
+                 flag: str = "data.path") -> None:
         super().__init__(seed=seed)
         self.path = Path(path)
         self.shuffle = shuffle  # False: records in file order (an evaluation set)
-        rows = load_records(self.path, split=split, subset=subset)
+        rows = load_records(self.path, split=split, subset=subset, flag=flag)
         _check_field(rows, self.path, prompt_field, "data.prompt_field")
         _check_field(rows, self.path, answer_field, "data.answer_field")
         self._messages = [_messages(r[prompt_field], i, self.path) for i, r in enumerate(rows)]
