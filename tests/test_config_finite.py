@@ -68,6 +68,8 @@ def test_a_non_finite_value_set_in_code_is_refused_by_validate():
     (["run.out_dir=null"], "run.out_dir is empty"),
     (["rollout.max_tokens=64", "rollout.max_model_len=64"], "leaves no room for a prompt"),
     (["run.resume=true", "run.overwrite=true"], "pick one"),
+    (["workload.max_response_len=1"], r"workload.max_response_len=1 \(--max-response-len\) "
+     "is below the mean response length"),
     (["run.steps=2", "actor.updates_per_step=2", "actor.warmup_steps=5"],
      r"actor.warmup_steps=5 is longer than the run's 4 optimizer steps"),
     (["run.loggers=[tensorboard,neptune]"], "run.loggers\\[1\\]='neptune' is not accepted: choose one "

@@ -107,6 +107,14 @@ def test_yaml_keeps_anchors_a_config_uses_and_non_finite_values_for_the_fields(t
         load_config(_yaml(tmp_path, "actor:\n  lr: .nan\n"))
 
 
+def test_a_key_given_twice_is_refused_naming_both_lines_and_a_merge_still_overrides(tmp_path):
+    with pytest.raises(ConfigError, match=r"key 'lr' appears twice, lines 2 and 3: keep one"):
+        load_config(_yaml(tmp_path, "actor:\n  lr: 1.0e-5\n  lr: 1.0e-3\n"))
+    merged = read_yaml(_yaml(tmp_path, "base: &b {n: 4, max_tokens: 8}\n"
+                                       "rollout: {<<: *b, n: 2}\n"))
+    assert merged["rollout"] == {"n": 2, "max_tokens": 8}
+
+
 @pytest.mark.parametrize("file", ["config.json", "generation_config.json", "tokenizer.json",
                                   "tokenizer_config.json"])
 @pytest.mark.parametrize("content,match", [

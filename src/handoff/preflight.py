@@ -70,6 +70,11 @@ def lora_settings(cfg: Config) -> None:
     shared base is not wrapped): the adapters' state moves through the arena, with a
     warning. (`handoff plan` prices a TP engine and says why not.)"""
     lora = cfg.actor.lora
+    if lora.rank:
+        from handoff.plan.lora_report import check_rank
+        from handoff.plan.shapes import load_shape
+
+        check_rank(lora.rank, load_shape(cfg.model.path).hidden_size)
     tp = cfg.parallel.tp
     if lora.shares_base and tp > 1:
         raise HandoffError(f"actor.lora.share_base with parallel.tp={tp}: the trainer's base can "

@@ -127,6 +127,20 @@ class _BoundedLoader(yaml.SafeLoader):
                                      "needs few, an alias bomb many")
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node, deep=False):  # noqa: ANN001 (PyYAML's signature)
+        # PyYAML keeps the last of two equal keys: a typo'd second `lr:` would win unseen.
+        lines: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":   # `<<: *base` may override keys
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in lines:
+                raise yaml.YAMLError(f"key {key!r} appears twice, lines {lines[key]} and "
+                                     f"{line}: keep one")
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
 
 def read_yaml(path: str | Path, *, max_bytes: int = MAX_YAML_BYTES) -> Any:
     """A YAML config as plain data: size, aliases, nesting and values bounded (ConfigError

@@ -263,3 +263,21 @@ def test_bad_lora_settings_are_one_line():
         load_config(None, ["actor.lora.target_modules=[q_proj,x_proj]"])
     with pytest.raises(ConfigError, match="no actor.lora.target_modules"):
         load_config(None, ["actor.lora.rank=8", "actor.lora.target_modules=[]"])
+
+
+def test_a_rank_above_the_hidden_size_is_refused_by_plan_and_train(tmp_path):
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+    from handoff.modelzoo import init_model
+
+    result = CliRunner().invoke(app, ["plan", "--model", "qwen3-8b", "--lora-rank", "100000"],
+                                terminal_width=300)
+    assert result.exit_code == 2
+    assert "actor.lora.rank=100000 is above the model's hidden size 4096" in result.output
+    model = init_model("tiny-qwen3", tmp_path / "m", dtype="float32")
+    result = CliRunner().invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model}",
+                                      f"run.out_dir={tmp_path / 'run'}", "actor.lora.rank=4096"],
+                                terminal_width=300)
+    assert result.exit_code == 2 and "is above the model's hidden size" in result.output
+    assert not (tmp_path / "run").exists()

@@ -166,3 +166,14 @@ def test_an_impossible_shape_field_is_refused_in_one_line(tmp_path, fields, word
     assert res.exit_code == 2 and words in res.output, res.output
     assert res.output.count("\n") <= 2 and "Traceback" not in res.output
 
+
+
+def test_a_resident_share_past_the_card_is_refused_not_planned_as_negative_gb():
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "--model", "qwen3-8b", "--resident-gb", "1000"],
+                                terminal_width=300)
+    assert result.exit_code == 2 and "fills the card's 80 GB of HBM" in result.output
+    assert "-9" not in result.output   # no negative budget printed

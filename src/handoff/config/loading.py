@@ -222,6 +222,12 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError(f"actor.warmup_steps={a.warmup_steps} is longer than the run's "
                           f"{optimizer_steps} optimizer steps (run.steps * actor.updates_per_step):"
                           " the learning rate would never reach actor.lr; lower warmup_steps")
+    w = cfg.workload
+    if w.max_response_len is not None and w.max_response_len < w.response_len:
+        raise ConfigError(f"workload.max_response_len={w.max_response_len} (--max-response-len) "
+                          f"is below the mean response length workload.response_len="
+                          f"{w.response_len}: the longest response is at least the mean; raise "
+                          "it or lower --response-len")
     run = cfg.run
     if not run.out_dir.strip():
         raise ConfigError("run.out_dir is empty (it would mean the current directory): name "

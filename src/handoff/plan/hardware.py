@@ -154,4 +154,9 @@ def hardware_profile(name: str, overrides: HardwareConfig | None = None) -> Hard
             changes[field_name] = float(value) * unit
     if overrides.gpus_per_node is not None:
         changes["gpus_per_node"] = int(overrides.gpus_per_node)
-    return dataclasses.replace(hw, **changes)
+    hw = dataclasses.replace(hw, **changes)
+    if hw.resident_bytes >= hw.hbm_bytes:   # nothing left for anyone: a typo, not a plan
+        raise HandoffError(f"hardware.resident_gb={hw.resident_bytes / GB:g} (--resident-gb) "
+                           f"fills the card's {hw.hbm_bytes / GB:g} GB of HBM: it is what no "
+                           "owner can use (CUDA contexts, NCCL); a few GB, e.g. 6")
+    return hw

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 
 from handoff.config import Config
+from handoff.errors import HandoffError
 from handoff.plan.advice import advice_text, find_fitting_lora_plan
 from handoff.plan.compile import choose_compile, compiled_rate, named_device
 from handoff.plan.hardware import hardware_profile
@@ -53,6 +54,15 @@ def lora_advice(name: str, gpus: int, hardware: str, rank: int, *, lora_fits: bo
                     else ", nor without it (full-parameter)")
 
 
+def check_rank(rank: int, hidden: int) -> None:
+    """A LoRA rank is at most the width of the projections it adapts (their least is the
+    hidden size): above it the adapter is no longer low-rank, and its state larger than the
+    layer's."""
+    if rank > hidden:
+        raise HandoffError(f"actor.lora.rank={rank} is above the model's hidden size {hidden}: "
+                           "a LoRA rank is at most a projection's width; use 8-128")
+
+
 def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool = False,
                     auto_tp_size: bool = False, advise: bool = True,
                     compile_warm: bool = False) -> dict:
@@ -63,6 +73,7 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
     ref = cfg.actor.kl_coef > 0 if ref is None else ref
     lora = cfg.actor.lora
     shape = load_shape(cfg.model.path)
+    check_rank(lora.rank, shape.hidden_size)
     hw = hardware_profile(cfg.hardware.name, cfg.hardware)
     dtypes = Dtypes.for_model(cfg.model.dtype, cfg.rollout.kv_dtype)
     parallel = dataclasses.replace(cfg.parallel)
