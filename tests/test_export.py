@@ -217,6 +217,8 @@ def test_handoff_export_then_generate_from_a_prompt_file(trained, tmp_path):
     assert result.exit_code == 0, result.output
     assert "step 1" in result.output and json.loads(
         (out / "handoff_export.json").read_text())["step"] == 1
+    # the weights readable as the other files are (safetensors creates its files 0600)
+    assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(p + "\n" for p in PROMPTS))
     result = CliRunner().invoke(app, ["generate", "--model", str(out), "--prompt-file",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_the_adapter_export_loads_in_peft_with_the_runs_logits(lora_run, tmp_pat
     assert (config["r"], config["lora_alpha"], config["peft_type"], config["task_type"]) == (
         RANK, ALPHA, "LORA", "CAUSAL_LM")
     assert sorted(config["target_modules"]) == sorted(lora_run["targets"])
-    assert config["base_model_name_or_path"] == str(lora_run["base"])
+    assert config["base_model_name_or_path"] == str(Path(lora_run["base"]).resolve())   # any cwd
     record = json.loads((out / "handoff_export.json").read_text())
     assert record["step"] == 3 and record["lora"]["rank"] == RANK
     assert record["lora"]["merged"] is False

@@ -44,6 +44,7 @@ from handoff.model_files import (check_model_dir, load_tokenizer, read_model_con
                                  weight_files)
 from handoff.model_source import resolve_model
 from handoff.reading import read_json
+from handoff.safe_files import usual_mode
 from handoff.trainer.checkpoint import checkpoint_step, latest_checkpoint
 from handoff.trainer.checkpoint_files import FORMAT, META, SafeReader, verify_files
 from handoff.trainer.checkpoint_files import read_json as read_checkpoint_json
@@ -266,6 +267,7 @@ def _write_weights(weights: CheckpointPart, staging: Path, *, tie: bool) -> None
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for file, shard in zip(files, shards):
         save_file(weights.load(shard), str(staging / file), metadata={"format": "pt"})
+        usual_mode(staging / file)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {n: file for file, shard in zip(files, shards) for n in shard}}

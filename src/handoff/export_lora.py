@@ -29,6 +29,7 @@ import torch
 from handoff.config import ConfigError, LoraConfig, read_section
 from handoff.errors import HandoffError
 from handoff.model_files import weight_files
+from handoff.safe_files import usual_mode
 
 if TYPE_CHECKING:   # peft is imported where an adapter is written, with its own message
     from peft import LoraConfig as PeftLoraConfig
@@ -118,7 +119,8 @@ def adapter_config(lora: LoraConfig, model_dir: str) -> PeftLoraConfig:
                            "the merged model)") from None
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                       target_modules=list(lora.target_modules),
-                      base_model_name_or_path=str(model_dir), task_type="CAUSAL_LM")
+                      base_model_name_or_path=str(Path(model_dir).resolve()),
+                      task_type="CAUSAL_LM")
 
 
 def write_adapter(part: CheckpointTensors, pairs: dict[str, tuple[str, str]],
@@ -130,6 +132,7 @@ def write_adapter(part: CheckpointTensors, pairs: dict[str, tuple[str, str]],
     state = {f"base_model.model.{n.removesuffix('.default.weight')}.weight": t
              for n, t in part.load(names).items()}
     save_file(state, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    usual_mode(staging / ADAPTER_WEIGHTS)
     peft_config.save_pretrained(str(staging))
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from handoff.errors import HandoffError
 from handoff.plan.shapes import PRESETS
+from handoff.safe_files import usual_mode
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<|pad|>"]
 BOS_ID, EOS_ID, IM_START_ID, PAD_ID = 256, 257, 258, 259
@@ -131,6 +132,7 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
+    usual_mode(*out.glob("*.safetensors"))
     build_byte_tokenizer().save_pretrained(out)
     (out / "handoff_preset.json").write_text(json.dumps({"preset": preset, "seed": seed}))
     return out

@@ -156,3 +156,13 @@ def replace_file(path: Path, data: bytes, root: Path) -> None:
                 os.unlink(tmp, dir_fd=parent)   # our own file: the open above refused a link
             raise
         os.fsync(parent)
+
+
+def usual_mode(*paths: Path) -> None:
+    """Give files a library created owner-only (safetensors writes 0600) the mode every other
+    file gets (0666 less the umask), so an exported or converted model is readable as a
+    downloaded one is."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)
