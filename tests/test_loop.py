@@ -30,6 +30,7 @@ def test_fresh_start_drops_an_earlier_runs_metrics(model_dir, tmp_path, how, cap
     stale = "".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2, 3))
     (tmp_path / "metrics.jsonl").write_text(stale)
     (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / ".handoff.lock").touch()   # a handoff run's (its lock is written first)
     trainer = Run(_cfg(model_dir, tmp_path, how))
     assert trainer.start_step == 0
     metrics = tmp_path / "metrics.jsonl"

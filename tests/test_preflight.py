@@ -28,7 +28,10 @@ def cfg(tmp_path):
 
 
 def _checkpoint(cfg, step):
+    """A checkpoint as a handoff run leaves it (the run's lock file beside it)."""
     root = Path(cfg.run.out_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    (root.parent / ".handoff.lock").touch()
     name = f"step_{step:08d}_x"
     (root / name).mkdir(parents=True)
     (root / name / "meta.json").write_text(json.dumps({"step": step}))

@@ -29,7 +29,6 @@ import tempfile
 from pathlib import Path
 
 from handoff.errors import HandoffError
-from handoff.safe_files import usual_mode
 from handoff.reading import read_json
 
 SMOLLM2_PRESET = "smollm2-135m-instruct"
@@ -135,7 +134,6 @@ def _write_conversion(gguf: Path, tmp: Path, dtype: str) -> None:
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
 
     model.save_pretrained(tmp)
-    usual_mode(*tmp.glob("*.safetensors"))
     tokenizer.save_pretrained(tmp)
     version = importlib.metadata.version(GGUF_PACKAGE) if _installed() else "unknown"
     (tmp / MARKER).write_text(json.dumps({"preset": SMOLLM2_PRESET, "source": GGUF_PACKAGE,

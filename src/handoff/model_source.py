@@ -23,6 +23,7 @@ from pathlib import Path
 from handoff.demo_model import SMOLLM2_PRESET, cache_root, convert_smollm2, default_dir
 from handoff.errors import HandoffError
 from handoff.plan.shapes import PRESETS
+from handoff.safe_files import usual_mode
 
 PRESET_MARKER = "handoff_preset.json"   # written by modelzoo.init_model
 
@@ -34,7 +35,9 @@ def resolve_model(name: str, *, flag: str = "model.path", materialise_presets: b
         return name
     if name == SMOLLM2_PRESET:
         # The cache is handoff's own: a stale conversion there is written over.
-        return str(convert_smollm2(default_dir(), overwrite=True))
+        path = convert_smollm2(default_dir(), overwrite=True)
+        usual_mode(*Path(path).glob("*.safetensors"))
+        return str(path)
     if name in PRESETS:
         return str(_preset_dir(name, flag)) if materialise_presets else name
     if _is_hub_id(name):

@@ -103,7 +103,9 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
     if preset == SMOLLM2_PRESET:
         # An earlier conversion of the same dtype is returned as it is; any other directory
         # holding files is refused without `overwrite`, as for every preset.
-        return convert_smollm2(out, dtype=dtype or "float32", overwrite=overwrite)
+        path = convert_smollm2(out, dtype=dtype or "float32", overwrite=overwrite)
+        usual_mode(*Path(path).glob("*.safetensors"))
+        return path
     if preset not in PRESETS:
         raise HandoffError(f"unknown preset {preset!r}: choose one of "
                            f"{', '.join(dict.fromkeys([*PRESETS, SMOLLM2_PRESET]))}")

@@ -185,7 +185,7 @@ def keep_changed_config(cfg: Config) -> None:
         return
     now = to_dict(cfg)
     changed = [key for key in sorted(set(_flat(before)) | set(_flat(now)))
-               if key not in ("run.resume", "run.overwrite")
+               if key not in ("run.resume", "run.overwrite", "run.steps")   # a longer run
                and _flat(before).get(key) != _flat(now).get(key)]
     if not changed:
         return
