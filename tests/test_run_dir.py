@@ -140,10 +140,10 @@ def test_a_resume_with_changed_settings_names_them_and_keeps_the_earlier_config(
     before = _cfg(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(to_dict(before)))
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    keep_changed_config(_cfg(tmp_path, "run.resume=true", "run.steps=9"))   # a longer run: no
+    keep_changed_config(_cfg(tmp_path, "run.resume=true", "run.steps=9"), 2)   # a longer run: no
     # word (the flag and run.steps change on every resume that extends a run)
     assert not list(tmp_path.glob("config.before-*")) and not capsys.readouterr().err
-    keep_changed_config(_cfg(tmp_path, "run.resume=true", "actor.lr=0.5", "rollout.n=2"))
+    keep_changed_config(_cfg(tmp_path, "run.resume=true", "actor.lr=0.5", "rollout.n=2"), 2)
     err = flat(capsys.readouterr().err)
     assert flat("settings changed since the run began") in err
     assert "actor.lr" in err and "rollout.n" in err and "config.before-step-2.json" in err

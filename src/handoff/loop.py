@@ -402,7 +402,7 @@ def train(cfg: Config, *, plan: RunPlan | None = None,
     try:
         if run.rank == 0:   # after the resume: a failed one leaves the run's config as it was
             if cfg.run.resume:
-                keep_changed_config(cfg)
+                keep_changed_config(cfg, run.start_step)
             write_run_config(cfg)
         return run.run()
     finally:

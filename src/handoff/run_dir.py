@@ -29,7 +29,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from handoff.config import Config, to_dict
+from handoff.config import Config, dotted, to_dict
 from handoff.errors import HandoffError
 from handoff.safe_files import failing_write_is_one_line, link_refused, open_fd, replace_file
 
@@ -172,10 +172,10 @@ def clear_earlier_run(cfg: Config) -> None:
                       f"from {escape(str(out))}[/]", highlight=False, soft_wrap=True)
 
 
-def keep_changed_config(cfg: Config) -> None:
-    """--resume with other settings than the run began with: say which, and keep the earlier
-    config.json beside the new one (config.before-step-N.json), so what trained the earlier
-    steps stays on record."""
+def keep_changed_config(cfg: Config, step: int) -> None:
+    """--resume (from `step`) with other settings than the run began with: say which, and keep
+    the earlier config.json beside the new one (config.before-step-N.json), so what trained
+    the earlier steps stays on record. A longer run.steps alone is no change."""
     out = Path(cfg.run.out_dir)
     try:
         before = json.loads((out / "config.json").read_text())
@@ -183,31 +183,19 @@ def keep_changed_config(cfg: Config) -> None:
         return
     if not is_run_config(before):
         return
-    now = to_dict(cfg)
-    changed = [key for key in sorted(set(_flat(before)) | set(_flat(now)))
-               if key not in ("run.resume", "run.overwrite", "run.steps")   # a longer run
-               and _flat(before).get(key) != _flat(now).get(key)]
+    old, new = dotted(before), dotted(to_dict(cfg))
+    changed = [key for key in sorted(old.keys() | new.keys())
+               if key not in ("run.resume", "run.overwrite", "run.steps")
+               and old.get(key) != new.get(key)]
     if not changed:
         return
-    rows, _ = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else ([], None)
-    step = max((row["step"] for row in rows), default=0)
     kept = out / f"{KEPT_CONFIG_PREFIX}{step}.json"
     with failing_write_is_one_line(kept, "the run's files are as they were"):
         replace_file(kept, json.dumps(before, indent=1).encode(), out)
-    shown = ", ".join(f"{key} {_flat(before).get(key)!r} -> {_flat(now).get(key)!r}"
+    shown = ", ".join(f"{key} {old.get(key)!r} -> {new.get(key)!r}"
                       for key in changed[:6]) + (", ..." if len(changed) > 6 else "")
     console.print(f"[yellow]resume: settings changed since the run began: {escape(shown)} (the "
                   f"earlier config is kept as {kept.name})[/]", highlight=False, soft_wrap=True)
-
-
-def _flat(data: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def write_run_config(cfg: Config) -> None:

@@ -184,9 +184,10 @@ def safe_util(cfg: Config, offloads: str) -> float:
                                 ref=cfg.actor.kl_coef > 0)
 
 
-def check_sweep_args(out_dir: str | Path, *, utils: list[float] | None,
-                     offloads: list[str] | None, steps: int) -> None:
-    """One line for arguments a sweep cannot run with, before anything is started."""
+def check_sweep_args(*, utils: list[float] | None, offloads: list[str] | None,
+                     steps: int) -> None:
+    """One line for arguments a sweep cannot run with, before anything is started (its --out:
+    check_sweep_out)."""
     for name in offloads or []:
         if name not in OFFLOAD_SETS:
             raise HandoffError(f"--offloads {name!r} is not an offload set: use "
@@ -196,7 +197,6 @@ def check_sweep_args(out_dir: str | Path, *, utils: list[float] | None,
             raise HandoffError(f"--utils {u} is outside (0, 1]: a share of the card")
     if steps < 2:
         raise HandoffError(f"--steps {steps}: a point needs 2 or more (the first is a warm-up)")
-    check_sweep_out(Path(out_dir))
 
 
 def check_sweep_out(out: Path) -> None:
@@ -366,7 +366,7 @@ def run_sweep(config: str, overrides: list[str], *, out_dir: str, utils: list[fl
               offloads: list[str] | None, steps: int = 3, exclusive: bool = True,
               timeout_s: float = 600.0, progress=None) -> dict:
     """Every point the arguments name (see the module docstring); returns sweep.json's dict."""
-    check_sweep_args(out_dir, utils=utils, offloads=offloads, steps=steps)
+    check_sweep_args(utils=utils, offloads=offloads, steps=steps)
     sweep = Sweep(config, overrides, out_dir, steps=steps, timeout_s=timeout_s,
                   progress=progress)
     sets = offloads or [offload_set_of(sweep.cfg)]

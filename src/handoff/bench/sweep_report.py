@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import BinaryIO
 
 from handoff.safe_files import replace_file
 
@@ -75,7 +76,7 @@ def markdown(state: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(state: dict, path) -> Path:
+def plot(state: dict, path: Path | BinaryIO) -> Path | BinaryIO:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -158,7 +158,8 @@ def bench_sweep_cmd(
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from handoff.bench.sweep import check_sweep_args, replan as replan_sweep, run_sweep
+    from handoff.bench.sweep import (check_sweep_args, check_sweep_out, replan as replan_sweep,
+                                     run_sweep)
 
     if replan:
         state = replan_sweep(config, list(overrides or []), out)
@@ -169,7 +170,8 @@ def bench_sweep_cmd(
 
     util_list = float_list(utils, "--utils") if utils else None
     offload_list = [o.strip() for o in offloads.split(",")] if offloads else None
-    check_sweep_args(out, utils=util_list, offloads=offload_list, steps=steps)   # before the bar
+    check_sweep_args(utils=util_list, offloads=offload_list, steps=steps)   # before the bar
+    check_sweep_out(Path(out))
     with Progress(SpinnerColumn(), TextColumn("[bold]sweep"), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console) as bar:
         task = bar.add_task("", total=None)

@@ -6,8 +6,8 @@
 This package imports no torch: `handoff plan` uses it on a laptop.
 """
 
-from handoff.config.loading import (load_config, read_section, reference, set_key, to_dict,
-                                    validate)
+from handoff.config.loading import (dotted, load_config, read_section, reference, set_key,
+                                    to_dict, validate)
 from handoff.config.sections import (LORA_TARGETS, ActorConfig, Config, DataConfig, EvalConfig,
                                      HardwareConfig, LoraConfig, MemoryConfig, ModelConfig,
                                      ParallelConfig, RewardConfig, RolloutConfig, RunConfig,
@@ -17,4 +17,4 @@ from handoff.errors import ConfigError
 __all__ = ["LORA_TARGETS", "ActorConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
            "HardwareConfig", "LoraConfig", "MemoryConfig", "ModelConfig", "ParallelConfig",
            "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig", "WorkloadConfig",
-           "load_config", "read_section", "reference", "set_key", "to_dict", "validate"]
+           "dotted", "load_config", "read_section", "reference", "set_key", "to_dict", "validate"]

@@ -241,6 +241,17 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def dotted(tree: dict, prefix: str = "") -> dict:
+    """A nested config dict as {"section.key": value} (leaves only)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def reference(cfg: Any = None, prefix: str = "") -> list[dict[str, str]]:
     """Every key of the config tree, in order: {"key", "default", "range", "help"} (the
     `handoff config` listing, generated from the fields' own metadata)."""

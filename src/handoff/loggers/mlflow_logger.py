@@ -13,20 +13,10 @@ import os
 import time
 from pathlib import Path
 
+from handoff.config import dotted
 from handoff.loggers.base import missing_package, numeric_items
 
 MAX_BATCH = 1000   # metrics per log_batch call (MLflow's limit)
-
-
-def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
-    """A nested config as MLflow params: dotted keys, values as text."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(flat_params(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = str(value)
-    return out
 
 
 class MlflowLogger:
@@ -50,7 +40,7 @@ class MlflowLogger:
                                              run_name=out_dir.resolve().name).info.run_id
 
     def log_config(self, config: dict) -> None:
-        params = [self._param(k, v) for k, v in flat_params(config).items()]
+        params = [self._param(k, str(v)) for k, v in dotted(config).items()]
         for i in range(0, len(params), 100):   # MLflow takes 100 params per batch
             self.client.log_batch(self.run_id, params=params[i:i + 100])
 
