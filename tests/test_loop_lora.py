@@ -53,6 +53,13 @@ def test_a_lora_run_moves_the_adapters_only_and_resumes_bit_identically(model_di
     assert rows[0]["kl"] == 0 and rows[-1]["kl"] > 0   # the adapters moved off the base
     assert all(r["grad_norm"] > 0 for r in rows)
     assert "LoRA rank 4" in (tmp_path / "straight" / "summary.md").read_text()
+    # the adapters' sync, timed at start, prices the ledger's sync: a tensor at its cost
+    done = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    tensors = len(adapters)
+    assert done["rates"]["adapter_tensor_s"] > 0
+    assert done["planned"]["engine_weights_sync"]["seconds"] == pytest.approx(
+        max(tensors * done["rates"]["adapter_tensor_s"],
+            2 * adapter_bytes / done["rates"]["sync_copy_bps"]))
 
     _run(model_dir, tmp_path / "cut", "run.steps=2", "run.save_every=2").run()
     resumed = _run(model_dir, tmp_path / "cut", "run.steps=4", "run.save_every=2",

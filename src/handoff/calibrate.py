@@ -41,13 +41,15 @@ from handoff.plan.ledger import trainer_bytes
 from handoff.rollout.kv_sizing import kv_pool_blocks
 from handoff.rollout.weight_copy import copy_in_batches
 from handoff.runplan import RunPlan
+from handoff.sync.adapters import sync_adapters
 from handoff.sync.weights import WeightIter, sync_weights
 
 # rates key -> the hardware profile field it replaces in the ledger
 _PROFILE_FIELDS = {"d2h_bps": "pinned_pcie_bps", "d2d_bps": "d2d_bps", "map_bps": "map_bps",
                    "unmap_bps": "unmap_bps", "tensor_host_s": "sync_tensor_seconds",
                    "h2d_kernel_bps": "kernel_h2d_bps", "sync_copy_bps": "sync_copy_bps",
-                   "decode_floor_s": "decode_floor_s", "decode_per_seq_s": "decode_per_seq_s"}
+                   "decode_floor_s": "decode_floor_s", "decode_per_seq_s": "decode_per_seq_s",
+                   "adapter_tensor_s": "adapter_tensor_seconds"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,8 @@ class Rates:
     """What calibrate measured: {"d2h_bps", "h2d_bps", "d2d_bps", "h2d_kernel_bps" (CUDA),
     "map_bps", "unmap_bps", "remap_bytes", "weights_map_bps", "weights_remap_bytes",
     "sync_copy_bps", "sync_sample_bytes", "tensor_host_s", "bytes", "decode_floor_s",
-    "decode_per_seq_s" (CUDA, measure_decode_rates)}; a rate that could not be
+    "decode_per_seq_s" (CUDA, measure_decode_rates), "adapter_tensor_s" (LoRA,
+    measure_adapter_tensor_seconds)}; a rate that could not be
     measured (nothing fits) is absent and the profile's stands."""
 
     values: dict
@@ -351,6 +354,20 @@ def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module
         times.append(time.perf_counter() - t0)
     wait_for_device(device)
     return sorted(times)[len(times) // 2] / tensors
+
+
+def measure_adapter_tensor_seconds(actor, engine, *, repeats: int = 3) -> float:
+    """Median wall seconds per tensor of the LoRA sync (the switch's engine_weights_sync under
+    LoRA, priced per tensor): the actor's adapters loaded into the engine's buffers as they
+    are now, which the first step's sync loads again. The first load zeroes the buffers (a
+    new layout), the later ones do not, as in the steps: the median is a step's."""
+    lora = actor.lora
+    times = []
+    for _ in range(repeats):
+        stats = sync_adapters(actor.adapter_tensors(engine.dtype), engine.lora.load,
+                              alpha=lora.alpha, rank=lora.rank, device=engine.device)
+        times.append(stats.seconds / max(stats.num_tensors, 1))
+    return statistics.median(times)
 
 
 def measure_decode_rates(engine, *, batch: int, steps: int = 32) -> dict:

@@ -354,6 +354,8 @@ def _remap_text(r: dict) -> str:
         text += f", the sync's copies at {r['sync_copy_bps'] / 1e9:.0f} GB/s"
     if "tensor_host_s" in r:
         text += f", {r['tensor_host_s'] * 1e6:.1f} us of host work per synced tensor"
+    if "adapter_tensor_s" in r:
+        text += f" ({r['adapter_tensor_s'] * 1e6:.1f} us per adapter tensor of the LoRA sync)"
     return text
 
 

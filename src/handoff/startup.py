@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from handoff.calibrate import Rates, calibrate, measure_decode_rates
+from handoff.calibrate import Rates, calibrate, measure_adapter_tensor_seconds, measure_decode_rates
 from handoff.config import Config
 from handoff.dist import check_world_size, init_process_group, resolve_device
 from handoff.memory.allocator import aggressive_empty_cache
@@ -73,6 +73,10 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
     if device.type == "cuda" and not cfg.run.rates_file:
         rates = Rates({**rates.values,
                        **measure_decode_rates(engine, batch=cfg.rollout.max_num_seqs)})
+    if cfg.actor.lora.rank and not cfg.memory.param_offload and not cfg.run.rates_file:
+        # the adapters are on the card (a shared base keeps them there): time their sync
+        rates = Rates({**rates.values,
+                       "adapter_tensor_s": measure_adapter_tensor_seconds(actor, engine)})
     return HybridWorker(cfg, actor=actor, ref=ref, engine=engine, pool=pool, meter=meter), rates
 
 

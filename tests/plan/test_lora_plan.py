@@ -2,6 +2,7 @@
 plan/lora_verdict.py, plan/lora_report.py, plan.order's `lora` mode)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -104,6 +105,13 @@ def test_a_base_held_twice_is_backed_up_and_restored_and_only_the_adapters_synce
                                                    **kw)}
     weights = engine_weight_bytes(shape, 1, 2)
     adapters = adapter_params(shape, 16, LORA_TARGETS)
+    # the adapters' sync: a tensor at the LoRA load's measured cost, else a full sync's
+    loads = replace(hw, adapter_tensor_seconds=hw.sync_tensor_seconds / 4)
+    tensors = adapter_tensors(shape, LORA_TARGETS)
+    assert adapter_sync_seconds(shape, loads, rank=16, targets=LORA_TARGETS, dtypes=Dtypes()) \
+        == pytest.approx(tensors * hw.sync_tensor_seconds / 4)
+    assert adapter_sync_seconds(shape, hw, rank=16, targets=LORA_TARGETS, dtypes=Dtypes()) \
+        == pytest.approx(tensors * hw.sync_tensor_seconds)
     assert held["engine_sleep"].bytes_per_card == weights   # level 1: the base to the host
     # the pool maps beside neither the optimizer nor the params copy here (fixed pool)
     assert held["kv_cache_wake"].bytes_per_card == shared["kv_cache_wake"].bytes_per_card

@@ -107,6 +107,36 @@ def test_reload_in_place_padded_rank_and_names_without_prefix(qwen3_dir, ref):
     assert _base_checksum(engine) == base_sum
 
 
+def test_a_reload_zeroes_the_buffers_only_when_the_layout_changes(qwen3_dir, ref, monkeypatch):
+    """The training loop syncs the same (rank, tensors) every step: those loads overwrite in
+    place without zeroing first; a load of another rank or of fewer modules zeroes first, so
+    nothing of the last adapter is left (outputs equal a fresh engine's)."""
+    adapter = _adapter(qwen3_dir)
+    gen = torch.Generator().manual_seed(3)
+
+    def widened():   # a rank-8 adapter: the rank-4 one with four more random ranks
+        return {k: torch.cat([v, torch.randn(v.shape, generator=gen) * 0.1],
+                             dim=0 if "lora_A" in k else 1) for k, v in adapter.items()}
+
+    wide, wide_again = widened(), widened()
+    attn_only = {k: v for k, v in adapter.items() if "self_attn" in k}
+    expected = {}
+    for name, tensors, rank in (("wide_again", wide_again, 8), ("attn_only", attn_only, RANK)):
+        fresh = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=8)
+        fresh.load_adapter(tensors, alpha=ALPHA, rank=rank)
+        expected[name] = _tokens(fresh)
+    assert expected["wide_again"] != expected["attn_only"]
+    clears = []
+    clear = lora.LoraAdapters.clear
+    monkeypatch.setattr(lora.LoraAdapters, "clear", lambda self: clears.append(1) or clear(self))
+    engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=8)
+    engine.load_adapter(wide, alpha=ALPHA, rank=8)
+    engine.load_adapter(wide_again, alpha=ALPHA, rank=8)   # same layout: overwritten in place
+    assert len(clears) == 1 and _tokens(engine) == expected["wide_again"]
+    engine.load_adapter(attn_only, alpha=ALPHA, rank=RANK)   # fewer ranks and modules
+    assert len(clears) == 2 and _tokens(engine) == expected["attn_only"]
+
+
 def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monkeypatch):
     calls = []
     add_to = lora.LoraSlot.add_to

@@ -79,6 +79,10 @@ class HardwareProfile:
     # The paged decode kernel's KV read rate (`handoff bench kernel`, docs/PERF.md: the H200
     # measured; other cards at the H200's share of HBM peak, 90%). 0: decode_bw_bps.
     kv_read_bps: float = 0.0
+    # Host work per tensor of the LoRA sync's load into the engine's adapter buffers (names
+    # checked, views taken, batched copies: rollout/lora.py); measured at the start of a LoRA
+    # run (calibrate.measure_adapter_tensor_seconds). 0: sync_tensor_seconds, a full sync's.
+    adapter_tensor_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

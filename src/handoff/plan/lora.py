@@ -144,8 +144,8 @@ def adapter_sync_seconds(shape: ModelShape, hw: HardwareProfile, *, rank: int,
     """The adapters copied in the card into the engine's (read + write), a copy per tensor:
     no gather (every card holds them whole), no map (the engine's adapters stay mapped)."""
     nbytes = adapter_params(shape, rank, targets) * dtypes.param_bytes
-    return max(2 * nbytes / hw.sync_copy_bps,
-               adapter_tensors(shape, targets) * hw.sync_tensor_seconds)
+    per_tensor = hw.adapter_tensor_seconds or hw.sync_tensor_seconds
+    return max(2 * nbytes / hw.sync_copy_bps, adapter_tensors(shape, targets) * per_tensor)
 
 
 def lora_switch_actions(shape: ModelShape, memory: MemoryConfig, hw: HardwareProfile, *,

@@ -77,6 +77,9 @@ class LoraAdapters:
             raise HandoffError(f"LoRA max rank {max_rank} is not positive: use the adapter's r")
         self.max_rank = max_rank
         self.num_layers = len(model.model.layers)
+        # (rank, the PEFT tensors written) of the adapter in the buffers; None: all zeros or
+        # unknown. A load of the same layout overwrites exactly what the last one wrote.
+        self._layout = None
         self.linears: dict[str, torch.nn.Module] = {}
         for name, module in model.named_modules():
             if hasattr(module, "lora") and name.startswith("model.layers."):
@@ -101,16 +104,22 @@ class LoraAdapters:
         if unpaired:
             raise HandoffError(f"the adapter lacks {unpaired[0]} ({len(unpaired)} missing): "
                                "pass every lora_A and lora_B tensor that save_pretrained wrote")
-        self.clear()
+        # The training loop syncs the same layout every step: then every view written is
+        # overwritten and the rest is still zero, so the buffers are not zeroed first. Two
+        # batched calls for the copies and the scale: a launch per tensor costs the slow
+        # host ~30 us, 47 ms for the 32B's 896 adapter tensors (H200, 2026-12-06).
+        layout = (rank, frozenset(halves))
+        if layout != self._layout:
+            self.clear()
         copy_in_batches(copies)
-        for linear in self.linears.values():
-            linear.lora.A.mul_(alpha / rank)
+        torch._foreach_mul_([linear.lora.A for linear in self.linears.values()], alpha / rank)
+        self._layout = layout
 
     def clear(self) -> None:
         """Zero every buffer: the adapter adds nothing."""
-        for linear in self.linears.values():
-            linear.lora.A.zero_()
-            linear.lora.B.zero_()
+        buffers = [b for linear in self.linears.values() for b in (linear.lora.A, linear.lora.B)]
+        torch._foreach_zero_(buffers)
+        self._layout = None
 
     def detach(self) -> None:
         """Take every slot off its linear: the engine runs no adapter code again."""
