@@ -89,8 +89,9 @@ def run_cases(device: str, dtype: torch.dtype, skinny_linear, config: dict | Non
 
 def interpreted_results(skinny_linear) -> dict:
     """Every case whole (SMALL), with K split in 2, and in 4 (some splits then get no tile
-    of K: their partial is zero); then whether a split product leaves its counters at zero and
-    gives the same bits twice."""
+    of K: their partial is zero; an extra's rows split too); then whether a split product
+    leaves its counters at zero, gives the same bits twice, and the same weight rows with and
+    without an extra."""
     from handoff.rollout.kernels.skinny import split_buffers
 
     results = {f"split {split}": run_cases("cpu", torch.float16, skinny_linear,
@@ -105,6 +106,10 @@ def interpreted_results(skinny_linear) -> dict:
     first, again = (skinny_linear(x, w, None, e, config=split) for _ in range(2))
     results["counters_zero"] = not split_buffers(x.device)[1].any().item()
     results["split_repeats_bitwise"] = all(torch.equal(a, b) for a, b in zip(first, again))
+    # the extra's rows are split as the weight's: the weight's rows come out the same bits
+    # with or without them (a zero adapter gives the base's outputs)
+    results["split_y_same_without_extra"] = torch.equal(
+        first[0], skinny_linear(x, w, None, None, config=split)[0])
     whole_y, _ = skinny_linear(x, w, None, e, config=SMALL)
     results["split_differs_from_whole_by"] = _rel(first[0], whole_y.float())
     return results
@@ -135,6 +140,7 @@ def test_skinny_product_equals_the_reference_under_interpreter():
         _check(results[name])
     assert results["counters_zero"] is True   # a captured graph replays from zero
     assert results["split_repeats_bitwise"] is True
+    assert results["split_y_same_without_extra"] is True
     assert results["split_differs_from_whole_by"] < 2e-3
 
 

@@ -34,6 +34,7 @@ import torch
 
 GEMM_BACKENDS = ("cublas", "cublaslt", "triton")   # the first is PyTorch's default: kept on a tie
 SKINNY_MAX_ROWS = 32                       # the Triton skinny product's most rows
+SKINNY_MAX_EXTRA_ROWS = 3 * 128            # its most extra rows (LoRA: q/k/v at rank 128)
 TIE_MARGIN = 0.02                          # another backend must be 2% faster to be chosen
 _SLEEP_CYCLES = 40_000_000                 # ~20 ms of a GPU busy while the host queues a step
 _CYCLES_PER_SECOND = 2.0e9                 # above any data-center card's clock: sleeps long

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from handoff.rollout.attention import AttnMeta, store_kv
-from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS, skinny_gemm_on
+from handoff.rollout.gemm_choice import SKINNY_MAX_EXTRA_ROWS, SKINNY_MAX_ROWS, skinny_gemm_on
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,11 +71,12 @@ def linear(x_TE: torch.Tensor | NormInput, weight_FE: torch.Tensor,
     gemm_backend("triton") a product of <= SKINNY_MAX_ROWS rows (CUDA, half precision) is
     the Triton skinny kernel: the slot's shrink x A^T as more rows of the same launch, the
     SiLU or the norm made as x is read (HANDOFF_FUSED=0 turns it off: cuBLAS, as for a
-    weight that is not row-major or not in x's dtype)."""
+    weight that is not row-major or not in x's dtype, or a slot past the kernel's extra rows)."""
     pending = x_TE if isinstance(x_TE, NormInput) else None
     x = x_TE if pending is None else pending.x_TE
     if (skinny_gemm_on() and x.shape[0] <= SKINNY_MAX_ROWS and use_fused(x)
-            and weight_FE.stride(-1) == 1 and weight_FE.dtype == x.dtype):
+            and weight_FE.stride(-1) == 1 and weight_FE.dtype == x.dtype
+            and (lora is None or lora.A.shape[0] <= SKINNY_MAX_EXTRA_ROWS)):
         from handoff.rollout.kernels.skinny import skinny_linear
 
         norm = None

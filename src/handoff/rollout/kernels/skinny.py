@@ -11,16 +11,16 @@ larger than the weight's (more rows would read x more than the weight: cuBLAS's)
 SPLIT_K > 1 each program stores its fp32 partial and counts in on its column block's
 counter; the one that counts last sums the partials in split order (the same bits at every
 run) and writes y: no reduce kernel. `extra_RK` (a LoRA slot's stacked A, rollout/lora.py)
-is read as R more rows of the same product into `t`, over all of K: LoRA's shrink x A^T takes
-no launch of its own. With `gated` the input is the MLP's [gate | up] and each tile of
+is read as R more rows of the same product into `t` (at most MAX_EXTRA_ROWS), split over K
+as the weight is: LoRA's shrink x A^T takes no launch of its own. With `gated` the input is the MLP's [gate | up] and each tile of
 SiLU(gate) * up is made as it is read (silu_mul's rounding): down_proj takes no silu_mul
 launch. With `norm` the input is a layer's weight * RMSNorm(x + residual): every program first
 sums its rows' squares over K (16-32 rows, from L2), then makes each tile as it reads it;
 column block 0 writes x + residual, the residual stream: qkv_proj and gate_up_proj take no
 add_rms_norm launch (ops.NormInput). (Split over K, each part still sums the squares over
-all of K: x's reads from L2 grow with the split, which the autotuner's timing weighs; an
-extra's rows are not split, so a LoRA slot's programs run the whole K.) cuBLAS offers neither a reduce inside the product, nor a
-second weight or a prologue in one call, hence a kernel of our own.
+all of K: x's reads from L2 grow with the split, which the autotuner's timing weighs.)
+cuBLAS offers neither a reduce inside the product, nor a second weight or a prologue in one
+call, hence a kernel of our own.
 
 Triton's autotuner picks BLOCK_N / BLOCK_K / SPLIT_K / stages per (N, K, padded rows, the
 input's kind), each config timed with the weight coming from HBM, and keeps the choice on
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from handoff.rollout.gemm_choice import SKINNY_MAX_ROWS, rows_padded
+from handoff.rollout.gemm_choice import SKINNY_MAX_EXTRA_ROWS, SKINNY_MAX_ROWS, rows_padded
 from handoff.rollout.kernels.fused import silu_times
 
 BASE_CONFIGS = ((16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4),
@@ -53,10 +53,14 @@ CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split}, num_war
            for n, k, w, s in BASE_CONFIGS for split in SPLITS]
 SHARED_BYTES = 200 * 1024   # a config's pipeline buffers stay under the H100/H200's 227 KB
 # Split-K's partial sums: one slot of [M_PAD, BLOCK_N] fp32 per (split, column block), at
-# most SPLIT_SLOTS of them (8 MB), and a counter per column block; one pair per device,
-# made before any graph is captured and reused by every launch (launches on a stream run one
-# after another, and each leaves its counters at zero).
+# most SPLIT_SLOTS of them (8 MB) for the weight's blocks and EXTRA_SLOTS more for an
+# extra's (a LoRA slot's, up to MAX_EXTRA_ROWS rows: the autotuner's key leaves the extra
+# out, so a config chosen without one must fit with one), and a counter per column block;
+# one pair per device, made before any graph is captured and reused by every launch
+# (launches on a stream run one after another, and each leaves its counters at zero).
 SPLIT_SLOTS = 1024
+MAX_EXTRA_ROWS = SKINNY_MAX_EXTRA_ROWS
+EXTRA_SLOTS = max(SPLITS) * (MAX_EXTRA_ROWS // 16)   # BLOCK_N >= 16
 SLOT_FLOATS = SKINNY_MAX_ROWS * 64
 
 
@@ -110,17 +114,21 @@ def _skinny_kernel(x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr
                    stride_ym, stride_tm, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                    NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, M_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    # Programs [0, SPLIT_K * cdiv(N, BLOCK_N)) own rows of the weight over 1 / SPLIT_K of K,
-    # the rest rows of the extra over all of K: the source is chosen by scalars, so one
-    # pipelined loop (and one set of buffers) serves both.
+    # Column blocks [0, cdiv(N, BLOCK_N)) are rows of the weight, the rest rows of the extra;
+    # each block is split over K SPLIT_K ways, program `pid` taking block pid % blocks over
+    # part pid // blocks. The source is chosen by scalars, so one pipelined loop (and one set
+    # of buffers) serves both; an extra split as the weight is ends with it (unsplit, its
+    # programs streamed all of K while the weight's streamed a part: 2.3x the base's step).
     pid = tl.program_id(0)
     weight_blocks = tl.cdiv(N, BLOCK_N)
-    own = pid < weight_blocks * SPLIT_K
-    block = tl.where(own, pid % weight_blocks, pid - weight_blocks * SPLIT_K)
-    split = tl.where(own, pid // weight_blocks, 0)
+    blocks = weight_blocks + tl.cdiv(R, BLOCK_N)
+    any_block = pid % blocks
+    split = pid // blocks
+    own = any_block < weight_blocks
+    block = tl.where(own, any_block, any_block - weight_blocks)
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_start = split * k_per_split
-    k_end = tl.where(own, tl.minimum(K, k_start + k_per_split), K)
+    k_end = tl.minimum(K, k_start + k_per_split)
     src = tl.where(own, w_ptr, e_ptr)
     stride_src = tl.where(own, stride_wn, stride_en)
     num_rows = tl.where(own, N, R)
@@ -162,19 +170,18 @@ def _skinny_kernel(x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, e_ptr, b_ptr, y_ptr, t_ptr
         w = tl.load(src_rows + ks[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc)     # w is the [BLOCK_K, BLOCK_N] tile of the rows, transposed
     finished = pid >= 0
-    if SPLIT_K > 1:
-        if own:   # the split's partial to its slot; the block's last split to count in sums
-            slot = ws_ptr + (split * weight_blocks + block) * (M_PAD * BLOCK_N)
-            tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            tl.store(slot + tile, acc)
-            tl.debug_barrier()   # every thread's partial stored before the count releases it
-            finished = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel") == SPLIT_K - 1
-            if finished:   # the partials in split order: the same sum at every run
-                acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
-                for part in range(SPLIT_K):
-                    acc += tl.load(ws_ptr + (part * weight_blocks + block) * (M_PAD * BLOCK_N)
-                                   + tile, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + block, 0)   # zero for the next launch
+    if SPLIT_K > 1:   # the split's partial to its slot; the block's last split to count in sums
+        slot = ws_ptr + (split * blocks + any_block) * (M_PAD * BLOCK_N)
+        tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(slot + tile, acc)
+        tl.debug_barrier()   # every thread's partial stored before the count releases it
+        finished = tl.atomic_add(cnt_ptr + any_block, 1, sem="acq_rel") == SPLIT_K - 1
+        if finished:   # the partials in split order: the same sum at every run
+            acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
+            for part in range(SPLIT_K):
+                acc += tl.load(ws_ptr + (part * blocks + any_block) * (M_PAD * BLOCK_N)
+                               + tile, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + any_block, 0)   # zero for the next launch
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=r_ok & own, other=0.0).to(tl.float32)[None, :]
     dst = tl.where(own, y_ptr, t_ptr)
@@ -195,9 +202,10 @@ def split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if device not in _split_buffers:
         assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
             "the skinny kernel's split buffers are made before a graph is captured (tune first)"
+        slots = SPLIT_SLOTS + EXTRA_SLOTS
         _split_buffers[device] = (
-            torch.empty(SPLIT_SLOTS * SLOT_FLOATS, dtype=torch.float32, device=device),
-            torch.zeros(SPLIT_SLOTS, dtype=torch.int32, device=device))
+            torch.empty(slots * SLOT_FLOATS, dtype=torch.float32, device=device),
+            torch.zeros(slots, dtype=torch.int32, device=device))
     return _split_buffers[device]
 
 
@@ -251,6 +259,7 @@ def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
                                                    device=x_MK.device)
     if extra_RK is not None:
         assert extra_RK.stride(-1) == 1 and extra_RK.shape[1] == in_features
+        assert extra <= MAX_EXTRA_ROWS, f"{extra} extra rows: the split slots hold {MAX_EXTRA_ROWS}"
     args = (x_MK, x_MK if residual is None else residual,
             x_MK if norm_weight is None else norm_weight,
             x_MK if residual_out is None else residual_out,
@@ -265,8 +274,8 @@ def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
              "HAS_RESIDUAL": residual is not None, "M_PAD": rows_padded(rows)}
 
     def grid(meta):
-        return (triton.cdiv(out_features, meta["BLOCK_N"]) * meta["SPLIT_K"]
-                + triton.cdiv(extra, meta["BLOCK_N"]),)
+        return ((triton.cdiv(out_features, meta["BLOCK_N"]) + triton.cdiv(extra, meta["BLOCK_N"]))
+                * meta["SPLIT_K"],)
 
     if config is None:
         _tuned_kernel[grid](*args, **flags)
