@@ -124,3 +124,35 @@ def test_a_reward_that_returns_nan_stops_with_one_line_and_the_run_resumes(
                        "reward.functions=[my_rewards.py:digits_times_difficulty]"),
                   resume=True)
     assert [json.loads(r)["step"] for r in metrics.read_text().splitlines()] == [1, 2]
+
+
+FORMS_FILE = '''
+import json, os
+
+def forms(prompts, completions, **kwargs):
+    with open(os.environ["HANDOFF_TEST_LOG"], "a") as f:
+        f.write(json.dumps({"fn": "forms", "prompt": prompts[0], "completion": completions[0]})
+                + "\\n")
+    return [0.0] * len(completions)
+'''
+
+
+def test_trl_functions_get_the_datas_form_whatever_the_chat_template(model_dir, user_files):
+    """As TRL passes them: text prompts give text completions, chat-message prompts give
+    assistant messages; the chat template renders both for the model and changes neither."""
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(model_dir)).chat_template   # the template is on
+    (user_files / "forms.py").write_text(FORMS_FILE)
+    chat_rows = [{"prompt": [{"role": "user", "content": f"What is {a} + 1?"}],
+                  "answer": str(a + 1)} for a in range(8)]
+    (user_files / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows))
+    for data, out in (("data.jsonl", "text"), ("chat.jsonl", "chat")):
+        handoff.train(_cfg(model_dir, user_files / out, "data.chat_template=true",
+                           f"data.path={data}", "run.steps=1", "run.checkpoint=false",
+                           "reward.functions=[forms.py:forms]"))
+    text, chat = [c for c in _calls(user_files) if c["fn"] == "forms"]
+    assert isinstance(text["prompt"], str) and isinstance(text["completion"], str)
+    assert chat["prompt"][-1]["role"] == "user"
+    assert [m["role"] for m in chat["completion"]] == ["assistant"]
+    assert isinstance(chat["completion"][0]["content"], str)

@@ -257,11 +257,12 @@ class Run:
 
     # ---------------------------------------------------------------- one step
 
-    def _reward_prompt(self, problem) -> str | list:
-        """The prompt as reward functions get it: the chat messages when the template was
-        applied (TRL's conversational form), else the plain text."""
-        chat = self.cfg.data.chat_template and bool(getattr(self.tokenizer, "chat_template", None))
-        return list(problem.messages) if chat else problem.prompt
+    @staticmethod
+    def _reward_prompt(problem) -> str | list:
+        """The prompt as reward functions get it, in the data's form as TRL passes it: the
+        chat messages for a conversational record, else the text (a text prompt rendered
+        with the chat template stays text: the function reads what the data holds)."""
+        return list(problem.messages) if problem.conversational else problem.prompt
 
     def _score(self, step: int, problems: list, prompt_ids: list[list[int]],
                indices: list[int], outs: list) -> Scored:

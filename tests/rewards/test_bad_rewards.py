@@ -39,6 +39,9 @@ CASES = {
     "gives_text": "reward gives_text gave 'good' (str) for sample 2: return a float, or None",
     "gives_a_huge_int": "reward gives_a_huge_int gave 1000000000000000000000000000000000000000000"
                         "00000000000000... for sample 0, which is not a float",
+    "calls_sys_exit": "reward calls_sys_exit raised SystemExit(3) on samples 0..3",
+    "gives_past_float32": "reward gives_past_float32 gave 1e+39 for sample 0, past float32's "
+                          "range",
     "gives_a_float": "reward gives_a_float returned 1.0 (float) for samples 0..3, not a list",
     "verl_raises": "reward verl_raises raised KeyError on sample 2: 'no answer': fix the "
                    "function",
@@ -56,6 +59,7 @@ def test_a_bad_reward_is_one_line_naming_the_function_sample_and_value(name):
 def test_a_bad_reward_in_a_worker_pool_gives_the_same_line():
     assert CASES["gives_nan"] in _error(f"{BAD}:gives_nan", workers=1)
     assert CASES["verl_raises"] in _error(f"{BAD}:verl_raises", workers=1)
+    assert CASES["calls_sys_exit"] in _error(f"{BAD}:calls_sys_exit", workers=1)
 
 
 @pytest.mark.slow   # spawns a worker
@@ -78,7 +82,7 @@ SPEC_CASES = {
     "missing file": (f"{FIXTURES}/nowhere.py:f", r"reward file '.*nowhere.py' not found \(a "
                      r"relative path is read from the current directory"),
     "missing name": (f"{BAD}:absent", r"bad_rewards.py has no 'absent' \(its callables: "
-                     r"exits_the_process, gives_a_float, .*\): fix the name after the colon"),
+                     r"calls_sys_exit, exits_the_process, gives_a_float, .*\): fix the name after the colon"),
     "not callable": (f"{BAD}:NOT_A_FUNCTION", r"NOT_A_FUNCTION is a int, not a function"),
     "unknown built-in": ("handoff:accuracy", r"'handoff:accuracy' is not a built-in reward: use "
                          r"one of handoff:task, handoff:numeric, handoff:exact"),

@@ -15,7 +15,8 @@ How a function is called is read from its signature (`inspect.signature`, parame
 * any other is a TRL function, called once per step by keyword as TRL's GRPOTrainer calls
   it: `prompts=`, `completions=`, `completion_ids=`, `trainer_state=`, `log_extra=`,
   `log_metric=` and every other dataset column as a list; completions are strings for text
-  prompts and `[{"role": "assistant", "content": ...}]` for chat prompts; it returns one
+  prompts and `[{"role": "assistant", "content": ...}]` for prompts the data gives as chat
+  messages (TRL's conversational form; the chat template does not change it); it returns one
   float or None per sample. Callable objects count too (trl.rewards' factories);
 * `handoff:task | handoff:numeric | handoff:exact` are the built-in graders (builtin.py).
 

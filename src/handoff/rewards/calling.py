@@ -127,6 +127,9 @@ def call_builtin(grader: Callable[..., Any], name: str, problem: Any, text: str,
     return checked_value(score.reward, name, index), bool(score.correct), bool(score.formatted)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def checked_value(value: Any, name: str, index: int) -> float | None:
     """A reward as a float (None stays None: no reward); wrong types and non-finite refused."""
     if value is None:
@@ -144,6 +147,9 @@ def checked_value(value: Any, name: str, index: int) -> float | None:
     if not math.isfinite(number):
         raise HandoffError(f"reward {name} gave {number} for sample {index}: return a finite "
                            "float, or None for no reward")
+    if abs(number) > FLOAT32_MAX:   # the advantages are float32: it would train on inf
+        raise HandoffError(f"reward {name} gave {number:g} for sample {index}, past float32's "
+                           f"range (+-{FLOAT32_MAX:.3g}): return a smaller finite float")
     return number
 
 
@@ -153,8 +159,9 @@ def _guarded(call: Callable[[], Any], name: str, where: str, *,
         return call()
     except HandoffError:
         raise
-    except Exception as e:
-        raise HandoffError(f"reward {name} raised {type(e).__name__} on {where}: "
+    except (Exception, SystemExit) as e:   # sys.exit() in a reward ends no run silently
+        what = f"SystemExit({e.code!r})" if isinstance(e, SystemExit) else type(e).__name__
+        raise HandoffError(f"reward {name} raised {what} on {where}: "
                            f"{first_line(e)}: {fix}") from e
 
 

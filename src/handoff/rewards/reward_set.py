@@ -232,7 +232,7 @@ def _result(future: Future, name: str) -> CallResult:
         return future.result()
     except HandoffError:
         raise
-    except Exception as e:  # BrokenProcessPool, a value that does not pickle, ...
+    except (Exception, SystemExit) as e:  # BrokenProcessPool, a value that does not pickle, ...
         raise HandoffError(f"reward {name} failed in a reward.workers process "
                            f"({type(e).__name__}: {first_line(e)}): "
                            "fix the function or run it in process (reward.workers=0)") from e

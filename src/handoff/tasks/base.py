@@ -29,6 +29,10 @@ class Problem:
     answer: str  # reference answer, already normalised by the task
     index: int  # position in the task's stream
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+    # The data gave chat messages (TRL's conversational form): reward functions then get the
+    # messages and each completion as an assistant message, else the text (TRL's standard
+    # form), whether or not the chat template renders the prompt for the model.
+    conversational: bool = False
 
     @property
     def prompt(self) -> str:

@@ -156,6 +156,7 @@ class DatasetTask(Task):
         _check_field(rows, self.path, prompt_field, "data.prompt_field")
         _check_field(rows, self.path, answer_field, "data.answer_field")
         self._messages = [_messages(r[prompt_field], i, self.path) for i, r in enumerate(rows)]
+        self._conversational = [not isinstance(r[prompt_field], str) for r in rows]
         self._answers = [self.make_answer(str(_field(r, answer_field)), i)
                          for i, r in enumerate(rows)]
         self._columns = [{k: v for k, v in r.items() if k != prompt_field} for r in rows]
@@ -184,7 +185,8 @@ class DatasetTask(Task):
         row = self._record(index)
         return Problem(messages=self._prompt(row), answer=self._answers[row], index=index,
                        metadata={"row": row, "path": str(self.path),
-                                 "columns": dict(self._columns[row])})
+                                 "columns": dict(self._columns[row])},
+                       conversational=self._conversational[row])
 
     def _prompt(self, row: int) -> tuple[dict[str, str], ...]:
         messages = [dict(m) for m in self._messages[row]]
