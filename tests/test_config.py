@@ -72,3 +72,16 @@ def test_a_config_line_names_the_real_cause(tmp_path):
         load_config(tmp_path)
     with pytest.raises(ConfigError, match=r"^actor must be a mapping of keys, got 3"):
         load_config(None, ["actor=3"])
+
+
+def test_a_home_relative_path_in_yaml_is_expanded(tmp_path, monkeypatch):
+    # a shell expands ~ on a command line, YAML does not: out_dir: ~/runs made a "~" directory
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  out_dir: ~/runs/demo\ndata:\n  eval_path: ~/eval.jsonl\n"
+                    "  ops: '~'\n")
+    cfg = load_config(path)
+    assert cfg.run.out_dir == str(tmp_path / "home" / "runs" / "demo")
+    assert cfg.data.eval_path == str(tmp_path / "home" / "eval.jsonl")
+    assert cfg.data.ops == "~"   # not a path: kept as written
+    assert load_config(None, ["model.path=~/m"]).model.path == str(tmp_path / "home" / "m")

@@ -53,6 +53,18 @@ def test_non_finite_values_are_refused_by_yaml_and_override(key, tmp_path):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("key", NUMERIC)
+def test_a_boolean_is_not_taken_for_a_number(key):
+    # float(True) is 1.0: actor.kl_coef=true meant to turn KL on would train with 1.0
+    for text in ("true", "false"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"{key}={text}"])
+        assert key in str(e.value) and ("boolean" in str(e.value)
+                                        or "not an integer" in str(e.value)), str(e.value)
+    with pytest.raises(ConfigError, match="is a boolean, not a number"):
+        load_config(None, ["reward.weights=[true]"])
+
+
 def test_a_non_finite_value_set_in_code_is_refused_by_validate():
     from handoff.config import validate
 

@@ -76,10 +76,14 @@ def test_gsm8k_reference_and_instruction(tmp_path):
     ('[1, 2]', "list.json", ["not an object"]),
     ("a,b\n", "data.csv", ["unsupported extension", ".parquet"]),
     ("not parquet", "x.parquet", ["not a readable Parquet"]),
+    (b'{"prompt": "a", "answer": 1}\n{"prompt": "caf\xe9", "answer": 2}\n', "latin1.jsonl",
+     ["latin1.jsonl:2 is not UTF-8", "0xe9", "re-save the file as UTF-8"]),
 ])
 def test_load_errors(tmp_path, content, name, words):
     path = tmp_path / name
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     with pytest.raises(HandoffError) as e:
         load_records(path)
@@ -98,6 +102,9 @@ def test_missing_field_names_the_fields_that_exist(tmp_path):
     later = _jsonl(tmp_path / "e.jsonl", [{"prompt": "a", "answer": 1}, {"prompt": "b"}])
     with pytest.raises(HandoffError, match="record 1 of"):
         DatasetTask(later)
+    null = _jsonl(tmp_path / "n.jsonl", [{"prompt": "a", "answer": 1}, {"prompt": None, "answer": 2}])
+    with pytest.raises(HandoffError, match="record 1 of .*n.jsonl: its 'prompt' is null"):
+        DatasetTask(null)
     odd = _jsonl(tmp_path / "f.jsonl", [{"prompt": 5, "answer": 1}])
     with pytest.raises(HandoffError, match="neither a string nor"):
         DatasetTask(odd)

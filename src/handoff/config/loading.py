@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -63,6 +64,9 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
             raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4")
         return int(as_float)
     if tp is float:
+        if isinstance(value, bool):   # float(True) is 1.0: kl_coef=true would train with 1.0
+            raise ConfigError(f"{key}={value!r} is a boolean, not a number: use a value such as "
+                              "0.5")
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -76,8 +80,14 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
             raise ConfigError(f"{key} is empty (YAML null): give it a value")
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}={value!r} is not a string")
-        return str(value)
+        text = str(value)
+        # A shell expands ~ on a command line, YAML does not: out_dir: ~/runs made a
+        # directory named "~" in the working directory.
+        return os.path.expanduser(text) if key.rsplit(".", 1)[-1] in PATH_FIELDS else text
     return value
+
+
+PATH_FIELDS = ("path", "eval_path", "out_dir", "rates_file")   # the keys' last parts
 
 
 def _coerce_list(value: Any, item_tp: Any, key: str, meta: dict) -> list:

@@ -36,7 +36,13 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
 
 
 def _read_json_lines(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise HandoffError(f"{path}:{line} is not UTF-8 (byte 0x{data[e.start]:02x} at offset "
+                           f"{e.start}): re-save the file as UTF-8") from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -122,6 +128,9 @@ def _field(row: dict, key: str) -> Any:
 
 def _check_field(rows: list[dict], path: Path, key: str, setting: str) -> None:
     for i, row in enumerate(rows):
+        if key in row and row[key] is None:
+            raise HandoffError(f"record {i} of {path}: its {key!r} is null: give it a value or "
+                               "remove the record")
         if _field(row, key) is None:
             fields = ", ".join(sorted(row)) or "none"
             where = f"{path}" if i == 0 else f"record {i} of {path}"
