@@ -2,6 +2,7 @@
 a context the model does not have; and `init-model --out` over something already there."""
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -110,4 +111,13 @@ def test_a_peft_adapter_directory_given_as_the_model_is_named_as_one(tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": "base"}')
     with pytest.raises(HandoffError, match=r"is a PEFT adapter directory, not a model: point it "
                                            r"at the adapter's base model"):
+        check_model_dir(tmp_path, flag="model.path")
+
+
+def test_a_run_directory_given_as_the_model_points_at_export(tmp_path):
+    from handoff.config import Config, to_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(Config())))   # a run's config
+    with pytest.raises(HandoffError, match=r"is a handoff run directory, not a model: "
+                                           r"`handoff export .* --out DIR` writes its model"):
         check_model_dir(tmp_path, flag="model.path")

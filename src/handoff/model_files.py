@@ -50,7 +50,18 @@ def read_model_config(path: str | Path, *, flag: str = "--model") -> dict:
         raise HandoffError(f"{flag}={str(path)!r} is not an HF checkpoint directory (no "
                            "config.json): create one with `handoff init-model --preset "
                            "tiny-qwen3 --out DIR` or point it at a downloaded model")
-    return read_json(file, max_bytes=_MAX_CONFIG_BYTES)
+    config = read_json(file, max_bytes=_MAX_CONFIG_BYTES)
+    if is_run_config(config):
+        raise HandoffError(f"{flag}={str(path)!r} is a handoff run directory, not a model: "
+                           f"`handoff export {path} --out DIR` writes its model, then point "
+                           f"{flag} at DIR")
+    return config
+
+
+def is_run_config(data) -> bool:
+    """Whether `data` (a parsed config.json) is a handoff run's config, not a model's."""
+    return (isinstance(data, dict) and {"model", "run", "rollout", "actor"} <= data.keys()
+            and isinstance(data["model"], dict) and "path" in data["model"])
 
 
 def check_architecture(path: str | Path, config: dict) -> None:

@@ -31,6 +31,7 @@ from rich.markup import escape
 
 from handoff.config import Config, dotted, to_dict
 from handoff.errors import HandoffError
+from handoff.model_files import is_run_config
 from handoff.safe_files import failing_write_is_one_line, link_refused, open_fd, replace_file
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
@@ -49,12 +50,6 @@ def earlier_run(out_dir: Path) -> list[str]:
     """The run files (RUN_FILES, and configs kept by a resume) already in out_dir."""
     kept = sorted(p.name for p in out_dir.glob(f"{KEPT_CONFIG_PREFIX}*.json"))
     return [name for name in RUN_FILES if (out_dir / name).exists()] + kept
-
-
-def is_run_config(data) -> bool:
-    """Whether `data` (a parsed config.json) is a handoff run's config, not a model's."""
-    return (isinstance(data, dict) and {"model", "run", "rollout", "actor"} <= data.keys()
-            and isinstance(data["model"], dict) and "path" in data["model"])
 
 
 def holds_handoff_run(out_dir: Path) -> bool:

@@ -82,6 +82,15 @@ def test_a_verl_file_is_called_per_sample_with_verls_keywords():
     assert scored.per_function["length_score"] == (2.0 * 11, 1.0 * 6, 2.0 * 6)
 
 
+def test_an_async_verl_function_is_awaited_as_an_async_trl_one_is():
+    samples = _samples(["work #### 7", "#### 8"], data_source=["openai/gsm8k", "other"],
+                       reward_model=[{"ground_truth": "7"}, {"ground_truth": "9"}],
+                       extra_info=[{"bonus": 0.5}, {}])
+    scored = _rewards("verl_score.py:async_compute_score").score(samples)
+    assert scored.totals == _rewards("verl_score.py:compute_score").score(samples).totals
+    assert scored.totals == (1.5, 0.0)
+
+
 def test_verl_ground_truth_falls_back_to_the_tasks_answer():
     samples = [Sample(_problem(0, reference="5"), "q", "#### 5", [1])]
     assert _rewards("verl_score.py:compute_score").score(samples).totals == (1.0,)

@@ -83,7 +83,7 @@ def call_user_function(fn: Callable[..., Any], style: str, name: str, inputs: Re
                   "ground_truth": inputs.ground_truths[i]}
         if takes_extra:
             kwargs["extra_info"] = inputs.extra_infos[i]
-        raw = _guarded(lambda: fn(**kwargs), name, f"sample {start + i}")
+        raw = _guarded(lambda: _awaited(fn(**kwargs)), name, f"sample {start + i}")
         if isinstance(raw, dict):
             if "score" not in raw:
                 raise HandoffError(f"reward {name} returned a dict without 'score' for sample "
