@@ -135,6 +135,24 @@ def test_a_refused_start_leaves_no_out_dir_it_made(model_dir, tmp_path):
     assert res.exit_code == 2 and not out.exists(), res.output
 
 
+def test_a_logger_that_cannot_start_leaves_no_out_dir_it_made(model_dir, tmp_path,
+                                                             monkeypatch):
+    import handoff.run_report as run_report
+    from handoff.errors import HandoffError
+
+    def refuse(cfg, out_dir, *, first_step):   # as wandb does without a login, after its dir
+        (out_dir / "wandb").mkdir()
+        raise HandoffError("wandb could not start a run (no API key): run `wandb login`")
+
+    monkeypatch.setattr(run_report, "open_loggers", refuse)
+    out = tmp_path / "new" / "run"
+    args = ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}", f"run.out_dir={out}",
+            "run.steps=1"]
+    res = runner.invoke(app, args, terminal_width=400)
+    assert res.exit_code == 2 and "wandb could not start" in res.output
+    assert not out.exists(), sorted(p.name for p in out.iterdir())   # the next start is free
+
+
 def test_a_resume_with_changed_settings_names_them_and_keeps_the_earlier_config(
         tmp_path, capsys):
     before = _cfg(tmp_path)

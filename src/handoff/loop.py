@@ -366,7 +366,12 @@ class Run:
             raise HandoffError(f"the checkpoint in {self.ckpt_dir} is at step {self.start_step}, "
                                f"run.steps={cfg.run.steps}: raise run.steps to train further")
         if self.report is not None:
-            self.report.start(self.start_step)
+            try:   # the loggers: the last of the start (wandb may refuse here)
+                self.report.start(self.start_step)
+            except BaseException:
+                if self.run_lock is not None:
+                    self.run_lock.release(failed_start=True)
+                raise
         try:
             with frozen_gc_heap():   # the switch's gc.collect() calls skip the setup's objects
                 for step in range(self.start_step, cfg.run.steps):

@@ -38,6 +38,8 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
              "memory_timeline.jsonl", "memory_timeline.png", "tensorboard", "checkpoints",
              "samples.jsonl", "wandb", "mlruns")
 LOCK_FILE = ".handoff.lock"
+# What a start writes before its first step: its lock, its config, its loggers' directories.
+START_FILES = {LOCK_FILE, "config.json", "tensorboard", "wandb", "mlruns"}
 KEPT_CONFIG_PREFIX = "config.before-step-"   # a resume with changed settings keeps the old
 # Every name a run writes in out_dir (and its temporary files): none may be a link.
 WRITTEN = (*RUN_FILES, LOCK_FILE, *(f"{name}.tmp" for name in RUN_FILES[:6]),
@@ -114,15 +116,15 @@ class RunLock:
         self._fd = fd
 
     def release(self, *, failed_start: bool = False) -> None:
-        """Drop the lock; `failed_start`: a start refused before writing anything removes the
-        out_dir it made (it holds the lock file alone), so no empty run is left behind."""
+        """Drop the lock; `failed_start`: a start refused before its first step removes the
+        out_dir it made (holding no more than the lock, the run's config and what a logger
+        that could not start left), so no run that never ran is left to refuse the next."""
         if self._fd is not None:
             os.close(self._fd)   # closing the descriptor drops the flock
             self._fd = None
             out = self.path.parent
-            if failed_start and self.created and [p.name for p in out.iterdir()] == [LOCK_FILE]:
-                self.path.unlink()
-                out.rmdir()
+            if failed_start and self.created and {p.name for p in out.iterdir()} <= START_FILES:
+                shutil.rmtree(out)
 
     def __del__(self) -> None:
         self.release()
