@@ -95,6 +95,8 @@ def test_mlflow_writes_a_run_with_metrics_and_params(tmp_path, monkeypatch, wher
         monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     _run(_cfg(out_dir, "run.loggers=[mlflow]"), out_dir)
     assert store.is_dir() and (where == "out_dir") == (out_dir / "mlruns").is_dir()
+    # mlflow's usage telemetry (it writes ~/.config/mlflow/) off unless the user turned it on
+    assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true"
     client = MlflowClient(tracking_uri=store.as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("handoff").experiment_id])
     assert run.info.run_name == "run" and run.info.status == "FINISHED"
