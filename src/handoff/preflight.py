@@ -23,7 +23,7 @@ from handoff.model_files import cap_context, check_model_dir, load_tokenizer
 from handoff.plan.lora import adapter_params, adapter_tensors
 from handoff.run_dir import check_out_dir
 from handoff.runplan import RunPlan
-from handoff.tasks import DatasetTask, build_task
+from handoff.tasks import DatasetTask, build_eval_problems, build_task
 
 
 def preflight(cfg: Config) -> RunPlan:
@@ -98,16 +98,24 @@ def lora_settings(cfg: Config) -> None:
 
 
 def check_prompt_lengths(cfg: Config) -> None:
-    """Every record of a data file leaves rollout.max_tokens of rollout.max_model_len free
-    (the engine would refuse the first batch holding a longer one, mid-run)."""
-    task = build_task(cfg.data, seed=cfg.run.seed)
-    if not isinstance(task, DatasetTask):   # generated problems: the engine checks each
+    """Every record of a data file, and of the evaluation set's (its first eval.n), leaves
+    rollout.max_tokens of rollout.max_model_len free (the engine would refuse the first batch
+    holding a longer one, mid-run: an evaluation's after a step had trained)."""
+    checked = [(build_task(cfg.data, seed=cfg.run.seed), None)]
+    evaluation = build_eval_problems(cfg.data, cfg.eval, seed=cfg.run.seed)
+    if evaluation is not None:
+        checked.append((evaluation[0], len(evaluation[1])))
+    # generated problems are not checked here: the engine checks each
+    checked = [(task, rows) for task, rows in checked if isinstance(task, DatasetTask)]
+    if not checked:
         return
     ro = cfg.rollout
-    task.check_prompt_lengths(load_tokenizer(cfg.model.path),
-                              limit=ro.max_model_len - ro.max_tokens, chat=cfg.data.chat_template,
-                              setting=f"rollout.max_model_len={ro.max_model_len} minus "
-                                      f"rollout.max_tokens={ro.max_tokens}")
+    tokenizer = load_tokenizer(cfg.model.path)
+    for task, rows in checked:
+        task.check_prompt_lengths(tokenizer, limit=ro.max_model_len - ro.max_tokens,
+                                  chat=cfg.data.chat_template, rows=rows,
+                                  setting=f"rollout.max_model_len={ro.max_model_len} minus "
+                                          f"rollout.max_tokens={ro.max_tokens}")
 
 
 def _check_resume(cfg: Config) -> None:

@@ -204,10 +204,11 @@ class DatasetTask(Task):
         return tuple(messages)
 
     def check_prompt_lengths(self, tokenizer: Any, *, limit: int, chat: bool,
-                             setting: str) -> None:
+                             setting: str, rows: int | None = None) -> None:
         """Refuse, at start, a record whose prompt takes more than `limit` tokens, naming it
-        by its place in the data file (a JSONL file's line), not by a batch position."""
-        for row in range(len(self)):
+        by its place in the data file (a JSONL file's line), not by a batch position; `rows`:
+        only the first ones (an evaluation set's eval.n), else all."""
+        for row in range(len(self) if rows is None else rows):
             problem = Problem(messages=self._prompt(row), answer="", index=row)
             n = len(encode_prompt(problem, tokenizer, chat=chat))
             if n > limit:
