@@ -156,3 +156,21 @@ def test_trl_functions_get_the_datas_form_whatever_the_chat_template(model_dir, 
     assert chat["prompt"][-1]["role"] == "user"
     assert [m["role"] for m in chat["completion"]] == ["assistant"]
     assert isinstance(chat["completion"][0]["content"], str)
+
+
+def test_a_prompt_only_dataset_trains_with_your_own_reward_and_refuses_a_grader(model_dir,
+                                                                              user_files):
+    """TRL takes datasets of prompts alone (format, length, judge rewards): with
+    data.answer_field=null so does a run; a grader, which needs the answers, is refused."""
+    (user_files / "forms.py").write_text(FORMS_FILE)
+    rows = [{"prompt": f"Say something about {a}."} for a in range(8)]
+    (user_files / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    only = ("data.path=prompts.jsonl", "data.answer_field=null", "run.steps=1",
+            "run.checkpoint=false")
+    summary = handoff.train(_cfg(model_dir, user_files / "own", *only,
+                                 "reward.functions=[forms.py:forms]"))
+    assert summary["steps"] == 1 and [c["fn"] for c in _calls(user_files)] == ["forms"]
+    for extra in ("reward.functions=[handoff:numeric]", "reward.functions=[]"):
+        with pytest.raises(HandoffError, match="data.answer_field is null"):
+            handoff.train(_cfg(model_dir, user_files / "graded", *only, extra))
+        assert not (user_files / "graded").exists()

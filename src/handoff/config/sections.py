@@ -213,8 +213,10 @@ class DataConfig:
                          "`datasets` save_to_disk directory, or a Hub dataset id already in the "
                          "local Hugging Face cache (never downloaded)")
     prompt_field: str = F("prompt", help="field that holds the prompt")
-    answer_field: str = F("answer", help="field that holds the reference answer (a dotted name "
-                          "reads a nested field: reward_model.ground_truth in verl's files)")
+    answer_field: str | None = F("answer", help=(
+        "field that holds the reference answer (a dotted name reads a nested field: "
+        "reward_model.ground_truth in verl's files); null: prompts only, scored by "
+        "reward.functions of your own (a format, length or judge reward)"))
     difficulty: int = F(1, help="arithmetic: digits per operand", ge=1, le=9)
     ops: str = F("+-", help="arithmetic: operators to draw from, a mix of + - *")
     context_chars: int = F(0, help="arithmetic: a filler passage of about this many characters "

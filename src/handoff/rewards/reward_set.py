@@ -106,6 +106,12 @@ class RewardSet:
                     callables: Sequence[Callable[..., Any]] = ()) -> RewardSet:
         """`reward.functions` by spec, then `callables` from Python; the task's grader when
         there are neither. `reward.weights` covers both, in that order."""
+        graders = [s for s in reward.functions if s.strip().startswith(BUILTIN_PREFIX)]
+        if not task.has_answers and (graders or not (reward.functions or callables)):
+            raise HandoffError(f"{graders[0] if graders else 'the task grader'} grades against "
+                               "a reference answer and data.answer_field is null (prompts "
+                               "only): set data.answer_field, or score with reward.functions "
+                               "of your own")
         functions = [builtin(s, task) if s.strip().startswith(BUILTIN_PREFIX) else from_spec(s)
                      for s in reward.functions]
         functions += [from_callable(fn) for fn in callables]

@@ -35,6 +35,9 @@ def build_task(data: DataConfig, *, seed: int = 0) -> Task:
     if data.path is None:
         raise HandoffError(f"data.task={data.task} reads its problems from a file: set "
                            "data.path to a JSONL or Parquet file")
+    if data.task == "gsm8k" and data.answer_field is None:
+        raise HandoffError("data.task=gsm8k grades against its answers: set data.answer_field "
+                           "(data.task=file reads prompts alone)")
     cls = GSM8KTask if data.task == "gsm8k" else DatasetTask
     return cls(data.path, prompt_field=data.prompt_field, answer_field=data.answer_field,
                seed=seed, split=data.split, subset=data.subset)

@@ -54,6 +54,7 @@ class Task(abc.ABC):
     """A resumable stream of problems plus a verifiable reward."""
 
     name: str = "task"
+    has_answers: bool = True   # False: prompts only, no reference for a grader
 
     def __init__(self, *, seed: int = 0) -> None:
         self.seed = seed

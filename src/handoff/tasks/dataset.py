@@ -155,7 +155,7 @@ class DatasetTask(Task):
     instruction: str | None = None  # appended to the last user turn of every prompt
 
     def __init__(self, path: str | Path, *, prompt_field: str = "prompt",
-                 answer_field: str = "answer", seed: int = 0, split: str = "train",
+                 answer_field: str | None = "answer", seed: int = 0, split: str = "train",
                  subset: str | None = None, shuffle: bool = True,
                  flag: str = "data.path") -> None:
         super().__init__(seed=seed)
@@ -163,11 +163,14 @@ class DatasetTask(Task):
         self.shuffle = shuffle  # False: records in file order (an evaluation set)
         rows = load_records(self.path, split=split, subset=subset, flag=flag)
         _check_field(rows, self.path, prompt_field, "data.prompt_field")
-        _check_field(rows, self.path, answer_field, "data.answer_field")
+        # None: prompts only (TRL's prompt-only datasets), scored by the user's functions
+        self.has_answers = answer_field is not None
+        if self.has_answers:
+            _check_field(rows, self.path, answer_field, "data.answer_field")
         self._messages = [_messages(r[prompt_field], i, self.path) for i, r in enumerate(rows)]
         self._conversational = [not isinstance(r[prompt_field], str) for r in rows]
-        self._answers = [self.make_answer(str(_field(r, answer_field)), i)
-                         for i, r in enumerate(rows)]
+        self._answers = ([self.make_answer(str(_field(r, answer_field)), i)
+                          for i, r in enumerate(rows)] if self.has_answers else [""] * len(rows))
         self._columns = [{k: v for k, v in r.items() if k != prompt_field} for r in rows]
         self._order: tuple[int, np.ndarray] | None = None
 
