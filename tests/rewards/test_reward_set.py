@@ -91,6 +91,27 @@ def test_an_async_verl_function_is_awaited_as_an_async_trl_one_is():
     assert scored.totals == (1.5, 0.0)
 
 
+def test_a_step_every_function_leaves_unscored_warns_once_and_scores_zero():
+    import warnings
+
+    from handoff.rewards.reward_set import RewardWarning
+
+    def none_for_all(completions, **kwargs):
+        return [None] * len(completions)
+
+    def none_for_some(completions, **kwargs):
+        return [None, 1.0] + [None] * (len(completions) - 2)
+
+    rewards = _rewards(callables=[none_for_all])
+    with pytest.warns(RewardWarning, match=r"every reward function \(none_for_all\) returned "
+                                           r"None for every sample"):
+        assert rewards.score(_samples(TEXTS)).totals == (0.0,) * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RewardWarning)
+        rewards.score(_samples(TEXTS))                                    # once a run
+        _rewards(callables=[none_for_some]).score(_samples(TEXTS))        # one sample scored
+
+
 def test_verl_ground_truth_falls_back_to_the_tasks_answer():
     samples = [Sample(_problem(0, reference="5"), "q", "#### 5", [1])]
     assert _rewards("verl_score.py:compute_score").score(samples).totals == (1.0,)

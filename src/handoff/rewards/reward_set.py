@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import time
+import warnings
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -81,6 +82,10 @@ class StepRewards:
         return row
 
 
+class RewardWarning(UserWarning):
+    """A reward's values that train nothing (every sample unscored)."""
+
+
 class RewardSet:
     """The run's reward functions with their weights; `score` rewards one step's samples."""
 
@@ -100,6 +105,7 @@ class RewardSet:
         self.weights = tuple(weights)
         self.workers = workers
         self._pool: ProcessPoolExecutor | None = None
+        self._warned_unscored = False
 
     @classmethod
     def from_config(cls, reward: RewardConfig, task: Task, *,
@@ -146,6 +152,12 @@ class RewardSet:
             results[i] = _joined([_result(future, self.functions[i].name) for future in futures])
         ordered = [results[i] for i in range(len(self.functions))]
         totals, unscorable = weighted_totals([r.values for r in ordered], self.weights)
+        if unscorable and all(unscorable) and not self._warned_unscored:
+            self._warned_unscored = True   # once a run: TRL warns too, and scores them 0
+            names = ", ".join(f.name for f in self.functions)
+            warnings.warn(f"every reward function ({names}) returned None for every sample: "
+                          "they are scored 0 and the step learns nothing; return a float for "
+                          "the samples a function can score", RewardWarning, stacklevel=2)
         merged = _joined(ordered)
         correct, formatted = flags or ((None,) * len(samples),) * 2
         return StepRewards(
