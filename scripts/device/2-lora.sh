@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device round 2 (one `run` call, < 8 min): a Qwen3-8B shape with LoRA, the base shared vs
-# held twice (3 steps each, elastic pool; issue 31): the KV pool, generation and the step.
+# Device round 2 (one `run` call, < 9 min): a Qwen3-8B shape with LoRA, the base shared vs
+# held twice (3 steps each, elastic pool; issue 31): the KV pool, generation and the step;
+# then the shared run's generation against the same engine alone on the card, its pool.
 #   bash scripts/device/2-lora.sh                  (repo root, on the GPU machine; logs in $OUT)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -31,3 +32,6 @@ for share in ("true", "false"):   # after step 1 (it builds kernels): the fastes
           f"{best['engine/preemptions']} | {best['timing_s/gen']:.2f} | "
           f"{best['switch/exposed_s']:.2f} | {best['timing_s/step']:.2f} |")
 PY
+timeout 120 python3 scripts/device/exclusive_engine.py "$OUT/lora-8b-share-true" --steps 3 \
+    > "$OUT/exclusive.log" 2>&1
+echo "engine alone: rc=$?"; tail -6 "$OUT/exclusive.log"
