@@ -94,10 +94,13 @@ def test_an_evaluation_record_too_long_is_named_at_start_within_eval_n(good, tmp
     train = _data(tmp_path, "data.jsonl", [{"prompt": "What is 1+1?", "answer": 2}])
     records = [{"prompt": "What is 2+2?", "answer": 4}, {"prompt": "x" * 300, "answer": 1}]
     held_out = _data(tmp_path, "eval.jsonl", records)
+    evaluates = (f"data.eval_path={held_out}", "run.eval_every=1")
     with pytest.raises(HandoffError, match=r"record 1 of .*eval.jsonl \(line 2\) has a prompt"):
-        preflight(_cfg(good, tmp_path, train, f"data.eval_path={held_out}", "eval.n=0"))
+        preflight(_cfg(good, tmp_path, train, *evaluates, "eval.n=0"))
     # only the first eval.n records are evaluated: a longer one past them is never sent
-    preflight(_cfg(good, tmp_path, train, f"data.eval_path={held_out}", "eval.n=1"))
+    preflight(_cfg(good, tmp_path, train, *evaluates, "eval.n=1"))
+    # nor is any when the run never evaluates
+    preflight(_cfg(good, tmp_path, train, f"data.eval_path={held_out}", "run.eval_every=0"))
 
 
 def test_a_record_exactly_at_the_limit_passes_and_one_token_more_is_refused(good, tmp_path):

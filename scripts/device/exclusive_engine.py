@@ -5,7 +5,7 @@ slower than the exclusive-card engine with the same adapter").
 
 Builds the run's engine by itself (its model, its rollout section, its LoRA rank: the
 adapter's products run in every step whatever the adapter's values, so zero buffers cost
-what a trained adapter costs), with the KV pool the run mapped at its fastest step
+what a trained adapter costs), with the KV pool the run mapped at its largest wake
 (`engine/kv_bytes`), and generates the run's own prompts of steps
 1..N (the task's stream, the run's seeds and sampling). Prints each step's generation time
 beside the run's `timing_s/gen`; step 1 builds kernels in both, so the comparison is steps 2+.
@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
-
 from handoff.config import load_config
 from handoff.loop import step_prompts
+from handoff.model_files import load_tokenizer
 from handoff.plan.kvpool import kv_bytes_per_token_per_card
 from handoff.plan.shapes import load_shape
 from handoff.rollout.engine import Engine
@@ -37,7 +36,10 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(args.run_dir / "config.json")
     rows = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
-    kv_bytes = max(r["engine/kv_bytes"] for r in rows)
+    kv_bytes = max(r.get("engine/kv_bytes", 0) for r in rows)
+    if not kv_bytes:
+        raise SystemExit(f"{args.run_dir}/metrics.jsonl has no engine/kv_bytes: pass a "
+                         "finished handoff run's directory")
     # the run's pool: as many blocks as the colocated engine mapped at its largest wake
     shape = load_shape(cfg.model.path)
     element = 1 if cfg.rollout.kv_dtype == "fp8" else getattr(torch, cfg.model.dtype).itemsize
@@ -46,7 +48,7 @@ def main() -> None:
                                   num_blocks=int(kv_bytes // per_block))
     engine = Engine(cfg.model.path, rollout, device=args.device, dtype=cfg.model.dtype,
                     lora_max_rank=cfg.actor.lora.rank or None)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
     task = build_task(cfg.data, seed=cfg.run.seed)
     print("| step | run's generation s | engine alone s | alone / run | KV GB alone |")
     print("|---|---|---|---|---|")

@@ -367,6 +367,7 @@ def measure_adapter_tensor_seconds(actor, engine, *, repeats: int = 3) -> float:
         stats = sync_adapters(actor.adapter_tensors(engine.dtype), engine.lora.load,
                               alpha=lora.alpha, rank=lora.rank, device=engine.device)
         times.append(stats.seconds / max(stats.num_tensors, 1))
+    engine.reset_prefix_cache()   # loaded beside load_adapter: no KV of other adapters kept
     return statistics.median(times)
 
 

@@ -98,11 +98,12 @@ def lora_settings(cfg: Config) -> None:
 
 
 def check_prompt_lengths(cfg: Config) -> None:
-    """Every record of a data file, and of the evaluation set's (its first eval.n), leaves
-    rollout.max_tokens of rollout.max_model_len free (the engine would refuse the first batch
-    holding a longer one, mid-run: an evaluation's after a step had trained)."""
+    """Every record of a data file, and of the evaluation set's (its first eval.n, when the run
+    evaluates), leaves rollout.max_tokens of rollout.max_model_len free (the engine would
+    refuse the first batch holding a longer one, mid-run: an evaluation's after a step)."""
     checked = [(build_task(cfg.data, seed=cfg.run.seed), None)]
-    evaluation = build_eval_problems(cfg.data, cfg.eval, seed=cfg.run.seed)
+    evaluation = (build_eval_problems(cfg.data, cfg.eval, seed=cfg.run.seed)
+                  if cfg.run.eval_every else None)   # the loop's own condition
     if evaluation is not None:
         checked.append((evaluation[0], len(evaluation[1])))
     # generated problems are not checked here: the engine checks each

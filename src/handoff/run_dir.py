@@ -20,6 +20,7 @@ inside out_dir, never through a symbolic link (one planted where a run writes is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -39,7 +40,7 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
              "samples.jsonl", "wandb", "mlruns")
 LOCK_FILE = ".handoff.lock"
 # What a start writes before its first step: its lock, its config, its loggers' directories.
-START_FILES = {LOCK_FILE, "config.json", "tensorboard", "wandb", "mlruns"}
+START_FILES = frozenset({LOCK_FILE, "config.json", "tensorboard", "wandb", "mlruns"})
 KEPT_CONFIG_PREFIX = "config.before-step-"   # a resume with changed settings keeps the old
 # Every name a run writes in out_dir (and its temporary files): none may be a link.
 WRITTEN = (*RUN_FILES, LOCK_FILE, *(f"{name}.tmp" for name in RUN_FILES[:6]),
@@ -115,16 +116,31 @@ class RunLock:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
 
-    def release(self, *, failed_start: bool = False) -> None:
+    def release(self, *, failed_start: bool = False,
+                start_files: frozenset[str] = START_FILES) -> None:
         """Drop the lock; `failed_start`: a start refused before its first step removes the
-        out_dir it made (holding no more than the lock, the run's config and what a logger
-        that could not start left), so no run that never ran is left to refuse the next."""
-        if self._fd is not None:
-            os.close(self._fd)   # closing the descriptor drops the flock
-            self._fd = None
-            out = self.path.parent
-            if failed_start and self.created and {p.name for p in out.iterdir()} <= START_FILES:
-                shutil.rmtree(out)
+        out_dir it made when it holds no more than `start_files` (the lock, the run's config,
+        what a logger that could not start left), so no run that never ran is left to refuse
+        the next."""
+        if self._fd is None:
+            return
+        out = self.path.parent
+        if failed_start and self.created and {p.name for p in out.iterdir()} <= start_files:
+            # Removed under the lock (a start waiting on this out_dir must not have its own
+            # files removed), the lock file last; a removal that fails must not hide the
+            # start's own error.
+            with contextlib.suppress(OSError):
+                for path in out.iterdir():
+                    if path.name == LOCK_FILE:
+                        continue
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink()
+                self.path.unlink()
+                out.rmdir()
+        os.close(self._fd)   # closing the descriptor drops the flock
+        self._fd = None
 
     def __del__(self) -> None:
         self.release()
@@ -145,8 +161,8 @@ def claim_out_dir(cfg: Config) -> RunLock:
     lock = RunLock(out, created=created)
     try:
         check_out_dir(cfg)   # a run that ended between the first check and the lock left files
-    except BaseException:
-        lock.release(failed_start=True)
+    except BaseException:   # they are that run's: only this start's lock file goes
+        lock.release(failed_start=True, start_files=frozenset({LOCK_FILE}))
         raise
     return lock
 

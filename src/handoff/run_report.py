@@ -355,7 +355,7 @@ def _remap_text(r: dict) -> str:
     if "tensor_host_s" in r:
         text += f", {r['tensor_host_s'] * 1e6:.1f} us of host work per synced tensor"
     if "adapter_tensor_s" in r:
-        text += f" ({r['adapter_tensor_s'] * 1e6:.1f} us per adapter tensor of the LoRA sync)"
+        text += f", {r['adapter_tensor_s'] * 1e6:.1f} us per adapter tensor of the LoRA sync"
     return text
 
 

@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -95,8 +96,6 @@ def test_mlflow_writes_a_run_with_metrics_and_params(tmp_path, monkeypatch, wher
         monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     _run(_cfg(out_dir, "run.loggers=[mlflow]"), out_dir)
     assert store.is_dir() and (where == "out_dir") == (out_dir / "mlruns").is_dir()
-    # mlflow's usage telemetry (it writes ~/.config/mlflow/) off unless the user turned it on
-    assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true"
     client = MlflowClient(tracking_uri=store.as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("handoff").experiment_id])
     assert run.info.run_name == "run" and run.info.status == "FINISHED"
@@ -121,3 +120,16 @@ def test_a_missing_logger_package_names_the_pip_command(monkeypatch, tmp_path):
         open_loggers(_cfg(tmp_path, "run.loggers=[wandb]"), tmp_path, first_step=0)
     assert not (tmp_path / "wandb").exists()
     check_loggers(["tensorboard", "mlflow"])
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "true"), ("false", "false")])
+def test_mlflows_telemetry_is_off_unless_the_user_set_it(preset, expected):
+    # it writes ~/.config/mlflow/: off from the loggers' import, before a run imports mlflow
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_DISABLE_TELEMETRY"}
+    if preset is not None:
+        env["MLFLOW_DISABLE_TELEMETRY"] = preset
+    out = subprocess.run([sys.executable, "-c", "import os, handoff.loggers; "
+                          "print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == expected
+

@@ -40,8 +40,8 @@ CASES = {
     "gives_a_huge_int": "reward gives_a_huge_int gave 1000000000000000000000000000000000000000000"
                         "00000000000000... for sample 0, which is not a float",
     "calls_sys_exit": "reward calls_sys_exit raised SystemExit(3) on samples 0..3",
-    "gives_past_float32": "reward gives_past_float32 gave 1e+39 for sample 0, past float32's "
-                          "range",
+    "gives_past_float32": "reward gives_past_float32 gave 1e+39 for sample 0, past +-1e+15, "
+                          "where the advantages' float32 statistics overflow",
     "gives_a_float": "reward gives_a_float returned 1.0 (float) for samples 0..3, not a list",
     "verl_raises": "reward verl_raises raised KeyError on sample 2: 'no answer': fix the "
                    "function",
@@ -53,6 +53,14 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_bad_reward_is_one_line_naming_the_function_sample_and_value(name):
     assert CASES[name] in _error(f"{BAD}:{name}")
+
+
+def test_a_weighted_total_past_the_limit_is_one_line():
+    with RewardSet.from_config(RewardConfig(functions=[f"{BAD}:gives_half_the_limit"],
+                                            weights=[2.0]), TASK) as rewards:
+        with pytest.raises(HandoffError, match=r"the weighted total of sample 0 is 1.2e\+15 "
+                                               r"\(reward.weights \[2.0\]\), past \+-1e\+15"):
+            rewards.score(_samples())
 
 
 @pytest.mark.slow   # spawns a worker
@@ -82,7 +90,7 @@ SPEC_CASES = {
     "missing file": (f"{FIXTURES}/nowhere.py:f", r"reward file '.*nowhere.py' not found \(a "
                      r"relative path is read from the current directory"),
     "missing name": (f"{BAD}:absent", r"bad_rewards.py has no 'absent' \(its callables: "
-                     r"calls_sys_exit, exits_the_process, gives_a_float, .*\): fix the name after the colon"),
+                     r"calls_sys_exit, exits_the_process, gives_a_float, gives_a_huge_int, gives_half_the_limit, .*\): fix the name after the colon"),
     "not callable": (f"{BAD}:NOT_A_FUNCTION", r"NOT_A_FUNCTION is a int, not a function"),
     "unknown built-in": ("handoff:accuracy", r"'handoff:accuracy' is not a built-in reward: use "
                          r"one of handoff:task, handoff:numeric, handoff:exact"),

@@ -112,6 +112,17 @@ def test_a_step_every_function_leaves_unscored_warns_once_and_scores_zero():
         _rewards(callables=[none_for_some]).score(_samples(TEXTS))        # one sample scored
 
 
+def test_verl_ground_truth_is_none_for_prompts_without_answers():
+    seen = []
+
+    def judge(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(ground_truth)
+        return 0.5
+
+    samples = [Sample(_problem(0, reference=""), "q", "anything", [1])]   # answer_field=null
+    assert _rewards(callables=[judge]).score(samples).totals == (0.5,) and seen == [None]
+
+
 def test_verl_ground_truth_falls_back_to_the_tasks_answer():
     samples = [Sample(_problem(0, reference="5"), "q", "#### 5", [1])]
     assert _rewards("verl_score.py:compute_score").score(samples).totals == (1.0,)

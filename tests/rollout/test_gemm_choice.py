@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handoff.rollout.gemm_choice import (_SLEEP_CYCLES, SKINNY_MAX_ROWS, TIE_MARGIN,
-                                         backends_for, choose_backends, gemm_backend,
-                                         rows_padded, skinny_gemm_on, skinny_tuning_sizes,
-                                         sleep_cycles)
+from handoff.rollout.gemm_choice import (_SLEEP_CYCLES, SKINNY_MAX_EXTRA_ROWS,
+                                         SKINNY_MAX_ROWS, TIE_MARGIN, backends_for,
+                                         choose_backends, gemm_backend, rows_padded,
+                                         skinny_gemm_on, skinny_tuning_sizes, sleep_cycles)
 
 TWO = lambda size: ("cublas", "cublaslt")  # noqa: E731  (the two BLAS libraries alone)
 
@@ -161,7 +161,8 @@ def test_tensor_parallel_ranks_do_not_time_a_choice_of_their_own(tp_size, named,
 def test_decode_linears_route_to_the_kernel_only_where_it_serves(monkeypatch):
     """ops.linear with a stand-in kernel (the kernel itself: test_kernels_skinny.py): under
     gemm_backend("triton") a product of <= SKINNY_MAX_ROWS rows with a row-major weight of
-    x's dtype goes to it, with the LoRA slot's A as its extra rows and the expand after, a
+    x's dtype goes to it, with the LoRA slot's A as its extra rows (at most
+    SKINNY_MAX_EXTRA_ROWS) and the expand after, a
     pending norm with its residual and the stream's buffer; everything else is F.linear's,
     a gated input through silu_mul first, a pending norm through add_rms_norm."""
     pytest.importorskip("triton")
@@ -208,6 +209,11 @@ def test_decode_linears_route_to_the_kernel_only_where_it_serves(monkeypatch):
         assert torch.equal(ops.linear(x[:1], column_major), F.linear(x[:1], column_major))
         with pytest.raises(RuntimeError, match="dtype"):   # not x's dtype: F.linear's refusal
             ops.linear(x[:1], w.double())
+        # a slot of more extra rows than the kernel's split slots hold: cuBLAS and the expand
+        wide = LoraSlot(w, max_rank=SKINNY_MAX_EXTRA_ROWS + 1)
+        wide.A.normal_(generator=gen)
+        wide.B.normal_(generator=gen)
+        assert torch.equal(ops.linear(x[:3], w, None, wide), wide.add_to(F.linear(x[:3], w), x[:3]))
     assert torch.equal(ops.linear(x[:3], w), F.linear(x[:3], w))          # outside: cuBLAS's
     assert calls == []
     monkeypatch.undo()   # the CPU's own silu_mul (the stand-in made every op "fused")

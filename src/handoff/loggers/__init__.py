@@ -17,6 +17,7 @@ rows dropped); in wandb and MLflow it is a new run that starts at the resumed st
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -25,6 +26,11 @@ from handoff.config import Config
 from handoff.loggers.base import Logger, missing_package
 from handoff.loggers.samples import (SAMPLES_FILE, append_samples, sample_rows,
                                      samples_markdown, trim_samples)
+
+# mlflow's usage telemetry writes ~/.config/mlflow/ (a run writes in its out_dir only); set
+# before any mlflow import of the run (a reward module's too), which starts the telemetry,
+# and only where the user left it unset.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny")}
 

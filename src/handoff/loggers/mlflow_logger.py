@@ -21,8 +21,6 @@ MAX_BATCH = 1000   # metrics per log_batch call (MLflow's limit)
 
 class MlflowLogger:
     def __init__(self, out_dir: Path):
-        # mlflow's usage telemetry writes ~/.config/mlflow/: a run writes in its out_dir only
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         try:
             from mlflow import MlflowClient
             from mlflow.entities import Metric, Param

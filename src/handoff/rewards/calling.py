@@ -127,7 +127,9 @@ def call_builtin(grader: Callable[..., Any], name: str, problem: Any, text: str,
     return checked_value(score.reward, name, index), bool(score.correct), bool(score.formatted)
 
 
-FLOAT32_MAX = 3.4028234663852886e38
+# The advantages are float32 statistics of a group's rewards: their squared deviations must
+# stay finite for any group size (sqrt(float32 max) is 1.8e19), hence a bound far below it.
+REWARD_LIMIT = 1e15
 
 
 def checked_value(value: Any, name: str, index: int) -> float | None:
@@ -147,10 +149,15 @@ def checked_value(value: Any, name: str, index: int) -> float | None:
     if not math.isfinite(number):
         raise HandoffError(f"reward {name} gave {number} for sample {index}: return a finite "
                            "float, or None for no reward")
-    if abs(number) > FLOAT32_MAX:   # the advantages are float32: it would train on inf
-        raise HandoffError(f"reward {name} gave {number:g} for sample {index}, past float32's "
-                           f"range (+-{FLOAT32_MAX:.3g}): return a smaller finite float")
+    check_reward_range(number, f"reward {name} gave {number:g} for sample {index}")
     return number
+
+
+def check_reward_range(value: float, what: str) -> None:
+    """Refuse a reward the advantages' float32 statistics cannot hold (REWARD_LIMIT)."""
+    if abs(value) > REWARD_LIMIT:
+        raise HandoffError(f"{what}, past +-{REWARD_LIMIT:g}, where the advantages' float32 "
+                           "statistics overflow: return a smaller finite float (scale it)")
 
 
 def _guarded(call: Callable[[], Any], name: str, where: str, *,
@@ -159,9 +166,11 @@ def _guarded(call: Callable[[], Any], name: str, where: str, *,
         return call()
     except HandoffError:
         raise
-    except (Exception, SystemExit) as e:   # sys.exit() in a reward ends no run silently
-        what = f"SystemExit({e.code!r})" if isinstance(e, SystemExit) else type(e).__name__
-        raise HandoffError(f"reward {name} raised {what} on {where}: "
+    except SystemExit as e:   # sys.exit() in a reward ends no run silently
+        raise HandoffError(f"reward {name} raised SystemExit({e.code!r}) on {where}: "
+                           f"{fix}") from e
+    except Exception as e:
+        raise HandoffError(f"reward {name} raised {type(e).__name__} on {where}: "
                            f"{first_line(e)}: {fix}") from e
 
 

@@ -32,7 +32,7 @@ from handoff.config import RewardConfig
 from handoff.errors import HandoffError
 from handoff.rewards.builtin import builtin
 from handoff.rewards.calling import (RESERVED, CallResult, RewardInputs, call_builtin,
-                                     call_user_function)
+                                     call_user_function, check_reward_range)
 from handoff.rewards.loading import (BUILTIN, BUILTIN_PREFIX, RewardFunction, first_line,
                                      from_callable, from_spec, resolve_spec)
 from handoff.tasks import Problem, Task
@@ -112,17 +112,16 @@ class RewardSet:
                     callables: Sequence[Callable[..., Any]] = ()) -> RewardSet:
         """`reward.functions` by spec, then `callables` from Python; the task's grader when
         there are neither. `reward.weights` covers both, in that order."""
-        graders = [s for s in reward.functions if s.strip().startswith(BUILTIN_PREFIX)]
-        if not task.has_answers and (graders or not (reward.functions or callables)):
-            raise HandoffError(f"{graders[0] if graders else 'the task grader'} grades against "
-                               "a reference answer and data.answer_field is null (prompts "
-                               "only): set data.answer_field, or score with reward.functions "
-                               "of your own")
         functions = [builtin(s, task) if s.strip().startswith(BUILTIN_PREFIX) else from_spec(s)
                      for s in reward.functions]
         functions += [from_callable(fn) for fn in callables]
         if not functions:
             functions = [builtin(BUILTIN_PREFIX + "task", task)]
+        graders = [f for f in functions if f.style == BUILTIN]
+        if graders and not task.has_answers:
+            raise HandoffError(f"{BUILTIN_PREFIX}{graders[0].name} grades against a reference "
+                               "answer and data.answer_field is null (prompts only): set "
+                               "data.answer_field, or score with reward.functions of your own")
         return cls(functions, reward.weights, workers=reward.workers)
 
     @property
@@ -199,6 +198,8 @@ def weighted_totals(values: Sequence[Sequence[float | None]], weights: Sequence[
         # bit for bit (the task's grader alone gives exactly Task.reward's floats).
         totals.append(sum((w * v for w, v in given[1:]), given[0][0] * given[0][1])
                       if given else 0.0)
+        check_reward_range(totals[-1], f"the weighted total of sample {len(totals) - 1} is "
+                                       f"{totals[-1]:g} (reward.weights {list(weights)})")
         unscorable.append(not given)
     return tuple(totals), tuple(unscorable)
 
@@ -231,11 +232,11 @@ def dataset_columns(problem: Problem) -> dict[str, Any]:
 
 def _ground_truth(problem: Problem, columns: Mapping[str, Any]) -> Any:
     """verl's ground truth: reward_model.ground_truth, else a ground_truth column, else the
-    task's reference answer."""
+    task's reference answer (None for prompts alone: data.answer_field=null)."""
     reward_model = columns.get("reward_model")
     if isinstance(reward_model, Mapping) and "ground_truth" in reward_model:
         return reward_model["ground_truth"]
-    return columns.get("ground_truth", problem.answer)
+    return columns.get("ground_truth", problem.answer or None)
 
 
 def _call_by_spec(spec: str, style: str, name: str, inputs: RewardInputs,
@@ -250,7 +251,7 @@ def _result(future: Future, name: str) -> CallResult:
         return future.result()
     except HandoffError:
         raise
-    except (Exception, SystemExit) as e:  # BrokenProcessPool, a value that does not pickle, ...
+    except Exception as e:  # BrokenProcessPool, a value that does not pickle, ...
         raise HandoffError(f"reward {name} failed in a reward.workers process "
                            f"({type(e).__name__}: {first_line(e)}): "
                            "fix the function or run it in process (reward.workers=0)") from e

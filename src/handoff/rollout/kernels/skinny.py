@@ -194,7 +194,8 @@ _split_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials [SPLIT_SLOTS * SLOT_FLOATS] fp32, counters [SPLIT_SLOTS] int32 at zero) of
+    """(partials [(SPLIT_SLOTS + EXTRA_SLOTS) * SLOT_FLOATS] fp32, counters [SPLIT_SLOTS +
+    EXTRA_SLOTS] int32 at zero) of
     `device`, made at its first product: the runner's tuning, before any capture. One pair
     serves every launch because they run one after another on one stream: two products
     launched on concurrent streams would share slots and counters (the engine decodes on
