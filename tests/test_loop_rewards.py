@@ -140,9 +140,9 @@ def forms(prompts, completions, **kwargs):
 def test_trl_functions_get_the_datas_form_whatever_the_chat_template(model_dir, user_files):
     """As TRL passes them: text prompts give text completions, chat-message prompts give
     assistant messages; the chat template renders both for the model and changes neither."""
-    from transformers import AutoTokenizer
+    from handoff.model_files import load_tokenizer
 
-    assert AutoTokenizer.from_pretrained(str(model_dir)).chat_template   # the template is on
+    assert load_tokenizer(model_dir).chat_template   # the template is on
     (user_files / "forms.py").write_text(FORMS_FILE)
     chat_rows = [{"prompt": [{"role": "user", "content": f"What is {a} + 1?"}],
                   "answer": str(a + 1)} for a in range(8)]

@@ -24,7 +24,8 @@ import dataclasses
 
 import torch
 
-from handoff.calibrate import Rates, calibrate, measure_adapter_tensor_seconds, measure_decode_rates
+from handoff.calibrate import (Rates, calibrate, measure_adapter_tensor_seconds,
+                               measure_decode_rates)
 from handoff.config import Config
 from handoff.dist import check_world_size, init_process_group, resolve_device
 from handoff.memory.allocator import aggressive_empty_cache

@@ -32,6 +32,9 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+PATH_FIELDS = ("path", "eval_path", "out_dir", "rates_file")   # the keys' last parts
+
+
 def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
     """Turn a YAML/CLI value into the field's declared type, or raise naming the field."""
     origin = typing.get_origin(tp)
@@ -85,9 +88,6 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
         # directory named "~" in the working directory.
         return os.path.expanduser(text) if key.rsplit(".", 1)[-1] in PATH_FIELDS else text
     return value
-
-
-PATH_FIELDS = ("path", "eval_path", "out_dir", "rates_file")   # the keys' last parts
 
 
 def _coerce_list(value: Any, item_tp: Any, key: str, meta: dict) -> list:

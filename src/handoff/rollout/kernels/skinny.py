@@ -11,13 +11,14 @@ larger than the weight's (more rows would read x more than the weight: cuBLAS's)
 SPLIT_K > 1 each program stores its fp32 partial and counts in on its column block's
 counter; the one that counts last sums the partials in split order (the same bits at every
 run) and writes y: no reduce kernel. `extra_RK` (a LoRA slot's stacked A, rollout/lora.py)
-is read as R more rows of the same product into `t` (at most MAX_EXTRA_ROWS), split over K
-as the weight is: LoRA's shrink x A^T takes no launch of its own. With `gated` the input is the MLP's [gate | up] and each tile of
-SiLU(gate) * up is made as it is read (silu_mul's rounding): down_proj takes no silu_mul
-launch. With `norm` the input is a layer's weight * RMSNorm(x + residual): every program first
-sums its rows' squares over K (16-32 rows, from L2), then makes each tile as it reads it;
-column block 0 writes x + residual, the residual stream: qkv_proj and gate_up_proj take no
-add_rms_norm launch (ops.NormInput). (Split over K, each part still sums the squares over
+is read as R more rows of the same product into `t` (at most SKINNY_MAX_EXTRA_ROWS), split
+over K as the weight is: LoRA's shrink x A^T takes no launch of its own. With `gated` the
+input is the MLP's [gate | up] and each tile of SiLU(gate) * up is made as it is read
+(silu_mul's rounding): down_proj takes no silu_mul launch. With `norm` the input is a
+layer's weight * RMSNorm(x + residual): every program first sums its rows' squares over K
+(16-32 rows, from L2), then makes each tile as it reads it; column block 0 writes x +
+residual, the residual stream: qkv_proj and gate_up_proj take no add_rms_norm launch
+(ops.NormInput). (Split over K, each part still sums the squares over
 all of K: x's reads from L2 grow with the split, which the autotuner's timing weighs.)
 cuBLAS offers neither a reduce inside the product, nor a second weight or a prologue in one
 call, hence a kernel of our own.
@@ -54,13 +55,12 @@ CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split}, num_war
 SHARED_BYTES = 200 * 1024   # a config's pipeline buffers stay under the H100/H200's 227 KB
 # Split-K's partial sums: one slot of [M_PAD, BLOCK_N] fp32 per (split, column block), at
 # most SPLIT_SLOTS of them (8 MB) for the weight's blocks and EXTRA_SLOTS more for an
-# extra's (a LoRA slot's, up to MAX_EXTRA_ROWS rows: the autotuner's key leaves the extra
-# out, so a config chosen without one must fit with one), and a counter per column block;
+# extra's (a LoRA slot's, up to SKINNY_MAX_EXTRA_ROWS rows: the autotuner's key leaves
+# the extra out, so a config chosen without one must fit with one), and a counter per column block;
 # one pair per device, made before any graph is captured and reused by every launch
 # (launches on a stream run one after another, and each leaves its counters at zero).
 SPLIT_SLOTS = 1024
-MAX_EXTRA_ROWS = SKINNY_MAX_EXTRA_ROWS
-EXTRA_SLOTS = max(SPLITS) * (MAX_EXTRA_ROWS // 16)   # BLOCK_N >= 16
+EXTRA_SLOTS = max(SPLITS) * (SKINNY_MAX_EXTRA_ROWS // 16)   # BLOCK_N >= 16
 SLOT_FLOATS = SKINNY_MAX_ROWS * 64
 
 
@@ -195,11 +195,10 @@ _split_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials [(SPLIT_SLOTS + EXTRA_SLOTS) * SLOT_FLOATS] fp32, counters [SPLIT_SLOTS +
-    EXTRA_SLOTS] int32 at zero) of
-    `device`, made at its first product: the runner's tuning, before any capture. One pair
-    serves every launch because they run one after another on one stream: two products
-    launched on concurrent streams would share slots and counters (the engine decodes on
-    one stream)."""
+    EXTRA_SLOTS] int32 at zero) of `device`, made at its first product: the runner's
+    tuning, before any capture. One pair serves every launch because they run one after
+    another on one stream: two products launched on concurrent streams would share slots and
+    counters (the engine decodes on one stream)."""
     if device not in _split_buffers:
         assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
             "the skinny kernel's split buffers are made before a graph is captured (tune first)"
@@ -260,7 +259,8 @@ def skinny_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
                                                    device=x_MK.device)
     if extra_RK is not None:
         assert extra_RK.stride(-1) == 1 and extra_RK.shape[1] == in_features
-        assert extra <= MAX_EXTRA_ROWS, f"{extra} extra rows: the split slots hold {MAX_EXTRA_ROWS}"
+        assert extra <= SKINNY_MAX_EXTRA_ROWS, \
+            f"{extra} extra rows: the split slots hold {SKINNY_MAX_EXTRA_ROWS}"
     args = (x_MK, x_MK if residual is None else residual,
             x_MK if norm_weight is None else norm_weight,
             x_MK if residual_out is None else residual_out,
