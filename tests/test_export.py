@@ -231,3 +231,272 @@ def test_handoff_export_then_generate_from_a_prompt_file(trained, tmp_path):
     result = CliRunner().invoke(app, ["export", str(trained["run"]), "--out", str(out)])
     assert result.exit_code == 2 and "pass --overwrite" in result.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# ---------------------------------------------------------------- a live run, a damaged step
+
+
+def _copy_run(trained, tmp_path):
+    """The trained run copied, free to prune or damage."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run, ignore=shutil.ignore_patterns(".handoff.lock"))
+    return run
+
+
+def _prune(ckpt):
+    """What a live run's prune does: rename the directory away whole, then delete it."""
+    import shutil
+
+    trash = ckpt.parent / f".trash_{ckpt.name}"
+    ckpt.rename(trash)
+    shutil.rmtree(trash)
+
+
+def _steps(run):
+    return {int(p.name.split("_")[1]): p for p in (run / "checkpoints").glob("step_*")}
+
+
+def test_a_checkpoint_pruned_while_export_reads_it_says_so_and_lists_the_kept_steps(
+        trained, tmp_path, monkeypatch):
+    import handoff.trainer.checkpoint_files as checkpoint_files
+
+    run = _copy_run(trained, tmp_path)
+    out = tmp_path / "hf"
+    # `latest` read, then the run saved step 3 elsewhere and pruned the step latest named.
+    (run / "checkpoints" / "latest").write_text("step_00000003_gone")
+    with pytest.raises(HandoffError) as e:
+        export_model(run, out)
+    said = str(e.value)
+    assert "names step_00000003_gone, which is gone" in said
+    assert "run the export again, or pass --step N of a kept checkpoint (kept steps: [1, 2])" \
+        in said
+    assert "--overwrite" not in said and "\n" not in said and not out.exists()
+
+    # Pruned after `latest` was read, while its files are being verified.
+    (run / "checkpoints" / "latest").write_text(_steps(run)[2].name)
+    verify = checkpoint_files.verify_files
+
+    def pruned_then_verified(directory, recorded):
+        _prune(directory)
+        return verify(directory, recorded)
+
+    monkeypatch.setattr(handoff.export, "verify_files", pruned_then_verified)
+    with pytest.raises(HandoffError) as e:
+        export_model(run, out)
+    said = str(e.value)
+    assert "was removed while export read it (the run is still saving and pruning" in said
+    assert "pass --step N of a kept checkpoint (kept steps: [1])" in said
+    assert "--overwrite" not in said and not out.exists()
+    monkeypatch.undo()
+
+    # Pruned while its weights are read (DCP opens the shards), --step 1, into a new --out.
+    load = handoff.export.dcp.load
+
+    def pruned_then_loaded(*args, **kwargs):
+        _prune(_steps(run)[1])
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(handoff.export.dcp, "load", pruned_then_loaded)
+    with pytest.raises(HandoffError) as e:
+        export_model(run, tmp_path / "new" / "hf", step=1)
+    said = str(e.value)
+    assert "was removed while export read it" in said and "kept steps: none" in said
+    assert "--overwrite" not in said
+    assert not (tmp_path / "new").exists()   # the directories it made went with it
+
+
+def test_a_damaged_checkpoint_names_another_step_to_export_not_a_resumes_fix(trained,
+                                                                            tmp_path):
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    run = _copy_run(trained, tmp_path)
+    newest = _steps(run)[2]
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])   # cut short
+    result = CliRunner().invoke(app, ["export", str(run), "--out", str(tmp_path / "hf")],
+                                terminal_width=1000)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert f"checkpoint {newest} cannot be exported: {shard} does not match the sha256" \
+        in lines[0]
+    assert lines[0].endswith("pass --step N of another checkpoint (kept steps: [1])")
+    assert "--overwrite" not in lines[0] and "point `latest`" not in lines[0]
+    assert not (tmp_path / "hf").exists()
+    # the fix it names works
+    export_model(run, tmp_path / "hf", step=1)
+    assert json.loads((tmp_path / "hf" / "handoff_export.json").read_text())["step"] == 1
+
+
+# ---------------------------------------------------------------- the run's model.path
+
+
+def _recorded(run, path):
+    """The run's config.json with model.path set to `path` (as an older run recorded it)."""
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["path"] = path
+    (run / "config.json").write_text(json.dumps(config))
+
+
+def test_a_relative_model_path_is_not_looked_up_in_the_current_directory(
+        trained, tmp_path, monkeypatch):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    run = _copy_run(trained, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))   # empty: no Hub model cached
+    # An unrelated model of the same shapes where the relative path points from here.
+    init_model("tiny-qwen3", tmp_path / "models" / "tiny", dtype="float32")
+    _recorded(run, "models/tiny")
+    with pytest.raises(HandoffError) as e:
+        export_model(run, tmp_path / "hf")
+    said = str(e.value)
+    assert "records model.path='models/tiny', a relative path" in said
+    assert "does not look it up in the current directory" in said
+    assert said.endswith("pass --model DIR, the model directory the run trained (checked "
+                         "against the checkpoint)")
+    assert not (tmp_path / "hf").exists()
+    # Not here either: a Hub id missing from the cache, or an older run's directory.
+    shutil.rmtree(tmp_path / "models")
+    with pytest.raises(HandoffError) as e:
+        export_model(run, tmp_path / "hf")
+    said = str(e.value)
+    assert "not in the local Hugging Face cache" in said and "pass --model DIR" in said
+    for path in ("./models/tiny", "tiny-model", "../runs/models/x/y"):
+        _recorded(run, path)
+        with pytest.raises(HandoffError, match="a relative path .* pass --model DIR"):
+            export_model(run, tmp_path / "hf")
+
+    # --model names it (a relative --model is the user's own, read from here).
+    shutil.copytree(trained["model"], tmp_path / "trained-model")
+    result = CliRunner().invoke(app, ["export", str(run), "--out", "hf", "--model",
+                                      "trained-model"])
+    assert result.exit_code == 0, result.output
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(torch.equal(weights[n], t) for n, t in trained["saved"][2].items())
+    done = json.loads((tmp_path / "hf" / "handoff_export.json").read_text())
+    assert done["model"] == str(tmp_path / "trained-model")
+    # --model is checked against the checkpoint as model.path is.
+    init_model("tiny-llama", tmp_path / "llama", dtype="float32")
+    result = CliRunner().invoke(app, ["export", str(run), "--out", "hf2", "--model", "llama"],
+                                terminal_width=1000)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "does not fit the model llama (--model)" in lines[0]
+    assert lines[0].endswith("pass --model the model the run trained")
+    assert not (tmp_path / "hf2").exists()
+
+
+def test_a_hub_id_or_a_preset_as_the_runs_model_path_still_exports(trained, tmp_path,
+                                                                  monkeypatch):
+    import shutil
+
+    run = _copy_run(trained, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    repo = tmp_path / "hub" / "models--org--trained"
+    shutil.copytree(trained["model"], repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _recorded(run, "org/trained")
+    export_model(run, tmp_path / "hf")
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(torch.equal(weights[n], t) for n, t in trained["saved"][2].items())
+    # A preset: the run trained its random init (same shapes as the tied tiny model).
+    monkeypatch.setenv("HANDOFF_CACHE", str(tmp_path / "cache"))
+    _recorded(run, "tiny-qwen3")
+    export_model(run, tmp_path / "hf-preset")
+    assert json.loads((tmp_path / "hf-preset" / "handoff_export.json").read_text())["model"] \
+        == str(tmp_path / "cache" / "tiny-qwen3")
+
+
+# ---------------------------------------------------------------- an --out it cannot write
+
+
+def test_an_out_under_a_file_is_one_line_before_anything_is_read(trained, tmp_path):
+    (tmp_path / "a-file").write_text("mine")
+    with pytest.raises(HandoffError) as e:
+        export_model(trained["run"], tmp_path / "a-file" / "sub" / "hf")
+    said = str(e.value)
+    assert f"{tmp_path / 'a-file'} is a file, not a directory: pass an --out under a " \
+           "directory" in said
+    assert (tmp_path / "a-file").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_read_only_out_is_one_line_and_nothing_is_written(trained, tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a read-only directory")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        for out in (locked / "hf", locked):
+            with pytest.raises(HandoffError, match=f"{locked} is not writable .*: pass a "
+                                                   "directory you can write to"):
+                export_model(trained["run"], out)
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
+
+
+def _failing_save(error, written):
+    """safetensors' save_file that writes part of the file, then fails with `error`."""
+    def save_file(state, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        written.append(path)
+        raise error
+    return save_file
+
+
+@pytest.mark.parametrize("kind", ["OSError", "SafetensorError"])
+def test_a_full_disk_is_one_line_and_the_export_leaves_nothing(trained, tmp_path, monkeypatch,
+                                                               kind):
+    import errno
+    import os
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    error = (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if kind == "OSError" else
+             SafetensorError("Error while serializing: I/O error: No space left on device "
+                             "(os error 28) at path \"x\""))
+    written = []
+    monkeypatch.setattr(safetensors.torch, "save_file", _failing_save(error, written))
+    out = tmp_path / "new" / "hf"
+    result = CliRunner().invoke(app, ["export", str(trained["run"]), "--out", str(out)],
+                                terminal_width=1000)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "the disk is full (No space left on device" in lines[0]
+    assert "the export needs about" in lines[0] and "another disk" in lines[0]
+    assert written and not (tmp_path / "new").exists()   # its directories went too
+
+    # Into a used directory with --overwrite: the user's files stay, no staging left.
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    with pytest.raises(HandoffError, match="the disk is full"):
+        export_model(trained["run"], used, overwrite=True)
+    assert [p.name for p in used.iterdir()] == ["notes.txt"]
+    # Another failed write (a permission the up-front check could not see): one line too.
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        _failing_save(PermissionError(errno.EACCES, "Permission denied"),
+                                      written))
+    with pytest.raises(HandoffError, match=r"cannot be written \(Permission denied\): pass a "
+                                           "directory you can write to"):
+        export_model(trained["run"], used, overwrite=True)
+    assert [p.name for p in used.iterdir()] == ["notes.txt"]

@@ -228,3 +228,34 @@ def test_lora_export_bad_inputs_are_one_line_and_write_nothing(lora_run, good, t
             **config["actor"], "lora": lora}}))
         _refused(run, out, match)
         _refused(run, out, match, adapter=True)
+
+
+def test_model_names_the_base_of_a_lora_run_and_is_checked_against_its_adapter(lora_run,
+                                                                               tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    # The base elsewhere, the run's model.path relative (an older run's): --model names it.
+    shutil.copytree(lora_run["base"], tmp_path / "base")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(lora_run["run"] / "checkpoints")
+    config = json.loads((lora_run["run"] / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "model": {
+        **config["model"], "path": "base"}}))
+    _refused(run, tmp_path / "out", "records model.path='base', a relative path .* pass "
+                                    "--model DIR", adapter=True)
+    out = export_model(run, tmp_path / "adapter", adapter=True, model=str(tmp_path / "base"))
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    assert set(saved) == {"base_model.model." + n.replace(".default", "")
+                          for n in lora_run["adapter"]}
+
+    # A --model without a projection the adapter targets: its line advises --model.
+    shutil.copytree(lora_run["base"], tmp_path / "other")
+    weights = load_file(str(tmp_path / "other" / "model.safetensors"))
+    del weights["model.layers.0.self_attn.q_proj.weight"]
+    save_file(weights, str(tmp_path / "other" / "model.safetensors"), metadata={"format": "pt"})
+    _refused(run, tmp_path / "out", "not a LoRA adapter tensor of the run's model .*: pass "
+                                    "--model the base model this LoRA run trained",
+             model=str(tmp_path / "other"))

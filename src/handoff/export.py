@@ -1,6 +1,7 @@
 """`handoff export RUN_DIR --out DIR [--step N]`: a run's checkpoint as a Hugging Face model.
 
     path = export_model("runs/cpu-demo", "exported/", step=None, overwrite=False)
+    export_model("runs/old", "exported/", model="models/qwen3")   # an older run's relative path
     AutoModelForCausalLM.from_pretrained("exported/")      # or: handoff generate --model exported/
 
 What DIR gets: the trained weights as safetensors in the dtype the run trained them in (the
@@ -17,6 +18,14 @@ written outside DIR and an export cut short leaves no half model; DIR must not b
 link, and a DIR that holds files is refused without --overwrite (which replaces the files an
 export writes and its earlier weight shards, and keeps the rest).
 
+The model is the run's model.path: an absolute directory, a preset or a Hub id in the local
+cache. A relative directory (an older run's, relative to where that run started) is never
+looked up in the current directory: export refuses it and `--model DIR` names the model
+instead, checked against the checkpoint as the run's is. A checkpoint that a live run prunes
+while export reads it, or one that cannot be read, is named in one line with the steps kept
+(--step N of another); an --out that cannot be written (read-only, a full disk, a file on
+its path) is one line, and what the export made is removed.
+
 A LoRA run (actor.lora.rank > 0) checkpoints only its adapter (export_lora.py): --adapter
 writes it as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors);
 without it the adapter is merged into the base and written as above. --adapter on a run that
@@ -25,45 +34,58 @@ trained every parameter is refused. Every check runs before the first write.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from handoff.demo_model import SMOLLM2_PRESET
 from handoff.errors import HandoffError
 from handoff.export_lora import (MergedWeights, adapter_config, check_adapter, run_lora,
-                                 write_adapter)
+                                 save_tensors, write_adapter)
 from handoff.model_files import (check_model_dir, load_tokenizer, read_model_config,
                                  weight_files)
-from handoff.model_source import resolve_model
+from handoff.model_source import _is_hub_id, resolve_model
+from handoff.plan.shapes import PRESETS
 from handoff.reading import read_json
 from handoff.safe_files import usual_mode
-from handoff.trainer.checkpoint import checkpoint_step, latest_checkpoint
+from handoff.trainer.checkpoint import LATEST, checkpoint_step, latest_checkpoint
 from handoff.trainer.checkpoint_files import FORMAT, META, SafeReader, verify_files
 from handoff.trainer.checkpoint_files import read_json as read_checkpoint_json
+from handoff.units import fmt_bytes
 
 STAGING = ".handoff-export.tmp"
 MAX_SHARD_BYTES = 5 * 10**9
 INDEX = "model.safetensors.index.json"
 _STEP_DIR = re.compile(r"step_(\d+)_[A-Za-z0-9]+")
+# The fix checkpoint_files.py gives a resume ("point `latest` at another checkpoint", "start
+# over with --overwrite", "do not resume it"): an export's is --step N of another checkpoint.
+_RESUME_FIX = re.compile(r"[;:] (?:point `latest`|start over|do not resume)")
+_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = None,
-                 overwrite: bool = False, adapter: bool = False) -> Path:
+                 overwrite: bool = False, adapter: bool = False,
+                 model: str | None = None) -> Path:
     """Write the run's checkpoint (the latest, or the one of `step`) to `out` as an HF model
-    directory (a LoRA run: merged; with `adapter`, its PEFT adapter directory); returns `out`."""
+    directory (a LoRA run: merged; with `adapter`, its PEFT adapter directory); returns `out`.
+    `model`: the model directory the run trained, instead of its config.json's model.path."""
     run_dir, out = Path(run_dir), Path(out)
     _check_out(out, overwrite=overwrite)   # refused before a large checkpoint is read
     _check_apart(run_dir, out)
     run_config, run_file = _run_config(run_dir)
-    model_dir = _run_model_dir(run_config, run_file)
+    model_dir, flag = _run_model_dir(run_config, run_file, model)
     lora = run_lora(run_config, run_file)
     if adapter and lora is None:
         raise HandoffError(f"--adapter exports a LoRA adapter, but {run_dir} trained every "
@@ -71,18 +93,22 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
                            "--adapter out to export the full model")
     peft_config = adapter_config(lora, model_dir) if adapter else None   # needs peft
     ckpt = find_checkpoint(run_dir, step)
-    config = read_model_config(model_dir, flag="the run's model.path")
-    weights = CheckpointPart(ckpt, "model")
+    config = read_model_config(model_dir, flag=flag)
+    with reading(ckpt):
+        saved_step = checkpoint_step(ckpt)
+        weights = CheckpointPart(ckpt, "model")
     if lora is None:
-        _check_fits_model(weights.tensors, model_dir, config, ckpt)
+        _check_fits_model(weights.tensors, model_dir, config, ckpt, flag)
     else:
-        pairs = check_adapter(weights.tensors, model_dir, lora, ckpt)
+        fix = None if model is None else ("pass --model the base model this LoRA run trained, "
+                                          "or restore the run's config.json")
+        pairs = check_adapter(weights.tensors, model_dir, lora, ckpt, fix=fix)
         if not adapter:
             weights = MergedWeights(model_dir, weights, pairs, lora)
     dtype = next(iter(weights.tensors.values())).dtype   # every param in one dtype
-    created = not out.exists()
-    staging = _fresh_staging(out)
+    made = _first_missing(out)   # the topmost directory this export creates (None: out exists)
     try:
+        staging = _fresh_staging(out)
         if adapter:
             write_adapter(weights, pairs, peft_config, staging)
         else:
@@ -90,12 +116,14 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
             _write_config(model_dir, config, dtype, staging)
         (staging / "handoff_export.json").write_text(json.dumps(
             {"run_dir": str(run_dir.resolve()), "checkpoint": ckpt.name,
-             "step": checkpoint_step(ckpt), "model": str(model_dir),
+             "step": saved_step, "model": str(Path(model_dir).resolve()),
              "lora": None if lora is None else {**asdict(lora), "merged": not adapter}},
             indent=1))
         _publish(staging, out)
-    except BaseException:
-        shutil.rmtree(out if created else staging, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(made if made is not None else out / STAGING, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _write_error(out, e, weights) from None
         raise
     return out
 
@@ -112,38 +140,155 @@ def _run_config(run_dir: Path) -> tuple[dict, Path]:
     return read_json(file), file
 
 
-def _run_model_dir(run_config: dict, file: Path) -> str:
-    """The model the run trained: its config.json's model.path, as a directory."""
-    model = run_config.get("model")
-    path = model.get("path") if isinstance(model, dict) else None
-    if not isinstance(path, str):
+def _run_model_dir(run_config: dict, file: Path, model: str | None) -> tuple[str, str]:
+    """(the model the run trained as a directory, the name its errors give it): `model`
+    (--model) when given, else its config.json's model.path (see _recorded_model)."""
+    if model is not None:
+        model_dir = resolve_model(model, flag="--model")
+        check_model_dir(model_dir, flag="--model")   # its config, tokenizer and weights
+        return model_dir, "--model"
+    recorded = run_config.get("model")
+    path = recorded.get("path") if isinstance(recorded, dict) else None
+    if not isinstance(path, str) or not path:
         raise HandoffError(f"{file} does not record model.path (truncated or edited): "
-                           "restore the run's config.json")
-    model_dir = resolve_model(path, flag="the run's model.path")
-    check_model_dir(model_dir, flag="the run's model.path")   # its config and tokenizer
-    return model_dir
+                           "restore the run's config.json, or pass --model DIR, the model the "
+                           "run trained")
+    flag = "the run's model.path"
+    model_dir = _recorded_model(path, file, flag)
+    check_model_dir(model_dir, flag=flag)   # its config and tokenizer
+    return model_dir, flag
+
+
+def _recorded_model(path: str, file: Path, flag: str) -> str:
+    """The run's model.path as a directory: an absolute path as it is; a preset or a Hub id
+    (in the local cache) resolved as the run resolved it. A relative directory, which an
+    older run recorded relative to the directory it started in, is refused: the current
+    directory may hold another model of that name."""
+    if Path(path).is_absolute():
+        return resolve_model(path, flag=flag)
+    relative = (f"{file} records model.path={path!r}, a relative path (an older run's, "
+                "relative to the directory that run started in), and export does not look it "
+                "up in the current directory")
+    fix = "pass --model DIR, the model directory the run trained (checked against the checkpoint)"
+    if Path(path).exists() or Path(path).is_symlink():
+        raise HandoffError(f"{relative}: {fix}")
+    if path in PRESETS or path == SMOLLM2_PRESET:
+        return resolve_model(path, flag=flag)
+    if _is_hub_id(path):
+        try:
+            return resolve_model(path, flag=flag)
+        except HandoffError as e:   # a Hub id not in the cache, or an older run's directory
+            raise HandoffError(f"{e}; if {path!r} is instead a directory relative to where "
+                               f"the run started (as an older run recorded it), {fix}") from None
+    raise HandoffError(f"{relative}: {fix}")
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """The complete checkpoint of `step` under run_dir/checkpoints (None: the latest)."""
     root = run_dir / "checkpoints"
     if step is None:
-        latest = latest_checkpoint(root)
+        latest = _latest(root)
         if latest is None:
             raise HandoffError(f"{run_dir} has no complete checkpoint ({root}/latest is "
                                "missing): train with run.checkpoint=true until a step is saved")
         return latest
     if step < 0:
         raise HandoffError(f"--step {step} is negative: pass the step of a saved checkpoint")
-    complete = [p for p in (sorted(root.iterdir()) if root.is_dir() else [])
-                if _STEP_DIR.fullmatch(p.name) and not p.is_symlink() and (p / META).is_file()]
-    found = [p for p in complete if int(_STEP_DIR.fullmatch(p.name).group(1)) == step]
+    found = [p for p in _complete(root) if _step_of(p) == step]
     if not found:
-        steps = sorted({int(_STEP_DIR.fullmatch(p.name).group(1)) for p in complete})
         raise HandoffError(f"{run_dir} has no complete checkpoint of step {step}: it keeps "
-                           f"steps {steps or 'none'}; pass one of them to --step, or leave "
-                           "--step out for the latest")
-    return max(found, key=lambda p: (p / META).stat().st_mtime)   # a step saved again: newest
+                           f"steps {kept_steps(root) or 'none'}; pass one of them to --step, "
+                           "or leave --step out for the latest")
+    try:
+        return max(found, key=lambda p: (p / META).stat().st_mtime)   # saved again: newest
+    except FileNotFoundError:   # pruned since it was listed
+        raise _removed(found[0]) from None
+
+
+def _complete(root: Path) -> list[Path]:
+    """The step_* directories of `root` that hold a meta.json (a save renames them whole)."""
+    try:
+        names = sorted(root.iterdir()) if root.is_dir() else []
+    except FileNotFoundError:
+        return []
+    return [p for p in names
+            if _STEP_DIR.fullmatch(p.name) and not p.is_symlink() and (p / META).is_file()]
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.fullmatch(path.name).group(1))
+
+
+def kept_steps(root: Path, *, but: Path | None = None) -> list[int]:
+    """The steps of the complete checkpoints under `root` now (`but`: less that one)."""
+    return sorted({_step_of(p) for p in _complete(root) if p != but})
+
+
+def _latest(root: Path) -> Path | None:
+    """The checkpoint `latest` names. A live run may replace `latest` and prune the one it
+    named between its read and the check of that directory: then it is read once more."""
+    try:
+        return latest_checkpoint(root)
+    except HandoffError as first:
+        try:
+            return latest_checkpoint(root)   # the run saved again: `latest` names the new one
+        except HandoffError:
+            pass
+        pointer = root / LATEST
+        name = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
+        if _STEP_DIR.fullmatch(name) and not (root / name / META).is_file():
+            raise _removed(root / name, named=True) from None
+        raise first
+
+
+def _removed(ckpt: Path, *, named: bool = False) -> HandoffError:
+    """A checkpoint that went while export read it: a live run pruned it (or a hand did)."""
+    what = (f"{ckpt.parent / LATEST} names {ckpt.name}, which is gone" if named else
+            f"checkpoint {ckpt} was removed while export read it")
+    steps = kept_steps(ckpt.parent)
+    return HandoffError(f"{what} (the run is still saving and pruning checkpoints, or the "
+                        "directory was edited): run the export again, or pass --step N of a "
+                        f"kept checkpoint (kept steps: {steps or 'none'})")
+
+
+def _failure(error: BaseException) -> BaseException:
+    """The error inside DCP's CheckpointException (a Ctrl-C raised as itself)."""
+    if isinstance(error, CheckpointException):
+        for inner, _trace in error.failures.values():
+            if isinstance(inner, KeyboardInterrupt):
+                raise inner
+            return inner
+    return error
+
+
+def _unreadable(ckpt: Path, error: BaseException) -> HandoffError:
+    """One line for a checkpoint export could not read: gone, or damaged (with why)."""
+    if not (ckpt / META).is_file():   # a prune renames the directory away whole
+        return _removed(ckpt)
+    if isinstance(error, HandoffError):
+        cause = _RESUME_FIX.split(str(error), maxsplit=1)[0]
+    else:
+        inner = _failure(error)
+        said = " ".join(str(inner).split())[:160]
+        cause = f"{type(inner).__name__}: {said}" if said else type(inner).__name__
+    others = kept_steps(ckpt.parent, but=ckpt)
+    fix = (f"pass --step N of another checkpoint (kept steps: {others})" if others else
+           "the run keeps no other checkpoint; restore this one from a copy")
+    return HandoffError(f"checkpoint {ckpt} cannot be exported: {cause}; {fix}")
+
+
+@contextmanager
+def reading(ckpt: Path):
+    """Errors while the checkpoint `ckpt` is read as one line for export (its messages advise
+    a resume: "point `latest` at another checkpoint", "--overwrite")."""
+    try:
+        yield
+    except HandoffError as e:
+        if not (ckpt / META).is_file() or _RESUME_FIX.search(str(e)):
+            raise _unreadable(ckpt, e) from None
+        raise
+    except (OSError, ValueError, RuntimeError, CheckpointException) as e:
+        raise _unreadable(ckpt, e) from None
 
 
 class CheckpointPart:
@@ -174,14 +319,14 @@ class CheckpointPart:
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         """{name: full tensor on the host} for `names`."""
         state = {n: torch.empty_like(self.tensors[n], device="cpu") for n in names}
-        with warnings.catch_warnings():   # one process by design, which DCP warns about
+        with reading(self.ckpt), warnings.catch_warnings():   # one process, DCP warns of it
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({self.part: state}, storage_reader=self.reader, no_dist=True)
         return state
 
 
 def _check_fits_model(tensors: dict[str, torch.Tensor], model_dir: str, config: dict,
-                      ckpt: Path) -> None:
+                      ckpt: Path, flag: str = "the run's model.path") -> None:
     """The checkpoint's tensors are the model directory's, name for name and shape for shape
     (config.json is copied from there, so a model.path edited since would mislabel them)."""
     from safetensors import safe_open
@@ -195,10 +340,12 @@ def _check_fits_model(tensors: dict[str, torch.Tensor], model_dir: str, config: 
     ours = {name: list(t.shape) for name, t in tensors.items()}
     for name in sorted(set(shapes) | set(ours)):
         if shapes.get(name) != ours.get(name):
-            raise HandoffError(f"checkpoint {ckpt} does not fit the run's model {model_dir}: "
-                               f"{name} is {ours.get(name, 'absent')} in the checkpoint, "
-                               f"{shapes.get(name, 'absent')} in the model; point the run's "
-                               "config.json model.path at the model it trained")
+            fix = ("pass --model the model the run trained" if flag == "--model" else
+                   "point the run's config.json model.path at the model it trained, or pass "
+                   "--model DIR")
+            raise HandoffError(f"checkpoint {ckpt} does not fit the model {model_dir} "
+                               f"({flag}): {name} is {ours.get(name, 'absent')} in the "
+                               f"checkpoint, {shapes.get(name, 'absent')} in the model; {fix}")
 
 
 # ---------------------------------------------------------------- writing DIR
@@ -212,6 +359,13 @@ def _check_out(out: Path, *, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise HandoffError(f"--out {str(out)!r} is a file, not a directory: pass a directory "
                            "(created if missing)")
+    where = next(p for p in (out, *out.parents, Path(".")) if p.exists() or p.is_symlink())
+    if not where.is_dir():   # a file on the way: mkdir would fail
+        raise HandoffError(f"--out {str(out)!r}: {where} is a file, not a directory: pass an "
+                           "--out under a directory")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise HandoffError(f"--out {str(out)!r}: {where} is not writable (read-only, or owned "
+                           "by another user): pass a directory you can write to")
     used = [p.name for p in out.iterdir() if p.name != STAGING] if out.is_dir() else []
     if used and not overwrite:
         raise HandoffError(f"--out {str(out)!r} already holds files ({', '.join(sorted(used)[:3])}"
@@ -232,6 +386,38 @@ def _check_apart(run_dir: Path, out: Path) -> None:
                            "--out exported/")
 
 
+def _first_missing(out: Path) -> Path | None:
+    """The topmost directory of `out` (itself or a parent) that does not exist yet."""
+    missing = None
+    for path in (out, *out.parents):
+        if path.exists() or path.is_symlink():
+            return missing
+        missing = path
+    return missing
+
+
+def _write_error(out: Path, error: OSError, weights) -> HandoffError:
+    """One line for a write into --out that failed (what it made is removed by then)."""
+    said = error.strerror or str(error)
+    where = f" ({error.filename})" if error.filename else ""
+    written = Path(out).resolve()
+    if error.filename and not (written == Path(str(error.filename)).resolve()
+                               or written in Path(str(error.filename)).resolve().parents):
+        return HandoffError(f"cannot read {error.filename} ({said}) while exporting to --out "
+                            f"{str(out)!r}: check the model directory; the export left nothing "
+                            "behind")
+    if error.errno in _ROOM:
+        need = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        return HandoffError(f"--out {str(out)!r}: the disk is full ({said}{where}); the export "
+                            f"needs about {fmt_bytes(need)} and left nothing behind: free space "
+                            "there or pass an --out on another disk")
+    if error.errno in _DENIED:
+        return HandoffError(f"--out {str(out)!r} cannot be written ({said}{where}): pass a "
+                            "directory you can write to; the export left nothing behind")
+    return HandoffError(f"--out {str(out)!r} cannot be written ({said}{where}): pass another "
+                        "directory; the export left nothing behind")
+
+
 def _fresh_staging(out: Path) -> Path:
     """An empty DIR/.handoff-export.tmp (a killed export's leftovers removed)."""
     staging = out / STAGING
@@ -246,8 +432,6 @@ def _fresh_staging(out: Path) -> Path:
 def _write_weights(weights: CheckpointPart, staging: Path, *, tie: bool) -> None:
     """safetensors shards of at most MAX_SHARD_BYTES (one file when it fits), with HF's index;
     one shard's tensors in host memory at a time."""
-    from safetensors.torch import save_file
-
     names = sorted(weights.tensors)
     if tie:   # one storage for two names: transformers ties lm_head to the embedding at load
         names = [n for n in names if n != "lm_head.weight"]
@@ -266,7 +450,7 @@ def _write_weights(weights: CheckpointPart, staging: Path, *, tie: bool) -> None
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for file, shard in zip(files, shards):
-        save_file(weights.load(shard), str(staging / file), metadata={"format": "pt"})
+        save_tensors(weights.load(shard), staging / file)
         usual_mode(staging / file)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},

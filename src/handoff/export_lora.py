@@ -20,6 +20,7 @@ to the trained dtype; every other base tensor is cast to that dtype, as the trai
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -76,10 +77,12 @@ def _base_index(model_dir: str) -> dict[str, tuple[Path, list[int]]]:
 
 
 def check_adapter(tensors: dict[str, torch.Tensor], model_dir: str, lora: LoraConfig,
-                  ckpt: Path) -> dict[str, tuple[str, str]]:
+                  ckpt: Path, *, fix: str | None = None) -> dict[str, tuple[str, str]]:
     """{base weight name: (lora_A name, lora_B name)}: every checkpoint tensor an adapter
     half of a targeted base projection at the run's rank, each with its other half, every
-    targeted projection adapted, one dtype."""
+    targeted projection adapted, one dtype. `fix`: what the lines advise (default: another
+    checkpoint, or the run's config.json restored)."""
+    fix = fix or _FIX_RUN
     base = _base_index(model_dir)
     halves: dict[str, dict[str, str]] = {}
     for name, t in sorted(tensors.items()):
@@ -88,13 +91,13 @@ def check_adapter(tensors: dict[str, torch.Tensor], model_dir: str, lora: LoraCo
         if match is None or match[2] not in lora.target_modules or weight not in base:
             raise HandoffError(f"checkpoint {ckpt} holds {name}, not a LoRA adapter tensor of "
                                f"the run's model ({model_dir}, target_modules "
-                               f"{list(lora.target_modules)}): {_FIX_RUN}")
+                               f"{list(lora.target_modules)}): {fix}")
         out_features, in_features = base[weight][1]
         expected = [lora.rank, in_features] if match[3] == "A" else [out_features, lora.rank]
         if list(t.shape) != expected:
             raise HandoffError(f"checkpoint {ckpt}: {name} is {list(t.shape)}, the run's "
                                f"rank {lora.rank} on {weight} {base[weight][1]} needs "
-                               f"{expected}: {_FIX_RUN}")
+                               f"{expected}: {fix}")
         halves.setdefault(weight, {})[match[3]] = name
     targeted = {n for n in base if (m := _PROJECTION.fullmatch(n))
                 and m[1] in lora.target_modules}
@@ -102,10 +105,10 @@ def check_adapter(tensors: dict[str, torch.Tensor], model_dir: str, lora: LoraCo
         f"{w} (lora_{'B' if 'A' in h else 'A'})" for w, h in halves.items() if len(h) < 2)
     if missing:
         raise HandoffError(f"checkpoint {ckpt} lacks the adapter of {missing[0]} "
-                           f"({len(missing)} missing): {_FIX_RUN}")
+                           f"({len(missing)} missing): {fix}")
     if len({t.dtype for t in tensors.values()}) > 1:
         raise HandoffError(f"checkpoint {ckpt} holds adapter tensors of several dtypes: "
-                           f"{_FIX_RUN}")
+                           f"{fix}")
     return {weight: (h["A"], h["B"]) for weight, h in halves.items()}
 
 
@@ -123,15 +126,28 @@ def adapter_config(lora: LoraConfig, model_dir: str) -> PeftLoraConfig:
                       task_type="CAUSAL_LM")
 
 
+def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file; a failed write (its Rust side says "os error N") raised as
+    the OSError it was, for the caller's one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
+
+
 def write_adapter(part: CheckpointTensors, pairs: dict[str, tuple[str, str]],
                   peft_config: PeftLoraConfig, staging: Path) -> None:
     """adapter_model.safetensors under save_pretrained's names, and adapter_config.json."""
-    from safetensors.torch import save_file
-
     names = [n for pair in pairs.values() for n in pair]
     state = {f"base_model.model.{n.removesuffix('.default.weight')}.weight": t
              for n, t in part.load(names).items()}
-    save_file(state, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_tensors(state, staging / ADAPTER_WEIGHTS)
     usual_mode(staging / ADAPTER_WEIGHTS)
     peft_config.save_pretrained(str(staging))
 

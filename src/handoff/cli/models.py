@@ -87,6 +87,9 @@ def export_cmd(
                                    "already holds files (an earlier export's are replaced)"),
     adapter: bool = typer.Option(False, "--adapter", help="a LoRA run: its PEFT adapter "
                                  "directory (default: the adapter merged into the model)"),
+    model: Optional[str] = typer.Option(None, "--model", help="the model directory the run "
+                                        "trained, instead of its config.json's model.path "
+                                        "(an older run's relative path)"),
 ) -> None:
     """A run's checkpoint as a Hugging Face model directory (safetensors in the trained dtype,
     config, generation config, tokenizer): transformers' from_pretrained and `handoff
@@ -96,7 +99,8 @@ def export_cmd(
 
     from handoff.export import export_model
 
-    path = export_model(run_dir, out, step=step, overwrite=overwrite, adapter=adapter)
+    path = export_model(run_dir, out, step=step, overwrite=overwrite, adapter=adapter,
+                        model=model)
     done = json.loads((path / "handoff_export.json").read_text())
     what = (" (its LoRA adapter, for peft)" if adapter else
             " (its LoRA adapter merged into the model)" if done["lora"] else "")
