@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from handoff.bench.sweep import failed_point
 from handoff.cli import app
+from handoff.errors import HandoffError
 from handoff.modelzoo import init_model
 
 KEYS = ("kv_pool_bytes", "generation_seconds", "tokens_per_second", "decode_step_seconds")
@@ -100,3 +101,33 @@ def test_a_link_or_a_file_where_the_sweep_writes_is_one_line_and_nothing_is_writ
                                       f"model.path={model_dir}", "--out", str(victim)],
                                 terminal_width=300)
     assert result.exit_code == 2 and "is a file, not a directory" in result.output
+
+
+def test_a_bad_model_is_one_line_before_any_point_runs(tmp_path, monkeypatch):
+    import handoff.bench.sweep as sweep
+
+    def no_point(*args, **kwargs):
+        raise AssertionError("a point ran")
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", no_point)
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "not-a-model" / "notes.txt").write_text("mine")
+    for path, said in ((tmp_path / "nowhere", "is not an HF checkpoint directory"),
+                       (tmp_path / "not-a-model", "is not an HF checkpoint directory"),
+                       (tmp_path / "not-a-model" / "notes.txt",
+                        "is not an HF checkpoint directory")):
+        out = tmp_path / "sweep"
+        result = CliRunner().invoke(app, ["bench", "sweep", "examples/cpu-tiny.yaml",
+                                          f"model.path={path}", "--utils", "0.5",
+                                          "--no-exclusive", "--steps", "2", "--out", str(out)],
+                                    terminal_width=300)
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert lines[0].startswith(f"error: model.path='{path}' {said}"), lines[0]
+        assert not out.exists()   # nothing written
+    # the Python API refuses it too
+    with pytest.raises(HandoffError, match="is not an HF checkpoint directory"):
+        sweep.run_sweep("examples/cpu-tiny.yaml", [f"model.path={tmp_path / 'nowhere'}"],
+                        out_dir=str(tmp_path / "api"), utils=[0.5], offloads=None,
+                        exclusive=False)
+    assert not (tmp_path / "api").exists()

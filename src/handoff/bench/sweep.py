@@ -13,7 +13,8 @@ cannot run, which is reported with the owner that did not fit. One more point ru
 engine alone on the card (bench/exclusive.py): the source's "exclusive card" row, the
 reference the tax is measured against.
 
-Every point is kept in `sweep.json` under its label (`all@0.50`); running again with other
+The model is checked once before any point runs (a missing or broken model.path is one
+line, not a failed point after another). Every point is kept in `sweep.json` under its label (`all@0.50`); running again with other
 `--utils` adds points, with the same ones replaces them. `sweep.md` and `sweep.png`
 (bench/sweep_report.py) are written from the whole file each time. Beside each measured
 point stands the planner's prediction for it: the KV pool, concurrency, decode step and
@@ -34,12 +35,15 @@ from pathlib import Path
 
 from handoff.bench.sweep_report import write_report
 from handoff.config import Config, load_config
+from handoff.demo_model import SMOLLM2_PRESET
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
+from handoff.model_files import check_model_dir
+from handoff.model_source import resolve_model
 from handoff.plan.hardware import HardwareProfile, hardware_profile
 from handoff.plan.kvpool import Workload, kv_row
 from handoff.plan.ledger import Dtypes
-from handoff.plan.shapes import load_shape
+from handoff.plan.shapes import PRESETS, load_shape
 from handoff.plan.verdict import max_safe_utilization
 from handoff.safe_files import link_refused, replace_file
 
@@ -199,6 +203,15 @@ def check_sweep_args(*, utils: list[float] | None, offloads: list[str] | None,
         raise HandoffError(f"--steps {steps}: a point needs 2 or more (the first is a warm-up)")
 
 
+def check_sweep_model(cfg: Config) -> None:
+    """The model every point loads, checked once before any runs: a missing or broken one
+    would fail each point in its own process, and the sweep would carry on to the next."""
+    path = resolve_model(cfg.model.path, materialise_presets=False)   # a Hub id: its snapshot
+    if path in PRESETS or path == SMOLLM2_PRESET:   # each point writes its random init once
+        return
+    check_model_dir(path, flag="model.path")   # config, architecture, tokenizer, weights
+
+
 def check_sweep_out(out: Path) -> None:
     """--out a directory (made if missing) with no link where the sweep writes: its files and
     its points' run directories (which it replaces) stay inside it."""
@@ -221,6 +234,7 @@ class Sweep:
                  timeout_s: float, progress=None):
         self.config, self.overrides = config, list(overrides)
         self.cfg = load_config(config, self.overrides)
+        check_sweep_model(self.cfg)
         self.out = Path(out_dir)
         check_sweep_out(self.out)
         self.out.mkdir(parents=True, exist_ok=True)

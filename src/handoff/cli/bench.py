@@ -158,8 +158,9 @@ def bench_sweep_cmd(
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from handoff.bench.sweep import (check_sweep_args, check_sweep_out, replan as replan_sweep,
-                                     run_sweep)
+    from handoff.bench.sweep import (check_sweep_args, check_sweep_model, check_sweep_out,
+                                     replan as replan_sweep, run_sweep)
+    from handoff.config import load_config
 
     if replan:
         state = replan_sweep(config, list(overrides or []), out)
@@ -171,6 +172,7 @@ def bench_sweep_cmd(
     util_list = float_list(utils, "--utils") if utils else None
     offload_list = [o.strip() for o in offloads.split(",")] if offloads else None
     check_sweep_args(utils=util_list, offloads=offload_list, steps=steps)   # before the bar
+    check_sweep_model(load_config(config, list(overrides or [])))
     check_sweep_out(Path(out))
     with Progress(SpinnerColumn(), TextColumn("[bold]sweep"), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console) as bar:
