@@ -14,11 +14,12 @@ engine alone on the card (bench/exclusive.py): the source's "exclusive card" row
 reference the tax is measured against.
 
 The model is checked once before any point runs (a missing or broken model.path is one
-line, not a failed point after another). Every point is kept in `sweep.json` under its label (`all@0.50`); running again with other
-`--utils` adds points, with the same ones replaces them. `sweep.md` and `sweep.png`
-(bench/sweep_report.py) are written from the whole file each time. Beside each measured
-point stands the planner's prediction for it: the KV pool, concurrency, decode step and
-generation time of `plan.kvpool` fed with the run's measured rates and workload.
+line, not a failed point after another). Every point is kept in `sweep.json` under its
+label (`all@0.50`); running again with other `--utils` adds points, with the same ones
+replaces them. `sweep.md` and `sweep.png` (bench/sweep_report.py) are written from the
+whole file each time. Beside each measured point stands the planner's prediction for it:
+the KV pool, concurrency, decode step and generation time of `plan.kvpool` fed with the
+run's measured rates and workload.
 """
 
 from __future__ import annotations
