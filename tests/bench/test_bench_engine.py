@@ -134,3 +134,32 @@ def test_the_roofline_takes_the_longer_of_the_weights_bytes_and_their_flops():
     # 256 rows: 2 x 0.5e9 x 256 = 2.56e11 FLOPs = 2.56 ms, longer than the 1 ms read.
     kv = floor_ms(0, 1000, 256, 100, 50, 1e12)
     assert roofline_ms(10**9, 2, 1000, 256, 100, 50, 1e12, 1e14) == pytest.approx(2.56 + kv)
+
+
+def test_a_transformers_step_too_short_to_measure_says_so_not_a_number(tmp_path, monkeypatch):
+    import itertools
+    import types
+
+    import handoff.bench.baselines as baselines
+
+    # A clock under which every generate takes the same second: 1 + n new tokens no longer
+    # than 1 (what timing noise gives a tiny model), so the per-step time is not measurable.
+    clock = itertools.count(0.0, 1.0)
+    monkeypatch.setattr(baselines, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    result = run_engine_bench(models=["tiny-qwen3"], batches=[1], prompt_len=8, new_tokens=6,
+                              hf_new_tokens=3, public=False, device="cpu", dtype="float32",
+                              workdir=str(tmp_path))
+    entry = result["models"]["tiny-qwen3"]
+    hf = entry["transformers"][1]
+    assert hf["ms_per_step"] is None and hf["tokens_per_s"] is None
+    assert "1 + 3 new tokens took 1.0000 s, 1 took 1.0000 s" in hf["not_measurable"]
+    row = entry["rows"][0]
+    assert row["hf_ms_per_step"] is None and row["speedup_vs_hf"] is None
+    assert row["hf_not_measurable"] == hf["not_measurable"]
+    out = io.StringIO()
+    from rich.console import Console
+
+    render(result, Console(file=out, width=80))
+    text = " ".join(out.getvalue().split())
+    assert "tiny-qwen3 transformers at batch 1: not measurable (1 + 3 new tokens took" in text
+    assert "raise --hf-new-tokens" in text

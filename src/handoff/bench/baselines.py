@@ -88,7 +88,9 @@ def copy_bandwidth(device: torch.device) -> float:
 def transformers_ms_per_step(path: Path, batches: list[int], *, prompt_len: int,
                              new_tokens: int, device: torch.device, dtype: torch.dtype,
                              seed: int = 0) -> dict[int, dict]:
-    """transformers `generate` (greedy, EOS suppressed) per decode step at each batch size."""
+    """transformers `generate` (greedy, EOS suppressed) per decode step at each batch size:
+    (time for 1 + n new tokens - time for 1) / n. When the longer run took no longer (a tiny
+    model, timing noise), ms_per_step and tokens_per_s are None and `not_measurable` says so."""
     from transformers import AutoModelForCausalLM
 
     from handoff.modelzoo import PAD_ID
@@ -113,7 +115,13 @@ def transformers_ms_per_step(path: Path, batches: list[int], *, prompt_len: int,
         ids = torch.randint(0, 256, (batch, prompt_len), generator=gen).to(device)
         one = timed(ids, 1)
         more = timed(ids, 1 + new_tokens)
-        ms = 1e3 * max(more - one, 1e-9) / new_tokens
+        if more <= one:   # the new tokens' time is lost in the noise: no number, and why
+            rows[batch] = {"ms_per_step": None, "tokens_per_s": None,
+                           "new_tokens_timed": new_tokens, "prefill_s": one,
+                           "not_measurable": f"1 + {new_tokens} new tokens took {more:.4f} s, "
+                                             f"1 took {one:.4f} s"}
+            continue
+        ms = 1e3 * (more - one) / new_tokens
         rows[batch] = {"ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms,
                        "new_tokens_timed": new_tokens, "prefill_s": one}
     del model

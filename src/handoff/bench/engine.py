@@ -11,7 +11,8 @@ random tokens, N new tokens each, greedy, EOS ignored. Reported per batch size B
   and the host's share of it (the step minus the time spent waiting for the device);
 * transformers `generate` on the same checkpoint and batch, in the same run, per decode step:
   (time for 1 + n new tokens - time for 1 new token) / n, with n = --hf-new-tokens (it takes
-  ~80-130 ms a step, so it is timed over fewer tokens than the engine);
+  ~80-130 ms a step, so it is timed over fewer tokens than the engine); when the longer run
+  took no longer (a tiny model, timing noise) it is "not measurable", never a number;
 * the roofline of the same step (`roofline_ms`): the weights' part is the longer of their bytes
   at the copy rate and the products' FLOPs at the matmul rate of the same run;
 * the HBM floor of a decode step: bytes it must read (every weight once, the embedding only
@@ -323,9 +324,12 @@ def run_engine_bench(*, models: list[str], batches: list[int], prompt_len: int =
                                   flops_per_s=result["matmul_flops_per_s"],
                                   options=options)
             for row in entry["rows"]:
-                base = hf.get(row["batch"])
-                row["hf_ms_per_step"] = base["ms_per_step"] if base else None
-                row["speedup_vs_hf"] = base["ms_per_step"] / row["ms_per_step"] if base else None
+                base = hf.get(row["batch"]) or {}
+                hf_ms = base.get("ms_per_step")   # None: skipped, or not measurable
+                row["hf_ms_per_step"] = hf_ms
+                row["speedup_vs_hf"] = hf_ms / row["ms_per_step"] if hf_ms else None
+                if base.get("not_measurable"):
+                    row["hf_not_measurable"] = base["not_measurable"]
             entry["transformers"] = hf
             if lora_rank:
                 entry["lora"] = _with_adapter(entry, engine_decode(
@@ -367,6 +371,17 @@ def _timed_backends(ms: dict | None) -> str:
     return ", ".join(f"{backend} {t:.3f}" for backend, t in ms.items())
 
 
+def _hf_cells(row: dict) -> tuple[str, str]:
+    """The HF ms/step and x HF cells: "-" when transformers was skipped, "n/a" when its step
+    was not measurable (a line below the table says why), never a made-up number."""
+    hf = row["hf_ms_per_step"]
+    if row.get("hf_not_measurable"):
+        return "n/a", "n/a"
+    if hf is None:
+        return "-", "-"
+    return (f"{hf:.1f}" if hf >= 1 else f"{hf:.3f}"), f"{row['speedup_vs_hf']:.1f}"
+
+
 def render(result: dict, console) -> None:
     """Print one table of decode steps and a line for the public workload."""
     from rich.table import Table
@@ -387,7 +402,7 @@ def render(result: dict, console) -> None:
         table.add_column(col, justify="right")
     for preset, entry in result["models"].items():
         for r in entry["rows"]:
-            hf, k = r["hf_ms_per_step"], r.get("graph_kernels") or {}
+            k = r.get("graph_kernels") or {}
             kernels = (f"{k['kernel_ms']:.2f} ({k['gemm_ms']:.2f}/{k['attention_ms']:.2f}/"
                        f"{k['other_ms']:.2f})" if "kernel_ms" in k else k.get("error", "-")[:30])
             if "sampler_ms" in k:
@@ -405,8 +420,7 @@ def render(result: dict, console) -> None:
                           f"{r['floor_ms']:.2f}", f"{r['over_floor']:.2f}",
                           f"{r['over_roofline']:.2f}",
                           f"{100 * r['prefill_of_peak']:.0f}%",
-                          "-" if hf is None else f"{hf:.1f}",
-                          "-" if hf is None else f"{r['speedup_vs_hf']:.1f}",
+                          *_hf_cells(r),
                           str(k.get("kernels", "-")), kernels,
                           f"{entry['graph_captures']} / {entry['graph_pool_bytes'] / 2**20:.0f} MiB")
     width = console.width
@@ -416,6 +430,11 @@ def render(result: dict, console) -> None:
     finally:
         console.width = width
     for preset, entry in result["models"].items():
+        for r in entry["rows"]:
+            if r.get("hf_not_measurable"):
+                console.print(f"{preset} transformers at batch {r['batch']}: not measurable "
+                              f"({r['hf_not_measurable']}): raise --hf-new-tokens",
+                              highlight=False, markup=False, soft_wrap=True)
         if entry.get("decode_gemm"):
             libs = entry["decode_gemm"]
             console.print(f"{preset} decode GEMMs (device ms of a step under each): " +
