@@ -21,6 +21,7 @@ import time
 import torch
 
 from handoff.config import Config
+from handoff.errors import HandoffError
 from handoff.memory.staging import PinnedArena
 from handoff.runplan import RunPlan
 from handoff.trainer.actor import build_actor, build_reference
@@ -29,6 +30,7 @@ from handoff.trainer.batch import RolloutBatch
 ORDER = (("optimizer_d2h", "actor", "host", "optimizer"), ("params_d2h", "actor", "host", "params"),
          ("ref_d2h", "ref", "host", "params"), ("params_h2d", "actor", "device", "params"),
          ("optimizer_h2d", "actor", "device", "optimizer"), ("ref_h2d", "ref", "device", "params"))
+GROUP = 4   # samples per prompt in the synthetic GRPO batch: --rows is whole groups of it
 
 
 def ledger_rows(model: str, dtype: str, hardware: str) -> tuple[dict[str, dict], str]:
@@ -93,6 +95,11 @@ def run_trainer_bench(model: str, *, device: str = "cuda", dtype: str = "bfloat1
                       repeats: int = 3, rows: int = 8, seq_len: int = 512, micro_batch: int = 4,
                       hardware: str = "h200", compare_fsdp: bool = False) -> dict:
     """Measure the trainer's part of the switch; returns a JSON-ready dict."""
+    if rows % GROUP:   # before a model is built, in the option's own name
+        whole = max(GROUP, -(-rows // GROUP) * GROUP)
+        raise HandoffError(f"--rows {rows} is not a multiple of {GROUP}, the bench's GRPO "
+                           f"group (its batch is whole groups of {GROUP} samples of a prompt): "
+                           f"pass --rows {whole}")
     cfg = Config()
     cfg.model.path, cfg.model.dtype = model, dtype
     cfg.actor.kl_coef, cfg.actor.micro_batch_size = 0.001, micro_batch   # kl > 0: a ref model
@@ -104,7 +111,7 @@ def run_trainer_bench(model: str, *, device: str = "cuda", dtype: str = "bfloat1
                                   torch.device("cpu"))
     dev = actor.device
     vocab = actor.module.config.vocab_size
-    batch = synthetic_batch(vocab, rows=rows, seq_len=seq_len, group=4).to(dev)
+    batch = synthetic_batch(vocab, rows=rows, seq_len=seq_len, group=GROUP).to(dev)
     (batch.old_logprobs, _), logp_s = _timed(lambda: actor.log_probs(batch, with_entropy=False), dev)
     (batch.ref_logprobs, _), ref_s = _timed(lambda: ref.log_probs(batch, with_entropy=False), dev)
     metrics, update_s = _timed(lambda: actor.update(batch), dev)

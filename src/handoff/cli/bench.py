@@ -195,7 +195,8 @@ def bench_trainer_cmd(
     device: str = typer.Option("cuda", help="cuda | cpu"),
     dtype: str = typer.Option("bfloat16", help="param dtype of actor and reference"),
     repeats: int = typer.Option(3, help="offload/onload rounds (median reported)"),
-    rows: int = typer.Option(8, help="sequences in the warm-up GRPO batch"),
+    rows: int = typer.Option(8, help="sequences in the warm-up GRPO batch (a multiple of 4, "
+                             "its group)"),
     seq_len: int = typer.Option(512, help="tokens per sequence in that batch"),
     hardware: str = typer.Option("h200", help="hardware profile the ledger is computed for"),
     compare_fsdp: bool = typer.Option(False, help="also time an update with FSDP2 CPUOffloadPolicy"),
