@@ -110,3 +110,83 @@ def test_the_plotted_step_starts_from_the_card_as_the_last_switch_left_it():
     assert timeline[2]["name"] == "after resume kv_cache"   # the timeline is not renamed
     assert [p["name"] for p in step_probes(timeline, 0)][0] == "start (step 0)"
     assert step_probes(timeline, 5) == timeline
+
+
+# ---------------------------------------------------------------- `handoff report` on odd files
+
+
+def _row(step, **fields):
+    row = {"step": step, "reward_mean": 0.5, "reward_std": 0.1, "response_length": 3.0,
+           "timing_s/gen": 1.0, "timing_s/step": 2.0, "switch/raw_s": 0.25}
+    return {**row, **fields}
+
+
+def _report_cli(run_dir):
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    result = CliRunner().invoke(app, ["report", str(run_dir)], terminal_width=300)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result
+
+
+def _table_rows(output: str) -> list[list[str]]:
+    """The cells of the metrics table's body rows."""
+    return [[c.strip() for c in line.strip("│").split("│")] for line in output.splitlines()
+            if line.startswith("│")]
+
+
+def test_report_reads_blank_lines_duplicated_steps_and_missing_fields(tmp_path):
+    import json
+
+    from wrapped_text import flat
+
+    lines = [json.dumps(_row(1)), "", "   ", json.dumps(_row(2, reward_mean=0.2)),
+             json.dumps(_row(3, reward_mean=0.3)),
+             # a resume from step 1 ran steps 2 and 3 again, and appended them
+             json.dumps(_row(2, reward_mean=0.7)), json.dumps(_row(3, reward_mean=0.8)),
+             json.dumps({k: v for k, v in _row(4).items() if k != "timing_s/gen"}),
+             json.dumps({"step": 5, "reward_mean": 0.9, "switch/raw_s": None}), ""]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    result = _report_cli(tmp_path)
+    assert result.exit_code == 0, result.output
+    rows = _table_rows(result.output)
+    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5"]   # each step once, in order
+    assert [r[1] for r in rows] == ["0.500", "0.700", "0.800", "0.500", "0.900"]  # later wins
+    assert rows[3] == ["4", "0.500", "3.0", "-", "0.25s", "2.00"]   # the missing field: -
+    assert rows[4] == ["5", "0.900", "-", "-", "-", "-"]
+    said = flat(result.output)
+    assert flat("steps 2, 3 appear more than once (a resumed run ran them again): the later "
+                "record of each is shown") in said
+    assert flat("2 row(s) lack 'timing_s/gen' (steps 4, 5): shown as -") in said
+    assert "5steps" in said and "notacompletemetricsrow" not in said
+
+
+def test_report_on_a_run_dir_that_is_missing_a_file_or_empty_is_one_line(tmp_path):
+    for path, said in ((tmp_path / "nowhere", "holds no metrics.jsonl (no such directory)"),
+                       (tmp_path / "a-file", "holds no metrics.jsonl (a file, not a run "
+                                             "directory)"),
+                       (tmp_path / "empty", "holds no metrics.jsonl: pass the run.out_dir")):
+        if path.name == "a-file":
+            path.write_text("x")
+        elif path.name == "empty":
+            path.mkdir()
+        result = _report_cli(path)
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert f"error: {path} {said}" in lines[0]
+    (tmp_path / "empty" / "metrics.jsonl").write_text("\n\n")
+    result = _report_cli(tmp_path / "empty")
+    assert result.exit_code == 0 and "holds no steps yet" in result.output, result.output
+
+
+def test_report_names_a_switch_field_of_the_wrong_type(tmp_path):
+    import json
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_row(1, **{"switch/exposed_s": "x"})))
+    result = _report_cli(tmp_path)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "metrics.jsonl (step 1): field 'switch/exposed_s' is 'x', not a whole number or " \
+           "number" in lines[0]

@@ -379,6 +379,60 @@ def _share(s: dict) -> str:
 
 
 SHOWN_KEYS = ("reward_mean", "response_length", "timing_s/gen", "timing_s/step")
+# Every number a row of the table reads: the shown keys, kl, and the switch's seconds.
+_ROW_NUMBERS = (*SHOWN_KEYS, "kl", "switch/raw_s", "switch/exposed_s",
+                *(f"switch/{a}/seconds" for a in SWITCH_ACTIONS))
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+
+
+def _report_rows(run_dir: Path, metrics_path: Path) -> tuple[list[dict], list[str]]:
+    """metrics.jsonl's rows for the table, one per step in step order (a step logged twice,
+    by a resume that ran it again: its later record), and the notes to print first. A row
+    that lacks a field shows "-" there; a field of the wrong type is one line (HandoffError)."""
+    from handoff.errors import HandoffError
+
+    if not metrics_path.is_file():
+        why = (" (no such directory)" if not run_dir.exists() else
+               " (a file, not a run directory)" if not run_dir.is_dir() else "")
+        raise HandoffError(f"{run_dir} holds no metrics.jsonl{why}: pass the run.out_dir of a "
+                           "`handoff train` run")
+    try:
+        rows, problem = read_metrics(metrics_path)
+    except OSError as e:
+        raise HandoffError(f"cannot read {metrics_path} ({e.strerror or e}): pass a run "
+                           "directory you can read") from None
+    notes = [problem] if problem else []
+    by_step: dict[int, dict] = {}
+    repeated = set()
+    for row in rows:
+        if row["step"] in by_step:
+            repeated.add(row["step"])
+        by_step[row["step"]] = row   # the later record wins: a resume ran the step again
+    if repeated:
+        notes.append(f"{metrics_path}: steps {_steps_text(sorted(repeated))} appear more than "
+                     "once (a resumed run ran them again): the later record of each is shown")
+    rows = [{k: v for k, v in by_step[step].items() if v is not None}   # null: as absent
+            for step in sorted(by_step)]
+    for row in rows:   # a row edited by hand: one line naming the step and the field
+        for key in _ROW_NUMBERS:
+            expect(row, key, (int, float), source=f"{metrics_path} (step {row['step']})",
+                   default=None)
+    for key in SHOWN_KEYS:
+        lacking = [r["step"] for r in rows if key not in r]
+        if lacking:
+            notes.append(f"{metrics_path}: {len(lacking)} row(s) lack {key!r} (steps "
+                         f"{_steps_text(lacking)}): shown as -")
+    if not rows and not problem:
+        notes.append(f"{metrics_path} holds no steps yet")
+    return rows, notes
+
+
+def _cell(row: dict, key: str, form: str) -> str:
+    value = row.get(key)
+    return "-" if value is None else format(value, form)
 
 
 def show_run(run_dir: str | Path) -> dict:
@@ -387,25 +441,20 @@ def show_run(run_dir: str | Path) -> dict:
 
     run_dir = Path(run_dir)
     summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
-    if not metrics_path.is_file():
-        raise HandoffError(f"{run_dir} holds no metrics.jsonl: pass the run.out_dir of a "
-                           "`handoff train` run")
-    rows, problem = read_metrics(metrics_path, required=SHOWN_KEYS)
-    for row in rows:   # a row edited by hand: one line naming the step and the field
-        for key in (*SHOWN_KEYS, "kl"):
-            expect(row, key, (int, float), source=f"{metrics_path} (step {row['step']})",
-                   default=0.0 if key == "kl" else ...)
-    if problem:
-        console.print(f"[yellow]{escape(problem)}[/]", highlight=False, soft_wrap=True)
+    rows, notes = _report_rows(run_dir, metrics_path)
+    for note in notes:
+        console.print(f"[yellow]{escape(note)}[/]", highlight=False, soft_wrap=True)
     t = Table(title=escape(f"{run_dir}: {len(rows)} steps"))
     kl = any(r.get("kl") for r in rows)   # a run without a reference model logs kl 0 only
     for col in ("step", "reward", "length", *(("kl",) if kl else ()), "gen s", "switch s",
                 "step s"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(str(r["step"]), f"{r['reward_mean']:.3f}", f"{r['response_length']:.1f}",
-                  *((f"{r.get('kl', 0.0):.4f}",) if kl else ()), f"{r['timing_s/gen']:.2f}",
-                  _switch_text(r), f"{r['timing_s/step']:.2f}")
+        switch = _switch_text(r) if any(k.startswith("switch/") for k in r) else "-"
+        t.add_row(str(r["step"]), _cell(r, "reward_mean", ".3f"),
+                  _cell(r, "response_length", ".1f"),
+                  *((f"{r.get('kl') or 0.0:.4f}",) if kl else ()), _cell(r, "timing_s/gen", ".2f"),
+                  switch, _cell(r, "timing_s/step", ".2f"))
     console.print(t)
     if not summary_path.is_file():
         console.print("[yellow]no summary.json: the run did not finish[/]")
