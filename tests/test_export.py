@@ -373,6 +373,9 @@ def test_a_relative_model_path_is_not_looked_up_in_the_current_directory(
         _recorded(run, path)
         with pytest.raises(HandoffError, match="a relative path .* pass --model DIR"):
             export_model(run, tmp_path / "hf")
+    _recorded(run, str(tmp_path / "moved"))   # an absolute path that has gone since
+    with pytest.raises(HandoffError, match="which does not exist .*: pass --model DIR"):
+        export_model(run, tmp_path / "hf")
 
     # --model names it (a relative --model is the user's own, read from here).
     shutil.copytree(trained["model"], tmp_path / "trained-model")

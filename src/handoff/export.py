@@ -165,6 +165,10 @@ def _recorded_model(path: str, file: Path, flag: str) -> str:
     older run recorded relative to the directory it started in, is refused: the current
     directory may hold another model of that name."""
     if Path(path).is_absolute():
+        if not Path(path).exists():
+            raise HandoffError(f"{file} records model.path={path!r}, which does not exist (moved "
+                               "or removed since the run): pass --model DIR, the model "
+                               "directory the run trained (checked against the checkpoint)")
         return resolve_model(path, flag=flag)
     relative = (f"{file} records model.path={path!r}, a relative path (an older run's, "
                 "relative to the directory that run started in), and export does not look it "
