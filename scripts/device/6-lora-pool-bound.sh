@@ -4,16 +4,21 @@
 # tokens of KV; a random-init model never samples EOS). The base shared (one copy: ~64 GB of
 # pool, ~435K tokens) against held twice with both copies on the card (~39 GB, ~260K tokens:
 # it must preempt); then the shared run's generation against its engine alone on the card.
+# A run's start is ~100 s and its first step ~90 s on an H100: two steps of both settings do not
+# fit one call, so SETTINGS picks them ("share:param_offload" pairs) and EXCLUSIVE=0 skips the
+# engine-alone comparison.
 #   bash scripts/device/6-lora-pool-bound.sh        (repo root, on the GPU machine; logs in $OUT)
+#   SETTINGS=false:false EXCLUSIVE=0 bash scripts/device/6-lora-pool-bound.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/device-env.sh || exit 1
-STEPS=${STEPS:-2}; RUN_TIMEOUT=${RUN_TIMEOUT:-200}; NEW=${NEW:-1280}
+STEPS=${STEPS:-2}; RUN_TIMEOUT=${RUN_TIMEOUT:-300}; NEW=${NEW:-1280}
+SETTINGS=${SETTINGS:-"true:true false:false"}; EXCLUSIVE=${EXCLUSIVE:-1}
 timeout 80 python3 -m handoff init-model --preset qwen3-8b --out /tmp/qwen3-8b --device cuda \
     > "$OUT/init-8b.log" 2>&1
 WORKLOAD="rollout.max_tokens=$NEW rollout.max_model_len=$((NEW + 128)) workload.response_len=$NEW"
-for setting in "true true" "false false"; do
-    set -- $setting; share=$1; offload=$2
+for setting in $SETTINGS; do
+    share=${setting%%:*}; offload=${setting##*:}
     timeout $RUN_TIMEOUT python3 -m handoff train examples/h200-4b.yaml model.path=/tmp/qwen3-8b \
         actor.lora.rank=16 actor.lora.share_base=$share memory.param_offload=$offload \
         actor.compile=false $WORKLOAD run.steps=$STEPS run.checkpoint=false rollout.kv_pool=elastic \
@@ -33,7 +38,15 @@ for share in ("true", "false"):
         print(f"| share_base={share} step {r['step']} | {r['engine/kv_bytes'] / 1e9:.1f} | "
               f"{r['engine/peak_running']} / {r['engine/preemptions']} | {r['timing_s/gen']:.2f} | "
               f"{r['switch/exposed_s']:.2f} | {r['timing_s/step']:.2f} |")
+for share in ("true", "false"):  # where each switch's time went, action by action
+    path = Path(sys.argv[1]) / f"bound-share-{share}" / "metrics.jsonl"
+    for r in [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []:
+        acts = {k.split("/")[1]: v for k, v in r.items()
+                if k.startswith("switch/") and k.endswith("/seconds") and v > 0.01}
+        print(f"share_base={share} step {r['step']} switch actions > 10 ms:",
+              ", ".join(f"{a} {v:.2f}s" for a, v in sorted(acts.items(), key=lambda kv: -kv[1])))
 PY
+[ "$EXCLUSIVE" = 1 ] || exit 0
 timeout 150 python3 scripts/device/exclusive_engine.py "$OUT/bound-share-true" --steps $STEPS \
     > "$OUT/exclusive.log" 2>&1
 echo "engine alone: rc=$?"; tail -6 "$OUT/exclusive.log"
