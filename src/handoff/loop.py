@@ -53,7 +53,7 @@ from handoff.startup import start_worker
 from handoff.tasks import build_eval_problems, build_task
 from handoff.trainer.batch import RolloutBatch
 from handoff.trainer.compiled import compiles_so_far, layers_compiled
-from handoff.trainer.checkpoint import (latest_checkpoint, load_checkpoint, publish_checkpoint,
+from handoff.trainer.checkpoint import (load_checkpoint, publish_checkpoint, resumable_checkpoint,
                                      save_checkpoint)
 from handoff.switch import Generation, StepTimes, SwitchRecord
 
@@ -236,16 +236,28 @@ class Run:
 
     def _resume(self) -> None:
         """Continue from the last complete checkpoint (a fresh start when there is none)."""
-        if latest_checkpoint(self.ckpt_dir) is None:
+        path, stand_in = resumable_checkpoint(self.ckpt_dir)
+        if path is None:
             if self.rank == 0:  # said out loud: a killed run with no checkpoint restarts at 0
                 console.print(f"resume: no complete checkpoint in {self.ckpt_dir}: starting at "
                               "step 0", style="yellow", markup=False, highlight=False)
             return
-        state = self.worker.load_trainer_state(lambda actor: load_checkpoint(self.ckpt_dir, actor))
+        if stand_in and self.rank == 0:
+            console.print(f"resume: {self.ckpt_dir / 'latest'} is missing: continuing from the "
+                          f"newest complete checkpoint, {path.name}", style="yellow",
+                          markup=False, highlight=False)
+        state = self.worker.load_trainer_state(
+            lambda actor: load_checkpoint(self.ckpt_dir, actor, path=path))
         task_state = state["extra"].get("task") if isinstance(state["extra"], dict) else None
         if not isinstance(task_state, dict):
             raise HandoffError(f"{state['path']}/meta.json records no data position (extra.task): "
                                "it was not written by `handoff train`; start over with --overwrite")
+        position = task_state.get("position")
+        if type(position) is not int or position < 0:
+            raise HandoffError(f"{state['path']}/meta.json records no valid data position "
+                               f"(extra.task.position {position!r}, a whole number >= 0): it was "
+                               "edited by hand; restore it, or point `latest` at another "
+                               "checkpoint")
         self.start_step = int(state["step"])
         self.task.load_state_dict(task_state)
 

@@ -9,7 +9,8 @@ Layout under the root:
                         and of the fp32 master / Adam moments), rng_rank<r>.json, meta.json
                         (under LoRA: the adapters and their optimizer state only, meta.json's
                         `lora` names rank, alpha and targets; a full checkpoint has lora null)
-  latest                the name of the newest complete directory (one line)
+  latest                the name of the newest complete directory (one line); a resume that
+                        finds it gone takes the newest complete step_* (resumable_checkpoint)
 A save writes everything into `.tmp_<name>/` with fsync, renames it into place, then replaces
 `latest` atomically (write latest.tmp, fsync, rename). A process killed at any moment leaves
 `latest` naming a complete checkpoint (or no `latest` at all before the first one). A prune
@@ -291,13 +292,48 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path
 
 
+def newest_complete_checkpoint(root: str | Path) -> Path | None:
+    """The complete step_* directory of the highest step (the later one of a step saved
+    twice), or None: what a resume takes when `latest` itself is gone (as Hugging Face's
+    Trainer takes its highest checkpoint-N)."""
+    root = Path(root)
+    done = [p for p in root.glob("step_*") if _NAME.fullmatch(p.name) and not p.is_symlink()
+            and (p / META).is_file()]
+    return max(done, key=lambda p: (int(p.name.split("_")[1]), p.stat().st_mtime), default=None)
+
+
+def resumable_checkpoint(root: str | Path) -> tuple[Path | None, bool]:
+    """(the checkpoint a resume continues from, whether `latest` was missing and the newest
+    complete directory stands in for it). None: no checkpoint was completed."""
+    path = latest_checkpoint(root)
+    if path is not None:
+        return path, False
+    path = newest_complete_checkpoint(root)
+    return path, path is not None
+
+
 def checkpoint_step(path: Path) -> int:
-    """The step a complete checkpoint directory was saved at (one line if meta.json is bad)."""
+    """The step a complete checkpoint directory was saved at (one line if meta.json is bad,
+    or records another step than the directory's name)."""
     step = read_json(path / META, "checkpoint's meta.json").get("step")
     if type(step) is not int or step < 0:
         raise HandoffError(f"{path / META} has no valid step ({step!r}): point `latest` at "
                            "another checkpoint")
+    if _NAME.fullmatch(path.name) and int(path.name.split("_")[1]) != step:
+        raise HandoffError(f"{path / META} records step {step} but its directory was saved at "
+                           f"step {int(path.name.split('_')[1])}: meta.json was edited by hand; "
+                           "restore it, or point `latest` at another checkpoint")
     return step
+
+
+def _check_counts(path: Path, meta: dict) -> None:
+    """meta.json's world size and optimizer step are whole numbers (a hand edit is named)."""
+    for key, least in (("world_size", 1), ("optimizer_step", 0)):
+        value = meta.get(key)
+        if type(value) is not int or value < least:
+            raise HandoffError(f"{path / META} has no valid {key} ({value!r}, a whole number "
+                               f">= {least}): meta.json was edited by hand; restore it, or "
+                               "point `latest` at another checkpoint")
 
 
 def _on_rank0(check) -> None:
@@ -313,13 +349,15 @@ def _on_rank0(check) -> None:
         raise HandoffError(error)
 
 
-def load_checkpoint(root: str | Path, actor: Actor) -> dict | None:
-    """Load the latest checkpoint under `root` into `actor` in place (collective).
+def load_checkpoint(root: str | Path, actor: Actor, *, path: Path | None = None) -> dict | None:
+    """Load the latest checkpoint under `root` (or `path`, one of its step_* directories) into
+    `actor` in place (collective).
 
     Returns {"step", "extra", "path"}, or None when there is nothing to resume from. Before
-    anything is read into the actor: meta.json's format and the model's identity, then every
-    file against its sha256 (rank 0), then DCP's metadata through the allow-list."""
-    path = latest_checkpoint(root)
+    anything is read into the actor: meta.json's format, step, counts and the model's
+    identity, then every file against its sha256 (rank 0), then DCP's metadata through the
+    allow-list."""
+    path = path or latest_checkpoint(root)
     if path is None:
         return None
     actor.require_on_device("params", "optimizer")
@@ -330,6 +368,7 @@ def load_checkpoint(root: str | Path, actor: Actor) -> dict | None:
                            "verified; resume it with the handoff that wrote it, or start over "
                            "with --overwrite")
     step = checkpoint_step(path)
+    _check_counts(path, meta)
     if meta.get("lora") != lora_meta(actor):
         raise HandoffError(f"checkpoint {path} holds {_kind(meta.get('lora'))}, this run trains "
                            f"{_kind(lora_meta(actor))}: resume with the actor.lora settings that "
@@ -347,7 +386,7 @@ def load_checkpoint(root: str | Path, actor: Actor) -> dict | None:
         raise HandoffError(f"checkpoint {path} does not fit this model ({type(e).__name__}): it "
                            "was written by another model.path or dtype; point run.out_dir at a "
                            "fresh directory or resume with the config that wrote it") from None
-    actor.optimizer.step_count = int(meta.get("optimizer_step", 0))
+    actor.optimizer.step_count = meta["optimizer_step"]
     rng_file = path / f"rng_rank{dist.get_rank()}.json"
     if meta.get("world_size") == actor.world_size and rng_file.is_file():
         set_rng_state(rng_file, actor.device)
