@@ -1,10 +1,21 @@
 """Fixtures several test files share."""
 
 import shutil
+import signal
 
 import pytest
 
 from handoff.modelzoo import init_model
+
+
+@pytest.fixture(autouse=True)
+def sigint_handler_restored():
+    """`handoff train` ignores a second Ctrl-C once interrupted: a test that goes through it
+    in this process gets Ctrl-C back afterwards."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not handler:
+        signal.signal(signal.SIGINT, handler)
 
 
 @pytest.fixture(scope="session")

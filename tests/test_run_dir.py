@@ -4,6 +4,7 @@ only a run's files, one live run per out_dir, a crash's cut-short metrics line, 
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -309,3 +310,141 @@ def test_ctrl_c_inside_a_checkpoint_save_is_the_one_line_and_exit_130(model_dir,
                     f"train examples/cpu-tiny.yaml model.path={model_dir} 'run.out_dir={out}' "
                     "run.steps=3 run.save_every=1 --resume`"]
     assert not list((out / "checkpoints").glob(".tmp_*"))
+
+
+# ---------------------------------------------------------------- a resume's checkpoint, read
+
+
+@pytest.fixture(scope="module")
+def checkpointed(model_dir, tmp_path_factory):
+    """A real two-step run with a checkpoint after each step; tests copy it."""
+    from handoff.loop import train
+
+    out = tmp_path_factory.mktemp("checkpointed") / "run"
+    train(_cfg(out, "run.save_every=1", model=model_dir))
+    return out
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".handoff.lock"))
+    return dst
+
+
+def test_a_resume_with_latest_gone_continues_from_the_newest_complete_checkpoint(
+        model_dir, checkpointed, tmp_path, capsys):
+    """It used to start over at step 0, drop every metrics row and prune the checkpoints."""
+    from handoff.loop import train
+
+    out = _copy_run(checkpointed, tmp_path / "run")
+    (out / "checkpoints" / "latest").unlink()
+    step_2 = next((out / "checkpoints").glob("step_00000002_*"))
+    said = interrupted_message(_cfg(out), "handoff train C")
+    assert said == f"interrupted: the run can resume from step 2 ({step_2}) with `handoff train C --resume`"
+    capsys.readouterr()
+    train(_cfg(out, "run.resume=true", "run.steps=3", "run.save_every=1", model=model_dir))
+    said = capsys.readouterr()
+    err = flat(said.out + said.err)
+    assert flat(f"resume: {out / 'checkpoints' / 'latest'} is missing: continuing from the newest "
+                f"complete checkpoint, {step_2.name}") in err
+    assert "dropping" not in err and "starting at step 0" not in err
+    rows, _ = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (out / "checkpoints" / "latest").read_text().startswith("step_00000003_")
+    assert step_2.is_dir()   # kept: the newest two
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda meta: meta.update(step=5), "records step 5 but its directory was saved at step 2"),
+    (lambda meta: meta.update(world_size="1"), "no valid world_size ('1'"),
+    (lambda meta: meta.update(optimizer_step=-3), "no valid optimizer_step (-3"),
+    (lambda meta: meta["extra"]["task"].update(position="8"), "no valid data position"),
+])
+def test_a_hand_edited_meta_json_is_one_line_and_the_run_is_left_as_it_was(
+        model_dir, checkpointed, tmp_path, edit, named):
+    from handoff.loop import train
+
+    out = _copy_run(checkpointed, tmp_path / "run")
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((latest / "meta.json").read_text())
+    edit(meta)
+    (latest / "meta.json").write_text(json.dumps(meta))
+    before = _snapshot(out)
+    with pytest.raises(HandoffError, match=re.escape(named)) as e:
+        train(_cfg(out, "run.resume=true", "run.steps=3", "actor.lr=0.5", model=model_dir))
+    assert "\n" not in str(e.value) and "edited by hand" in str(e.value)
+    after = _snapshot(out)
+    after.pop(".handoff.lock")   # the refused start's lock (nobody holds it now)
+    assert after == before   # config.json, metrics and checkpoints as they were
+
+
+def test_a_longer_run_under_a_decaying_lr_schedule_is_named_with_the_lr_it_changes(
+        tmp_path, capsys):
+    before = _cfg(tmp_path, "actor.lr_schedule=cosine", "run.steps=4")
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(before)))
+    keep_changed_config(_cfg(tmp_path, "run.resume=true", "actor.lr_schedule=cosine",
+                             "run.steps=8"), 2)
+    err = flat(capsys.readouterr().err)
+    # step 3 of 4 under cosine: lr (1 + cos(pi * 2/4)) / 2 = lr / 2; of 8: (1 + cos(pi/4)) / 2
+    lr = before.actor.lr
+    assert flat(f"run.steps 4 -> 8 under actor.lr_schedule=cosine: the learning rate now falls "
+                f"to 0 at step 8, not 4; step 3 trains at {lr * 0.8535534:.3g} (the run as "
+                f"begun: {lr * 0.5:.3g})") in err
+    assert (tmp_path / "config.before-step-2.json").is_file()
+
+
+def test_the_run_records_a_local_model_directory_absolute_and_a_moved_run_is_no_change(
+        model_dir, tmp_path, monkeypatch, capsys):
+    from handoff.run_dir import run_record, write_run_config
+
+    cfg = _cfg(tmp_path / "run", model=model_dir.name)   # relative, as a user types it
+    preset = _cfg(tmp_path, model="tiny-qwen3")
+    resumed = _cfg(tmp_path / "moved", "run.resume=true", model=model_dir.name)
+    monkeypatch.chdir(model_dir.parent)
+    assert run_record(cfg)["model"]["path"] == str(model_dir.resolve())
+    assert run_record(preset)["model"]["path"] == "tiny-qwen3"
+    (tmp_path / "run").mkdir()
+    write_run_config(cfg)
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["model"]["path"] == str(model_dir.resolve())
+    moved = _copy_run(tmp_path / "run", tmp_path / "moved")   # a copied run directory
+    keep_changed_config(resumed, 2)
+    assert not capsys.readouterr().err and not list(moved.glob("config.before-*"))
+
+
+def test_the_resume_command_under_torchrun_keeps_the_launcher():
+    one_node = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert resume_command("c.yaml", ["parallel.gpus=2"], one_node) == \
+        "torchrun --nproc-per-node 2 -m handoff train c.yaml parallel.gpus=2"
+    two_nodes = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    assert resume_command("c.yaml", [], two_nodes).startswith(
+        "torchrun --nnodes 2 --nproc-per-node 4 <this launch's rendezvous options> -m handoff")
+    assert resume_command("c.yaml", [], {}) == "handoff train c.yaml"
+
+
+def test_a_second_ctrl_c_while_the_run_winds_up_is_no_traceback(tmp_path):
+    """The second SIGINT arrives while the one line is being made (a process of its own:
+    the signal is real)."""
+    script = tmp_path / "twice.py"
+    script.write_text(f"""
+import os, signal, sys
+import handoff.api, handoff.run_dir
+from handoff.cli import app
+
+def interrupted(cfg):
+    raise KeyboardInterrupt
+
+def message(cfg, command):
+    os.kill(os.getpid(), signal.SIGINT)   # the user presses Ctrl-C again
+    return "interrupted: stand-in"
+
+handoff.api.train = interrupted
+handoff.run_dir.interrupted_message = message
+sys.argv = ["handoff", "train", "examples/cpu-tiny.yaml", "run.out_dir={tmp_path / 'run'}"]
+app()
+""")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         cwd=Path(__file__).parent.parent, timeout=120)
+    assert res.returncode == 130, res.stderr
+    assert "Traceback" not in res.stderr and "interrupted: stand-in" in res.stderr

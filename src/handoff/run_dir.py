@@ -196,10 +196,13 @@ def keep_changed_config(cfg: Config, step: int) -> None:
         return
     if not is_run_config(before):
         return
-    old, new = dotted(before), dotted(to_dict(cfg))
+    old, new = dotted(before), dotted(run_record(cfg))
+    # A copied run directory is resumed where it now is: its out_dir is no change.
+    ignored = {"run.resume", "run.overwrite", "run.out_dir"}
+    if not _lr_follows_run_steps(cfg):
+        ignored.add("run.steps")   # a longer run: the lr of every step is as it was
     changed = [key for key in sorted(old.keys() | new.keys())
-               if key not in ("run.resume", "run.overwrite", "run.steps")
-               and old.get(key) != new.get(key)]
+               if key not in ignored and old.get(key) != new.get(key)]
     if not changed:
         return
     kept = out / f"{KEPT_CONFIG_PREFIX}{step}.json"
@@ -209,13 +212,49 @@ def keep_changed_config(cfg: Config, step: int) -> None:
                       for key in changed[:6]) + (", ..." if len(changed) > 6 else "")
     console.print(f"[yellow]resume: settings changed since the run began: {escape(shown)} (the "
                   f"earlier config is kept as {kept.name})[/]", highlight=False, soft_wrap=True)
+    if "run.steps" in changed and isinstance(old.get("run.steps"), int):
+        console.print(f"[yellow]resume: {escape(_lr_reshaped(cfg, old['run.steps'], step))}[/]",
+                      highlight=False, soft_wrap=True)
+
+
+def _lr_follows_run_steps(cfg: Config) -> bool:
+    """Whether the learning rate of a step depends on run.steps (a decay to 0 at the end)."""
+    return cfg.actor.lr_schedule != "constant"
+
+
+def _lr_reshaped(cfg: Config, old_steps: int, step: int) -> str:
+    """What a new run.steps does to a decaying schedule from the resumed step on."""
+    from handoff.trainer.optim import LrSchedule
+
+    a, per = cfg.actor, cfg.actor.updates_per_step
+    nxt = step * per + 1   # the next optimizer step
+
+    def lr(steps: int) -> float:
+        return LrSchedule(a.lr, kind=a.lr_schedule, warmup_steps=a.warmup_steps,
+                          total_steps=steps * per).lr_at(nxt)
+
+    return (f"run.steps {old_steps} -> {cfg.run.steps} under actor.lr_schedule={a.lr_schedule}: "
+            f"the learning rate now falls to 0 at step {cfg.run.steps}, not {old_steps}; step "
+            f"{step + 1} trains at {lr(cfg.run.steps):.3g} (the run as begun: "
+            f"{lr(old_steps):.3g}). To keep the earlier curve, resume with run.steps={old_steps}")
+
+
+def run_record(cfg: Config) -> dict:
+    """The config as config.json records it: a model.path that is a local directory made
+    absolute, so `handoff export` (run from anywhere) reads the model that trained, never
+    another directory of the same relative name."""
+    record = to_dict(cfg)
+    path = Path(cfg.model.path).expanduser()
+    if path.is_dir() and not path.is_absolute():
+        record["model"]["path"] = str(path.resolve())
+    return record
 
 
 def write_run_config(cfg: Config) -> None:
     """config.json of the run (atomic: a crash leaves the old one or the new one)."""
     out = Path(cfg.run.out_dir)
     with failing_write_is_one_line(out / "config.json", "the run's files are as they were"):
-        replace_file(out / "config.json", json.dumps(to_dict(cfg), indent=1).encode(), out)
+        replace_file(out / "config.json", json.dumps(run_record(cfg), indent=1).encode(), out)
 
 
 # ---------------------------------------------------------------- metrics.jsonl
@@ -273,29 +312,42 @@ def trim_metrics(out_dir: Path, start_step: int) -> list[dict]:
 # ---------------------------------------------------------------- an interrupted run
 
 
-def resume_command(config: str, overrides: list[str]) -> str:
+def resume_command(config: str, overrides: list[str], env: dict | None = None) -> str:
     """`handoff train` as the user gave it, quoted for a shell: the config and every override,
-    less run.resume / run.overwrite (--resume is added; with --overwrite it is refused)."""
+    less run.resume / run.overwrite (--resume is added; with --overwrite it is refused).
+    Under torchrun (its variables in `env`, default os.environ) the launcher comes first,
+    with the processes per node it started (and the nodes: their rendezvous is the user's)."""
     kept = [o for o in overrides
             if o.partition("=")[0].strip() not in ("run.resume", "run.overwrite")]
-    return shlex.join(["handoff", "train", config, *kept])
+    command = shlex.join(["handoff", "train", config, *kept])
+    env = os.environ if env is None else env
+    world, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if not (world.isdigit() and local.isdigit() and int(local) >= 1):
+        return command
+    launcher = f"torchrun --nproc-per-node {local}"
+    if int(world) > int(local):
+        launcher = (f"torchrun --nnodes {int(world) // int(local)} --nproc-per-node {local} "
+                    "<this launch's rendezvous options>")
+    return f"{launcher} -m {command}"
 
 
 def interrupted_message(cfg: Config, command: str) -> str:
     """What a run stopped by Ctrl-C can resume from, and how (one line); `command` is
     resume_command's."""
-    from handoff.trainer.checkpoint import checkpoint_step, latest_checkpoint
+    from handoff.trainer.checkpoint import checkpoint_step, resumable_checkpoint
 
     if not cfg.run.checkpoint:
         return ("interrupted: this run keeps no checkpoints (run.checkpoint=false): nothing to "
                 "resume")
     root = Path(cfg.run.out_dir) / "checkpoints"
     try:
-        latest = latest_checkpoint(root)
+        latest, _ = resumable_checkpoint(root)
+        if latest is not None:
+            step = checkpoint_step(latest)
     except HandoffError as e:
         return f"interrupted; its checkpoints cannot be resumed: {e}"
     if latest is None:
         return (f"interrupted before the first checkpoint: `{command} --resume` starts again "
                 "at step 0")
-    return (f"interrupted: the run can resume from step {checkpoint_step(latest)} ({latest}) "
+    return (f"interrupted: the run can resume from step {step} ({latest}) "
             f"with `{command} --resume`")

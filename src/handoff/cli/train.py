@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Optional
 
@@ -31,6 +32,9 @@ def train_cmd(
     try:
         train(cfg)
     except KeyboardInterrupt:
+        # A second Ctrl-C while the run winds up (the message, the exit's thread joins)
+        # would be a traceback over the one line: the first one already stops the run.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if world_rank_size()[0] == 0:   # the command as given: its overrides, markup as text
             said = interrupted_message(cfg, resume_command(config, list(overrides or [])))
             err_console.print(f"[bold yellow]{escape(said)}[/]", highlight=False, soft_wrap=True)
