@@ -329,6 +329,15 @@ def test_a_damaged_checkpoint_names_another_step_to_export_not_a_resumes_fix(tra
     # the fix it names works
     export_model(run, tmp_path / "hf", step=1)
     assert json.loads((tmp_path / "hf" / "handoff_export.json").read_text())["step"] == 1
+    # a meta.json edited by hand (its step): the same kind of line, export's own fix
+    meta = json.loads((newest / "meta.json").read_text())
+    (newest / "meta.json").write_text(json.dumps({**meta, "step": 7}))
+    with pytest.raises(HandoffError) as e:
+        export_model(run, tmp_path / "hf2")
+    assert str(e.value) == (f"checkpoint {newest} cannot be exported: {newest / 'meta.json'} "
+                            "records step 7 but its directory was saved at step 2: meta.json "
+                            "was edited by hand; pass --step N of another checkpoint (kept "
+                            "steps: [1])")
 
 
 # ---------------------------------------------------------------- the run's model.path

@@ -256,8 +256,8 @@ class Run:
         if type(position) is not int or position < 0:
             raise HandoffError(f"{state['path']}/meta.json records no valid data position "
                                f"(extra.task.position {position!r}, a whole number >= 0): it was "
-                               "edited by hand; restore it, or point `latest` at another "
-                               "checkpoint")
+                               "edited by hand; point `latest` at another checkpoint, or "
+                               "restore meta.json")
         self.start_step = int(state["step"])
         self.task.load_state_dict(task_state)
 

@@ -322,7 +322,7 @@ def checkpoint_step(path: Path) -> int:
     if _NAME.fullmatch(path.name) and int(path.name.split("_")[1]) != step:
         raise HandoffError(f"{path / META} records step {step} but its directory was saved at "
                            f"step {int(path.name.split('_')[1])}: meta.json was edited by hand; "
-                           "restore it, or point `latest` at another checkpoint")
+                           "point `latest` at another checkpoint, or restore meta.json")
     return step
 
 
@@ -332,8 +332,8 @@ def _check_counts(path: Path, meta: dict) -> None:
         value = meta.get(key)
         if type(value) is not int or value < least:
             raise HandoffError(f"{path / META} has no valid {key} ({value!r}, a whole number "
-                               f">= {least}): meta.json was edited by hand; restore it, or "
-                               "point `latest` at another checkpoint")
+                               f">= {least}): meta.json was edited by hand; point `latest` at "
+                               "another checkpoint, or restore meta.json")
 
 
 def _on_rank0(check) -> None:
