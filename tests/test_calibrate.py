@@ -119,6 +119,12 @@ def test_remap_rates_on_cuda_give_the_memory_back():
     assert not pool.is_awake("calibrate")
     assert torch.cuda.mem_get_info(device)[0] > free_before - (256 << 20)  # metadata
     assert measure_tensor_host_seconds(device) < 1e-3
+    # The elastic pool's way (cuda-bindings' VMM, 72 slabs as a 36-layer model's K and V):
+    # the same bytes back to the driver, and both rates measured.
+    elastic = measure_remap_rates(device, 4 << 30, pool=pool, tag="elastic", elastic_slabs=72)
+    assert elastic["remap_bytes"] >= 4 << 30
+    assert elastic["map_bps"] > 1e9 and elastic["unmap_bps"] > 1e9
+    assert torch.cuda.mem_get_info(device)[0] > free_before - (256 << 20)
 
 
 @pytest.mark.cuda
@@ -227,3 +233,47 @@ def test_lora_on_a_shared_base_measures_the_kv_wake_beside_the_weights_it_holds(
     monkeypatch.setattr(calibrate_module, "host_memory", lambda: (0, free))
     small_kv, _, _ = calibrate_module._switch_sizes(cfg, plan, pool)
     assert small_kv == kv // 2   # all the room is the KV's: no weights subtracted again
+
+
+def test_an_elastic_region_is_measured_through_its_arena_as_the_engine_maps_it(monkeypatch):
+    """The elastic KV pool maps slab by slab through the driver's VMM, not as one
+    torch_memory_saver allocation: its rate is measured that way."""
+    from handoff.memory.elastic import ElasticArena
+
+    grown = []
+    real_grow = ElasticArena.grow_to
+
+    def grow_to(self, per_slab):
+        mapped = real_grow(self, per_slab)
+        grown.append((self.slabs, mapped))
+        return mapped
+
+    monkeypatch.setattr(ElasticArena, "grow_to", grow_to)
+    pool = RegionPool("cpu")
+    granule = ElasticArena.granule_bytes("cpu")
+    rates = measure_remap_rates(torch.device("cpu"), 8 * granule * 3 + 1, pool=pool, repeats=2,
+                                elastic_slabs=8)
+    # 4 granules a slab (the bytes rounded up); mapped at creation, the warm-up and 2 wakes
+    assert grown == [(8, 4 * granule)] * 4
+    assert rates["remap_bytes"] == 8 * 4 * granule and rates["map_bps"] > 0
+    assert pool.is_elastic("calibrate") and not pool.is_awake("calibrate")
+
+
+@pytest.mark.parametrize("kv_pool, slabs", [("elastic", "2 x layers"), ("fixed", 0)])
+def test_a_run_calibrates_the_kv_wake_of_its_own_pool_kind(model_dir, tmp_path, monkeypatch,
+                                                           kv_pool, slabs):
+    import handoff.calibrate as calibrate_module
+
+    seen = []
+    real = calibrate_module.measure_remap_rates
+
+    def measure(device, nbytes, **kw):
+        seen.append(kw.get("elastic_slabs", 0))
+        return real(device, nbytes, **kw)
+
+    monkeypatch.setattr(calibrate_module, "measure_remap_rates", measure)
+    cfg = _cfg(model_dir, tmp_path, f"rollout.kv_pool={kv_pool}")
+    plan = RunPlan.build(cfg)
+    Run(cfg, plan)
+    expected = 2 * plan.shape.num_layers if slabs else 0
+    assert seen[0] == expected and seen[1:] == [0]   # the KV pool's, then the weights' (fixed)

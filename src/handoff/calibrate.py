@@ -10,7 +10,10 @@ What is measured, and why at this size and in this state:
 * map and unmap of a region the size of the KV pool the engine is about to take (mapping is
   not linear in size), in the state the switch maps it: the weights mapped, the trainer's
   offloaded state handed back to the driver when to_rollout hands it back, the pool's own
-  pages released seconds before; and the map of a region the weights' size;
+  pages released seconds before; and the map of a region the weights' size. An elastic pool
+  (rollout.kv_pool=elastic) is measured as the engine maps it, an ElasticArena of one slab
+  per layer's K and V through the driver's VMM: torch_memory_saver's one-allocation map
+  (the fixed pool's) ran at half its rate on the 32B's 73 GiB (2026-12-06);
 * the weight sync's copies: the real `sync_weights` over the actor's own tensors (a kernel
   per tensor into the bucket, batched copies out of it), slower per byte than one large copy;
 * the sync's host work per tensor, timed while a D2H of the optimizer's size is queued (the
@@ -106,9 +109,11 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool)
     on_cuda = device.type == "cuda"
     # Four pairs: one pair's times vary by a quarter from step to step.
+    elastic = cfg.rollout.kv_pool == "elastic"
     values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
                                       held_during_wake=weight_bytes, freed_before_wake=freed,
-                                      settle_s=2.0 if on_cuda else 0.0))
+                                      settle_s=2.0 if on_cuda else 0.0,
+                                      elastic_slabs=2 * plan.shape.num_layers if elastic else 0))
     if weight_bytes:   # none under LoRA on a shared base: its weights never leave the card
         weights = measure_remap_rates(device, weight_bytes, pool=pool, tag="calibrate_weights")
         values.update(weights_map_bps=weights["map_bps"],
@@ -192,10 +197,12 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
                         pool: RegionPool | None = None, tag: str = "calibrate",
                         held_during_wake: int = 0,
                         freed_before_wake: Sequence[tuple[int, float]] = (),
-                        settle_s: float = 0.0) -> dict:
+                        settle_s: float = 0.0, elastic_slabs: int = 0) -> dict:
     """Bytes/s of waking (map) and level-2 sleeping (unmap) one region of one `nbytes` tensor:
     medians over `repeats` pairs after a warm-up, {"map_bps", "unmap_bps", "remap_bytes"}
-    (remap_bytes: what a wake maps, allocator granularity included).
+    (remap_bytes: what a wake maps, allocator granularity included). With `elastic_slabs`
+    the region is an ElasticArena of that many slabs (the elastic KV pool's: one per layer's
+    K and V), `nbytes` over them, mapped and released as the engine's pool is.
 
     The wake happens in a switch's state: `held_during_wake` bytes in use elsewhere,
     `freed_before_wake` = [(bytes, seconds before the wake)] of touched memory handed back
@@ -205,10 +212,13 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
     space only) for the life of the process. Pass the run's pool, so its meter sees it.
     """
     pool = pool if pool is not None else RegionPool(device)
-    with pool.region(tag):
-        block = torch.empty(int(nbytes), dtype=torch.uint8, device=pool.device)
-    block.fill_(1)  # touch every page: a CPU region is only real once written
-    pool.track(tag, block)
+    if elastic_slabs:
+        block = _elastic_region(pool, tag, int(nbytes), elastic_slabs)
+    else:
+        with pool.region(tag):
+            block = torch.empty(int(nbytes), dtype=torch.uint8, device=pool.device)
+        block.fill_(1)  # touch every page: a CPU region is only real once written
+        pool.track(tag, block)
     remap_bytes = pool.region_bytes(tag)
     sleeps, wakes = [], []
     for repeat in range(repeats + 1):
@@ -241,6 +251,19 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
     return {"map_bps": remap_bytes / max(statistics.median(wakes[1:]), tiny),
             "unmap_bps": remap_bytes / max(statistics.median(sleeps[1:]), tiny),
             "remap_bytes": remap_bytes}
+
+
+def _elastic_region(pool: RegionPool, tag: str, nbytes: int, slabs: int) -> torch.Tensor:
+    """`tag` as an elastic region of `slabs` equal slabs holding `nbytes` (granule-rounded),
+    mapped whole; returns its bytes as one tensor (written before each sleep, as the pool's
+    KV is). Its virtual range stays reserved for the process, as a fixed region's does."""
+    from handoff.memory.elastic import ElasticArena
+
+    granule = ElasticArena.granule_bytes(pool.device)
+    slab_bytes = max(-(-nbytes // slabs // granule) * granule, granule)
+    arena = ElasticArena(pool.device, slabs=slabs, slab_bytes=slab_bytes)
+    pool.elastic(tag, arena, min_per_slab=slab_bytes)
+    return arena.view(torch.uint8, (slabs * slab_bytes,))
 
 
 def _engine_like_loader(plan: dict):
