@@ -277,3 +277,25 @@ def test_a_run_calibrates_the_kv_wake_of_its_own_pool_kind(model_dir, tmp_path, 
     Run(cfg, plan)
     expected = 2 * plan.shape.num_layers if slabs else 0
     assert seen[0] == expected and seen[1:] == [0]   # the KV pool's, then the weights' (fixed)
+
+
+def test_lora_with_the_base_held_twice_replays_the_adapters_frees_not_a_full_models(
+        model_dir, tmp_path):
+    """A map right after large frees is slower: the wake is measured after what this run
+    hands back (the adapters' Adam state), not a full model's optimizer."""
+    import handoff.calibrate as calibrate_module
+    from handoff.plan.lora import adapter_params, adapter_state_bytes
+
+    cfg = _cfg(model_dir, tmp_path, "actor.lora.rank=4", "actor.lora.share_base=false",
+               "memory.param_offload=false")
+    plan = RunPlan.build(cfg)
+    pool = RegionPool(torch.device("cpu"))
+    _, weights, freed = calibrate_module._switch_sizes(cfg, plan, pool)
+    lora = cfg.actor.lora
+    adam = adapter_state_bytes(adapter_params(plan.shape, lora.rank, lora.target_modules),
+                               plan.dtypes)["adapter_optimizer"]
+    buckets = 2 * (cfg.sync.bucket_mb << 20)
+    assert weights > 0   # the engine's own copy, held beside the wake
+    assert freed == [(buckets, 0.0), (adam, 0.0)]
+    full = calibrate_module.trainer_bytes(plan.shape, plan.shard, plan.dtypes, ref=False)
+    assert adam < full["optimizer"] / 10

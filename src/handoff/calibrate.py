@@ -41,6 +41,7 @@ from handoff.memory.regions import RegionPool
 from handoff.plan.hardware import HardwareProfile
 from handoff.plan.kvpool import engine_weight_bytes, kv_bytes_per_token_per_card
 from handoff.plan.ledger import trainer_bytes
+from handoff.plan.lora import BaseCopies, adapter_params, adapter_state_bytes
 from handoff.rollout.kv_sizing import kv_pool_blocks
 from handoff.rollout.weight_copy import copy_in_batches
 from handoff.runplan import RunPlan
@@ -147,14 +148,29 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, in
         # excludes them; nothing but the adapters' Adam state (megabytes) leaves before the wake
         return int(max(min(blocks * block, room), block)), 0, []
     weights = int(max(min(weights, room), 1))
-    owners = trainer_bytes(shape, plan.shard, dtypes, ref=False)
-    params = owners["params"] if cfg.memory.param_offload else 0
+    params, optimizer = _offloaded_bytes(cfg, plan)
     late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)
-    early = owners["optimizer"] if cfg.memory.optimizer_offload else 0
+    early = optimizer if cfg.memory.optimizer_offload else 0
     early = min(early, room - weights - late)
     freed = [(int(late), 0.0)] + ([(int(early), params / hw.pinned_pcie_bps)] if early > 0 else [])
     # The weights are held while the KV region wakes: both fit in the room.
     return int(max(min(blocks * block, room - weights), block)), weights, freed
+
+
+def _offloaded_bytes(cfg: Config, plan: RunPlan) -> tuple[int, int]:
+    """(params, optimizer state) bytes to_rollout hands back to the driver before the KV
+    wake: a full model's, or under LoRA with the base held twice the trainer's base and
+    adapters (memory.param_offload) and the adapters' Adam state (a map right after large
+    frees is slower: replaying a full model's frees priced a LoRA wake at 10x its time)."""
+    shape, dtypes, mem = plan.shape, plan.dtypes, cfg.memory
+    lora = cfg.actor.lora
+    if not lora.rank:
+        owners = trainer_bytes(shape, plan.shard, dtypes, ref=False)
+        return owners["params"] if mem.param_offload else 0, owners["optimizer"]
+    state = adapter_state_bytes(adapter_params(shape, lora.rank, lora.target_modules), dtypes)
+    bases = BaseCopies.of_run(shape, lora, mem, cfg.parallel, dtypes)
+    params = bases.trainer + state["adapter_params"] if mem.param_offload else 0
+    return params, state["adapter_optimizer"]
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
