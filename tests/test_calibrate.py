@@ -204,14 +204,16 @@ def test_the_measured_wake_leaves_the_margin_beside_the_held_weights(model_dir, 
     cfg = _cfg(model_dir, tmp_path)
     margin = 8 << 30
     pool = RegionPool(torch.device("cpu"), wake_margin_bytes=margin)
-    kv, weights, _ = calibrate_module._switch_sizes(cfg, RunPlan.build(cfg), pool)   # this host: room for all
+    sizes = calibrate_module._switch_sizes(cfg, RunPlan.build(cfg), pool)   # this host: room for all
+    kv, weights = sizes.kv, sizes.weights
     # A card with room for the weights and half the pool beside the margin: the KV region
     # measured is what the wake can map while the weights are held (a large
     # memory.wake_margin_mb failed at start-up on the device before).
     free = margin + (1 << 30) + weights + kv // 2
     monkeypatch.setattr(calibrate_module, "host_memory", lambda: (0, free))
-    small_kv, small_weights, _ = calibrate_module._switch_sizes(cfg, RunPlan.build(cfg), pool)
-    assert small_weights == weights and small_kv <= kv // 2
+    small = calibrate_module._switch_sizes(cfg, RunPlan.build(cfg), pool)
+    small_kv, small_weights = small.kv, small.weights
+    assert small_weights == weights and small.held == weights and small_kv <= kv // 2
     assert small_kv + small_weights + margin <= free
 
 
@@ -224,14 +226,14 @@ def test_lora_on_a_shared_base_measures_the_kv_wake_beside_the_weights_it_holds(
     assert cfg.actor.lora.shares_base and plan.order.mode == "lora"
     margin = 1 << 30
     pool = RegionPool(torch.device("cpu"), wake_margin_bytes=margin)
-    kv, weights, freed = calibrate_module._switch_sizes(cfg, plan, pool)
+    kv, weights, _, freed = calibrate_module._switch_sizes(cfg, plan, pool)
     # The engine's weights are the trainer's base, mapped already (free memory excludes them):
     # nothing of their size is held beside the wake again or mapped on its own, and no
     # full-parameter optimizer or bucket is freed before it.
     assert weights == 0 and freed == []
     free = margin + (1 << 30) + kv // 2
     monkeypatch.setattr(calibrate_module, "host_memory", lambda: (0, free))
-    small_kv, _, _ = calibrate_module._switch_sizes(cfg, plan, pool)
+    small_kv = calibrate_module._switch_sizes(cfg, plan, pool).kv
     assert small_kv == kv // 2   # all the room is the KV's: no weights subtracted again
 
 
@@ -279,23 +281,43 @@ def test_a_run_calibrates_the_kv_wake_of_its_own_pool_kind(model_dir, tmp_path, 
     assert seen[0] == expected and seen[1:] == [0]   # the KV pool's, then the weights' (fixed)
 
 
-def test_lora_with_the_base_held_twice_replays_the_adapters_frees_not_a_full_models(
-        model_dir, tmp_path):
+@pytest.mark.parametrize("param_offload", [False, True])
+def test_lora_with_the_base_held_twice_replays_the_runs_own_frees_not_a_full_models(
+        model_dir, tmp_path, param_offload):
     """A map right after large frees is slower: the wake is measured after what this run
-    hands back (the adapters' Adam state), not a full model's optimizer."""
+    hands back (the adapters' Adam state; offloaded, the trainer's base and adapters), the
+    bytes the run's own actor holds, not a full model's optimizer."""
     import handoff.calibrate as calibrate_module
-    from handoff.plan.lora import adapter_params, adapter_state_bytes
 
     cfg = _cfg(model_dir, tmp_path, "actor.lora.rank=4", "actor.lora.share_base=false",
-               "memory.param_offload=false")
-    plan = RunPlan.build(cfg)
-    pool = RegionPool(torch.device("cpu"))
-    _, weights, freed = calibrate_module._switch_sizes(cfg, plan, pool)
-    lora = cfg.actor.lora
-    adam = adapter_state_bytes(adapter_params(plan.shape, lora.rank, lora.target_modules),
-                               plan.dtypes)["adapter_optimizer"]
+               f"memory.param_offload={str(param_offload).lower()}")
+    run = Run(cfg)
+    parts = run.worker.actor.memory_parts()   # what the built actor holds, per owner
+    sizes = calibrate_module._switch_sizes(cfg, run.plan, RegionPool(torch.device("cpu")))
     buckets = 2 * (cfg.sync.bucket_mb << 20)
-    assert weights > 0   # the engine's own copy, held beside the wake
-    assert freed == [(buckets, 0.0), (adam, 0.0)]
-    full = calibrate_module.trainer_bytes(plan.shape, plan.shard, plan.dtypes, ref=False)
-    assert adam < full["optimizer"] / 10
+    params = parts["params"] if param_offload else 0
+    assert sizes.weights > 0 and sizes.held == sizes.weights   # the engine's own copy
+    assert sizes.freed == [(params + buckets, 0.0),
+                           (parts["optimizer"], pytest.approx(params / run.plan.hardware.pinned_pcie_bps))]
+    full = calibrate_module.trainer_bytes(run.plan.shape, run.plan.shard, run.plan.dtypes, ref=False)
+    assert parts["optimizer"] < full["optimizer"] / 10
+
+
+def test_a_streamed_elastic_wake_is_measured_beside_the_copies_still_running(model_dir,
+                                                                            tmp_path):
+    """Into an elastic pool (memory.overlap) the optimizer's and the params' copies to the
+    host run under the next generation: held at the wake, not freed before it."""
+    import handoff.calibrate as calibrate_module
+
+    pool = RegionPool(torch.device("cpu"))
+    fixed = _cfg(model_dir, tmp_path, "rollout.kv_pool=fixed")
+    elastic = _cfg(model_dir, tmp_path, "rollout.kv_pool=elastic")
+    plan = RunPlan.build(elastic)
+    owners = calibrate_module.trainer_bytes(plan.shape, plan.shard, plan.dtypes, ref=False)
+    buckets = 2 * (elastic.sync.bucket_mb << 20)
+    before = calibrate_module._switch_sizes(fixed, RunPlan.build(fixed), pool)
+    streamed = calibrate_module._switch_sizes(elastic, plan, pool)
+    assert before.held == before.weights
+    assert [n for n, _ in before.freed] == [owners["params"] + buckets, owners["optimizer"]]
+    assert streamed.held == streamed.weights + owners["params"] + owners["optimizer"]
+    assert streamed.freed == [(buckets, 0.0)]

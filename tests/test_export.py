@@ -329,6 +329,13 @@ def test_a_damaged_checkpoint_names_another_step_to_export_not_a_resumes_fix(tra
     # the fix it names works
     export_model(run, tmp_path / "hf", step=1)
     assert json.loads((tmp_path / "hf" / "handoff_export.json").read_text())["step"] == 1
+    # `latest` gone: the kept steps named (export takes no stand-in: the user picks)
+    latest = (run / "checkpoints" / "latest").read_bytes()
+    (run / "checkpoints" / "latest").unlink()
+    with pytest.raises(HandoffError, match=r"latest is missing .*: pass --step N of a kept "
+                                           r"checkpoint \(kept steps: \[1, 2\]\)"):
+        export_model(run, tmp_path / "hf3")
+    (run / "checkpoints" / "latest").write_bytes(latest)
     # a meta.json edited by hand (its step): the same kind of line, export's own fix
     meta = json.loads((newest / "meta.json").read_text())
     (newest / "meta.json").write_text(json.dumps({**meta, "step": 7}))

@@ -12,6 +12,7 @@ from handoff.errors import HandoffError
 from handoff.plan.shapes import PRESETS, load_shape
 from handoff.preflight import checkpoint_bytes, preflight
 from handoff.runplan import RunPlan
+from handoff.trainer.checkpoint_files import FORMAT
 
 
 @pytest.fixture
@@ -34,7 +35,9 @@ def _checkpoint(cfg, step):
     (root.parent / ".handoff.lock").touch()
     name = f"step_{step:08d}_x"
     (root / name).mkdir(parents=True)
-    (root / name / "meta.json").write_text(json.dumps({"step": step}))
+    meta = {"format": FORMAT, "step": step, "optimizer_step": step, "world_size": 1,
+            "extra": {"task": {"name": "arithmetic", "seed": 0, "position": 4 * step}}}
+    (root / name / "meta.json").write_text(json.dumps(meta))
     (root / "latest").write_text(name)
 
 

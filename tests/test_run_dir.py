@@ -355,6 +355,40 @@ def test_a_resume_with_latest_gone_continues_from_the_newest_complete_checkpoint
     assert step_2.is_dir()   # kept: the newest two
 
 
+def test_a_checkpoint_whose_step_was_never_logged_is_no_stand_in_for_latest(
+        model_dir, checkpointed, tmp_path):
+    """Killed between a checkpoint's save and its metrics row (Run._save: unpublished), the
+    run has no `latest` naming it: a resume must not skip that step's row."""
+    from handoff.preflight import _start_step
+    from handoff.run_dir import resume_point
+
+    out = _copy_run(checkpointed, tmp_path / "run")
+    (out / "checkpoints" / "latest").unlink()
+    rows, _ = read_metrics(out / "metrics.jsonl")
+    (out / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")   # step 2's row never written
+    step_1 = next((out / "checkpoints").glob("step_00000001_*"))
+    assert resume_point(out) == (step_1, True)
+    assert _start_step(out) == 1
+    assert "resume from step 1" in interrupted_message(_cfg(out), "c")
+    (out / "metrics.jsonl").unlink()   # no step logged: nothing published, a start from 0
+    assert resume_point(out) == (None, False) and _start_step(out) == 0
+
+
+def test_preflight_reads_the_stand_in_and_refuses_a_hand_edit_before_the_card(
+        model_dir, checkpointed, tmp_path):
+    from handoff.preflight import preflight
+
+    out = _copy_run(checkpointed, tmp_path / "run")
+    (out / "checkpoints" / "latest").unlink()
+    with pytest.raises(HandoffError, match=r"is at step 2, run.steps=1: raise run.steps"):
+        preflight(_cfg(out, "run.resume=true", "run.steps=1", model=model_dir))
+    step_2 = next((out / "checkpoints").glob("step_00000002_*"))
+    meta = json.loads((step_2 / "meta.json").read_text())
+    (step_2 / "meta.json").write_text(json.dumps({**meta, "world_size": 0}))
+    with pytest.raises(HandoffError, match=r"no valid world_size \(0"):
+        preflight(_cfg(out, "run.resume=true", "run.steps=3", model=model_dir))
+
+
 @pytest.mark.parametrize("edit, named", [
     (lambda meta: meta.update(step=5), "records step 5 but its directory was saved at step 2"),
     (lambda meta: meta.update(world_size="1"), "no valid world_size ('1'"),
@@ -379,19 +413,42 @@ def test_a_hand_edited_meta_json_is_one_line_and_the_run_is_left_as_it_was(
     assert after == before   # config.json, metrics and checkpoints as they were
 
 
+@pytest.mark.parametrize("before, resumed, step, said", [
+    # step 3 of 4 under cosine: lr (1 + cos(pi 2/4)) / 2 = 0.5 lr; of 8: (1 + cos(pi 2/8)) / 2
+    (["run.steps=4"], ["run.steps=8"], 2, "step 3 trains at lr 0.000854 (as begun: 0.0005)"),
+    # the earlier curve is the earlier config's (its own lr), not today's
+    (["run.steps=4"], ["run.steps=8", "actor.lr=0.5"], 2,
+     "step 3 trains at lr 0.427 (as begun: 0.0005)"),
+    # past the earlier run's end: the rate its last step had (cosine's last step: above 0)
+    (["run.steps=4"], ["run.steps=8"], 4,
+     "step 5 trains at lr 0.0005 (the run as begun ended at step 4, at lr 0.000146)"),
+    # a warm-up as long as the run: no decay steps (it divided by zero)
+    (["run.steps=4", "actor.warmup_steps=4"], ["run.steps=8", "actor.warmup_steps=4"], 4,
+     "step 5 trains at lr 0.001 (the run as begun ended at step 4, at lr 0.001)"),
+])
 def test_a_longer_run_under_a_decaying_lr_schedule_is_named_with_the_lr_it_changes(
-        tmp_path, capsys):
-    before = _cfg(tmp_path, "actor.lr_schedule=cosine", "run.steps=4")
-    (tmp_path / "config.json").write_text(json.dumps(to_dict(before)))
-    keep_changed_config(_cfg(tmp_path, "run.resume=true", "actor.lr_schedule=cosine",
-                             "run.steps=8"), 2)
+        tmp_path, capsys, before, resumed, step, said):
+    old = _cfg(tmp_path, "actor.lr_schedule=cosine", *before)
+    assert old.actor.lr == 1e-3
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(old)))
+    keep_changed_config(_cfg(tmp_path, "run.resume=true", "actor.lr_schedule=cosine", *resumed),
+                        step)
     err = flat(capsys.readouterr().err)
-    # step 3 of 4 under cosine: lr (1 + cos(pi * 2/4)) / 2 = lr / 2; of 8: (1 + cos(pi/4)) / 2
-    lr = before.actor.lr
-    assert flat(f"run.steps 4 -> 8 under actor.lr_schedule=cosine: the learning rate now falls "
-                f"to 0 at step 8, not 4; step 3 trains at {lr * 0.8535534:.3g} (the run as "
-                f"begun: {lr * 0.5:.3g})") in err
-    assert (tmp_path / "config.before-step-2.json").is_file()
+    assert flat("settings changed since the run began: ") in err and flat("run.steps 4 -> 8") in err
+    assert flat(said) in err
+    assert (tmp_path / f"config.before-step-{step}.json").is_file()
+
+
+def test_an_older_runs_relative_model_path_is_no_changed_setting(model_dir, tmp_path,
+                                                                  monkeypatch, capsys):
+    old = to_dict(_cfg(tmp_path / "run", model=model_dir.name))
+    assert old["model"]["path"] == model_dir.name   # relative, as older runs recorded it
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(old))
+    resumed = _cfg(tmp_path / "run", "run.resume=true", model=model_dir.name)
+    monkeypatch.chdir(model_dir.parent)
+    keep_changed_config(resumed, 2)
+    assert not capsys.readouterr().err
 
 
 def test_the_run_records_a_local_model_directory_absolute_and_a_moved_run_is_no_change(
@@ -447,4 +504,12 @@ app()
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          cwd=Path(__file__).parent.parent, timeout=120)
     assert res.returncode == 130, res.stderr
+    assert "Traceback" not in res.stderr and "interrupted: stand-in" in res.stderr
+    # Pressed once the line is out (an exit stuck in a join): it ends the process at once.
+    script.write_text(script.read_text().replace(
+        'return "interrupted: stand-in"', 'import atexit, time\n    atexit.register(lambda: '
+        '(os.kill(os.getpid(), signal.SIGINT), time.sleep(60)))\n    return "interrupted: stand-in"'))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         cwd=Path(__file__).parent.parent, timeout=50)
+    assert res.returncode == -signal.SIGINT, res.stderr
     assert "Traceback" not in res.stderr and "interrupted: stand-in" in res.stderr

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Device (one `run` call, < 9 min, sized for an 80 GB H100): the Qwen3-8B shape with LoRA on a
-# rollout that fills the smaller pool (issue 31): 256 sequences x 1280 new tokens (~340K
-# tokens of KV; a random-init model never samples EOS). The base shared (one copy: ~64 GB of
-# pool, ~435K tokens) against held twice with both copies on the card (~39 GB, ~260K tokens:
-# it must preempt); then the shared run's generation against its engine alone on the card.
-# A run's start is ~100 s and its first step ~90 s on an H100: two steps of both settings do not
-# fit one call, so SETTINGS picks them ("share:param_offload" pairs) and EXCLUSIVE=0 skips the
-# engine-alone comparison.
-#   bash scripts/device/6-lora-pool-bound.sh        (repo root, on the GPU machine; logs in $OUT)
-#   SETTINGS=false:false EXCLUSIVE=0 bash scripts/device/6-lora-pool-bound.sh
+# Device (two `run` calls, ~5 min each, sized for an 80 GB H100): the Qwen3-8B shape with
+# LoRA on a rollout that fills the smaller pool (issue 31): 256 sequences x 1280 new tokens
+# (~350K tokens of KV; a random-init model never samples EOS). The base shared (one copy:
+# ~64 GB of pool, ~435K tokens) against held twice with both copies on the card (~48 GB,
+# ~326K tokens: it must preempt); then the shared run's generation against its engine alone
+# on the card. A run starts in ~30 s and steps in ~85 s on an H100: two steps of both
+# settings do not fit one call, so SETTINGS picks them ("share:param_offload" pairs) and
+# EXCLUSIVE=0 skips the engine-alone comparison:
+#   SETTINGS=true:true bash scripts/device/6-lora-pool-bound.sh    (repo root, on the GPU
+#   SETTINGS=false:false EXCLUSIVE=0 bash scripts/device/6-lora-pool-bound.sh   machine; $OUT)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/device-env.sh || exit 1
@@ -46,7 +46,7 @@ for share in ("true", "false"):  # where each switch's time went, action by acti
         print(f"share_base={share} step {r['step']} switch actions > 10 ms:",
               ", ".join(f"{a} {v:.2f}s" for a, v in sorted(acts.items(), key=lambda kv: -kv[1])))
 PY
-[ "$EXCLUSIVE" = 1 ] || exit 0
+[ "$EXCLUSIVE" = 1 ] && [ -d "$OUT/bound-share-true" ] || exit 0
 timeout 150 python3 scripts/device/exclusive_engine.py "$OUT/bound-share-true" --steps $STEPS \
     > "$OUT/exclusive.log" 2>&1
 echo "engine alone: rc=$?"; tail -6 "$OUT/exclusive.log"

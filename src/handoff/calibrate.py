@@ -27,7 +27,7 @@ import dataclasses
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -107,16 +107,16 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     if borrow:
         actor.to("host", params=True).wait()
         aggressive_empty_cache()
-    kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool)
+    sizes = _switch_sizes(cfg, plan, pool)
     on_cuda = device.type == "cuda"
     # Four pairs: one pair's times vary by a quarter from step to step.
     elastic = cfg.rollout.kv_pool == "elastic"
-    values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
-                                      held_during_wake=weight_bytes, freed_before_wake=freed,
+    values.update(measure_remap_rates(device, sizes.kv, pool=pool, repeats=4,
+                                      held_during_wake=sizes.held, freed_before_wake=sizes.freed,
                                       settle_s=2.0 if on_cuda else 0.0,
                                       elastic_slabs=2 * plan.shape.num_layers if elastic else 0))
-    if weight_bytes:   # none under LoRA on a shared base: its weights never leave the card
-        weights = measure_remap_rates(device, weight_bytes, pool=pool, tag="calibrate_weights")
+    if sizes.weights:   # none under LoRA on a shared base: its weights never leave the card
+        weights = measure_remap_rates(device, sizes.weights, pool=pool, tag="calibrate_weights")
         values.update(weights_map_bps=weights["map_bps"],
                       weights_remap_bytes=weights["remap_bytes"])
     in_flight = actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload else 0
@@ -125,14 +125,23 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     return Rates(values)
 
 
-def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, int, list]:
-    """(KV pool, engine weights) bytes the engine is about to take, each at most what is free
-    now less the wake margin and 1 GiB (weights 0 under LoRA on a shared base: mapped
-    already, and they stay); and [(bytes, seconds before the KV wake)] that
-    to_rollout hands back to the driver: the optimizer once its copy ends (the params' copy
-    still to go), then the params and the sync's two buckets right before the wake. The pool
-    is sized by the engine's own rule, with the planner's activation peak and graph pool for
-    the ones the engine profiles."""
+class SwitchSizes(NamedTuple):
+    """What the calibrated KV wake replays of a switch (bytes)."""
+
+    kv: int        # the KV pool the engine is about to take
+    weights: int   # the engine's weights (0: a LoRA base shared with the trainer)
+    held: int      # in use beside the wake: the weights, and copies to the host not yet done
+    freed: list    # [(bytes, seconds before the wake)] handed back to the driver before it
+
+
+def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> SwitchSizes:
+    """The sizes a switch's KV wake happens among, each at most what is free now less the
+    wake margin and 1 GiB. to_rollout hands back the optimizer once its copy ends (the
+    params' copy still to go), then the params and the sync's two buckets right before the
+    wake; streamed into an elastic pool (plan.order: memory.overlap) the copies to the host
+    run under the next generation instead, so their bytes are still held at the wake. The
+    pool is sized by the engine's own rule, with the planner's activation peak and graph
+    pool for the ones the engine profiles."""
     shape, dtypes, hw = plan.shape, plan.dtypes, plan.hardware
     ro, tp = cfg.rollout, cfg.parallel.tp
     weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
@@ -146,15 +155,21 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, in
     room = free - pool.wake_margin_bytes - (1 << 30)
     if cfg.actor.lora.shares_base:   # the weights are mapped already (the trainer's base) and `free`
         # excludes them; nothing but the adapters' Adam state (megabytes) leaves before the wake
-        return int(max(min(blocks * block, room), block)), 0, []
+        return SwitchSizes(int(max(min(blocks * block, room), block)), 0, 0, [])
     weights = int(max(min(weights, room), 1))
     params, optimizer = _offloaded_bytes(cfg, plan)
-    late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)
-    early = optimizer if cfg.memory.optimizer_offload else 0
-    early = min(early, room - weights - late)
+    optimizer = optimizer if cfg.memory.optimizer_offload else 0
+    behind = {m.action for m in plan.order.behind("generation")}
+    copying = ((optimizer if "optimizer_d2h" in behind else 0)
+               + (params if "params_d2h" in behind else 0))
+    held = int(min(weights + copying, room))
+    params = 0 if "params_d2h" in behind else params
+    early = 0 if "optimizer_d2h" in behind else optimizer
+    late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - held)
+    early = min(early, room - held - late)
     freed = [(int(late), 0.0)] + ([(int(early), params / hw.pinned_pcie_bps)] if early > 0 else [])
-    # The weights are held while the KV region wakes: both fit in the room.
-    return int(max(min(blocks * block, room - weights), block)), weights, freed
+    # What is held while the KV region wakes and the region itself both fit in the room.
+    return SwitchSizes(int(max(min(blocks * block, room - held), block)), weights, held, freed)
 
 
 def _offloaded_bytes(cfg: Config, plan: RunPlan) -> tuple[int, int]:

@@ -193,6 +193,14 @@ def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
     return t
 
 
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank `src`'s `obj` on every rank (picklable; nothing to do at world size 1)."""
+    box = [obj]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def mean_over_ranks(values: list[float]) -> tuple[float, float, int]:
     """(mean, std, count) of per-sample values gathered over every rank."""
     world = world_rank_size()[1]

@@ -192,6 +192,10 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     root = run_dir / "checkpoints"
     if step is None:
         latest = _latest(root)
+        if latest is None and kept_steps(root):
+            raise HandoffError(f"{root}/latest is missing (deleted, or the run stopped before "
+                               "publishing a checkpoint): pass --step N of a kept checkpoint "
+                               f"(kept steps: {kept_steps(root)})")
         if latest is None:
             raise HandoffError(f"{run_dir} has no complete checkpoint ({root}/latest is "
                                "missing): train with run.checkpoint=true until a step is saved")

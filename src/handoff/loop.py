@@ -39,21 +39,22 @@ import torch
 
 from handoff import compile_cache
 from handoff.config import Config
-from handoff.dist import mean_over_ranks, world_rank_size
+from handoff.dist import broadcast_object, mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.memory.allocator import frozen_gc_heap
 from handoff.rollout.sampling import SamplingParams
 from handoff.run_dir import (claim_out_dir, clear_earlier_run, keep_changed_config,
-                             trim_metrics, write_run_config)
+                             resume_point, trim_metrics, write_run_config)
 from handoff.run_report import RunReport, console
 from handoff.rewards import RewardSet, Sample
 from handoff.runplan import RunPlan
 from handoff.startup import start_worker
 from handoff.tasks import build_eval_problems, build_task
+from handoff.tasks.base import check_task_state
 from handoff.trainer.batch import RolloutBatch
 from handoff.trainer.compiled import compiles_so_far, layers_compiled
-from handoff.trainer.checkpoint import (load_checkpoint, publish_checkpoint, resumable_checkpoint,
+from handoff.trainer.checkpoint import (checkpoint_meta, load_checkpoint, publish_checkpoint,
                                      save_checkpoint)
 from handoff.switch import Generation, StepTimes, SwitchRecord
 
@@ -236,7 +237,8 @@ class Run:
 
     def _resume(self) -> None:
         """Continue from the last complete checkpoint (a fresh start when there is none)."""
-        path, stand_in = resumable_checkpoint(self.ckpt_dir)
+        # Chosen on rank 0: a directory listing may differ between nodes.
+        path, stand_in = broadcast_object(resume_point(self.out_dir) if self.rank == 0 else None)
         if path is None:
             if self.rank == 0:  # said out loud: a killed run with no checkpoint restarts at 0
                 console.print(f"resume: no complete checkpoint in {self.ckpt_dir}: starting at "
@@ -246,18 +248,11 @@ class Run:
             console.print(f"resume: {self.ckpt_dir / 'latest'} is missing: continuing from the "
                           f"newest complete checkpoint, {path.name}", style="yellow",
                           markup=False, highlight=False)
+        extra = checkpoint_meta(path).get("extra")   # checked before any tensor is read
+        task_state = extra.get("task") if isinstance(extra, dict) else None
+        check_task_state(task_state, f"{path / 'meta.json'}")
         state = self.worker.load_trainer_state(
             lambda actor: load_checkpoint(self.ckpt_dir, actor, path=path))
-        task_state = state["extra"].get("task") if isinstance(state["extra"], dict) else None
-        if not isinstance(task_state, dict):
-            raise HandoffError(f"{state['path']}/meta.json records no data position (extra.task): "
-                               "it was not written by `handoff train`; start over with --overwrite")
-        position = task_state.get("position")
-        if type(position) is not int or position < 0:
-            raise HandoffError(f"{state['path']}/meta.json records no valid data position "
-                               f"(extra.task.position {position!r}, a whole number >= 0): it was "
-                               "edited by hand; point `latest` at another checkpoint, or "
-                               "restore meta.json")
         self.start_step = int(state["step"])
         self.task.load_state_dict(task_state)
 

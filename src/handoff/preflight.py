@@ -123,19 +123,28 @@ def _check_resume(cfg: Config) -> None:
     """A resume whose checkpoint is past run.steps, or at it with the summary written (a
     finished run), fails now, not after loading; at it without one the resume writes it."""
     ckpt_dir = Path(cfg.run.out_dir) / "checkpoints"
-    step = _start_step(ckpt_dir)
+    step = _start_step(Path(cfg.run.out_dir))
     finished = (Path(cfg.run.out_dir) / "summary.json").is_file()
     if step > cfg.run.steps or step == cfg.run.steps and finished:
         raise HandoffError(f"the checkpoint in {ckpt_dir} is at step {step}, "
                            f"run.steps={cfg.run.steps}: raise run.steps to train further")
 
 
-def _start_step(ckpt_dir: Path) -> int:
-    """The step of the latest complete checkpoint (0 when there is none)."""
-    from handoff.trainer.checkpoint import checkpoint_step, latest_checkpoint
+def _start_step(out_dir: Path) -> int:
+    """The step --resume continues from (0 when there is no checkpoint), its meta.json
+    checked (a hand edit is one line before the card is touched)."""
+    from handoff.run_dir import resume_point
+    from handoff.tasks.base import check_task_state
+    from handoff.trainer.checkpoint import checkpoint_meta
 
-    latest = latest_checkpoint(ckpt_dir)
-    return checkpoint_step(latest) if latest else 0
+    path, _ = resume_point(out_dir)
+    if path is None:
+        return 0
+    meta = checkpoint_meta(path)
+    extra = meta.get("extra")
+    check_task_state(extra.get("task") if isinstance(extra, dict) else None,
+                     f"{path / 'meta.json'}")
+    return meta["step"]
 
 
 def count_saves(start: int, steps: int, every: int) -> int:
@@ -179,7 +188,7 @@ def _check_checkpoint_room(cfg: Config, plan: RunPlan) -> None:
     run = cfg.run
     keep = run.keep_checkpoints
     ckpt_dir = Path(run.out_dir) / "checkpoints"
-    start = _start_step(ckpt_dir) if run.resume else 0
+    start = _start_step(Path(run.out_dir)) if run.resume else 0
     saves = count_saves(start, run.steps, run.save_every)
     if saves == 0:
         return

@@ -188,7 +188,8 @@ def clear_earlier_run(cfg: Config) -> None:
 def keep_changed_config(cfg: Config, step: int) -> None:
     """--resume (from `step`) with other settings than the run began with: say which, and keep
     the earlier config.json beside the new one (config.before-step-N.json), so what trained
-    the earlier steps stays on record. A longer run.steps alone is no change."""
+    the earlier steps stays on record. A longer run.steps is a change only where the learning
+    rate decays over the run (then the line says what it does to the next step's rate)."""
     out = Path(cfg.run.out_dir)
     try:
         before = json.loads((out / "config.json").read_text())
@@ -197,9 +198,10 @@ def keep_changed_config(cfg: Config, step: int) -> None:
     if not is_run_config(before):
         return
     old, new = dotted(before), dotted(run_record(cfg))
+    old["model.path"] = _recorded_model_path(old.get("model.path"))   # an older run's record
     # A copied run directory is resumed where it now is: its out_dir is no change.
     ignored = {"run.resume", "run.overwrite", "run.out_dir"}
-    if not _lr_follows_run_steps(cfg):
+    if cfg.actor.lr_schedule == "constant":
         ignored.add("run.steps")   # a longer run: the lr of every step is as it was
     changed = [key for key in sorted(old.keys() | new.keys())
                if key not in ignored and old.get(key) != new.get(key)]
@@ -210,33 +212,48 @@ def keep_changed_config(cfg: Config, step: int) -> None:
         replace_file(kept, json.dumps(before, indent=1).encode(), out)
     shown = ", ".join(f"{key} {old.get(key)!r} -> {new.get(key)!r}"
                       for key in changed[:6]) + (", ..." if len(changed) > 6 else "")
-    console.print(f"[yellow]resume: settings changed since the run began: {escape(shown)} (the "
-                  f"earlier config is kept as {kept.name})[/]", highlight=False, soft_wrap=True)
-    if "run.steps" in changed and isinstance(old.get("run.steps"), int):
-        console.print(f"[yellow]resume: {escape(_lr_reshaped(cfg, old['run.steps'], step))}[/]",
-                      highlight=False, soft_wrap=True)
+    lr = _lr_change(old, cfg, step) if "run.steps" in changed else ""
+    console.print(f"[yellow]resume: settings changed since the run began: {escape(shown)}"
+                  f"{escape(lr)} (the earlier config is kept as {kept.name})[/]",
+                  highlight=False, soft_wrap=True)
 
 
-def _lr_follows_run_steps(cfg: Config) -> bool:
-    """Whether the learning rate of a step depends on run.steps (a decay to 0 at the end)."""
-    return cfg.actor.lr_schedule != "constant"
+def _recorded_model_path(path: object) -> object:
+    """model.path as run_record writes it now, for a config.json an older run wrote."""
+    if isinstance(path, str) and not Path(path).expanduser().is_absolute() and Path(path).is_dir():
+        return str(Path(path).resolve())
+    return path
 
 
-def _lr_reshaped(cfg: Config, old_steps: int, step: int) -> str:
-    """What a new run.steps does to a decaying schedule from the resumed step on."""
+def _lr_change(old: dict, cfg: Config, step: int) -> str:
+    """'; step N+1 trains at lr X (as begun: Y)': the next step's learning rate under the new
+    run.steps against the run's own curve (its earlier config's lr, schedule, warm-up and
+    updates per step); past the end of the earlier run, the rate its last step had."""
     from handoff.trainer.optim import LrSchedule
 
-    a, per = cfg.actor, cfg.actor.updates_per_step
-    nxt = step * per + 1   # the next optimizer step
+    a = cfg.actor
 
-    def lr(steps: int) -> float:
-        return LrSchedule(a.lr, kind=a.lr_schedule, warmup_steps=a.warmup_steps,
-                          total_steps=steps * per).lr_at(nxt)
+    def rate(lr, kind, warmup, per, steps, at_step) -> float | None:
+        try:   # an earlier config with odd values: no comparison rather than a traceback
+            total = steps * per
+            k = min(at_step * per + 1, total)   # past the end: the rate of the last step
+            return LrSchedule(float(lr), kind=kind, warmup_steps=warmup,
+                              total_steps=total).lr_at(k)
+        except (TypeError, ValueError, ZeroDivisionError):
+            return None
 
-    return (f"run.steps {old_steps} -> {cfg.run.steps} under actor.lr_schedule={a.lr_schedule}: "
-            f"the learning rate now falls to 0 at step {cfg.run.steps}, not {old_steps}; step "
-            f"{step + 1} trains at {lr(cfg.run.steps):.3g} (the run as begun: "
-            f"{lr(old_steps):.3g}). To keep the earlier curve, resume with run.steps={old_steps}")
+    now = rate(a.lr, a.lr_schedule, a.warmup_steps, a.updates_per_step, cfg.run.steps, step)
+    old_steps = old.get("run.steps")
+    begun = rate(old.get("actor.lr"), old.get("actor.lr_schedule"), old.get("actor.warmup_steps"),
+                 old.get("actor.updates_per_step"), old_steps, step)
+    if now is None:
+        return ""
+    said = f"; step {step + 1} trains at lr {now:.3g}"
+    if begun is None:
+        return said
+    if isinstance(old_steps, int) and step >= old_steps:
+        return f"{said} (the run as begun ended at step {old_steps}, at lr {begun:.3g})"
+    return f"{said} (as begun: {begun:.3g})"
 
 
 def run_record(cfg: Config) -> dict:
@@ -309,6 +326,22 @@ def trim_metrics(out_dir: Path, start_step: int) -> list[dict]:
     return kept
 
 
+def last_logged_step(out_dir: Path) -> int:
+    """The last step metrics.jsonl records (0: none, or no file)."""
+    path = out_dir / "metrics.jsonl"
+    rows, _ = read_metrics(path) if path.is_file() else ([], None)
+    return max((row["step"] for row in rows), default=0)
+
+
+def resume_point(out_dir: Path) -> tuple[Path | None, bool]:
+    """(the checkpoint `--resume` continues from, whether it stands in for a missing
+    `latest`): `latest`, else the newest complete one a logged step published (one past
+    the last logged step never counted). Read on one rank: callers broadcast it."""
+    from handoff.trainer.checkpoint import resumable_checkpoint
+
+    return resumable_checkpoint(out_dir / "checkpoints", logged_up_to=last_logged_step(out_dir))
+
+
 # ---------------------------------------------------------------- an interrupted run
 
 
@@ -334,14 +367,13 @@ def resume_command(config: str, overrides: list[str], env: dict | None = None) -
 def interrupted_message(cfg: Config, command: str) -> str:
     """What a run stopped by Ctrl-C can resume from, and how (one line); `command` is
     resume_command's."""
-    from handoff.trainer.checkpoint import checkpoint_step, resumable_checkpoint
+    from handoff.trainer.checkpoint import checkpoint_step
 
     if not cfg.run.checkpoint:
         return ("interrupted: this run keeps no checkpoints (run.checkpoint=false): nothing to "
                 "resume")
-    root = Path(cfg.run.out_dir) / "checkpoints"
     try:
-        latest, _ = resumable_checkpoint(root)
+        latest, _ = resume_point(Path(cfg.run.out_dir))
         if latest is not None:
             step = checkpoint_step(latest)
     except HandoffError as e:

@@ -32,12 +32,14 @@ def train_cmd(
     try:
         train(cfg)
     except KeyboardInterrupt:
-        # A second Ctrl-C while the run winds up (the message, the exit's thread joins)
-        # would be a traceback over the one line: the first one already stops the run.
+        # A second Ctrl-C while the line is made would be a traceback over it: ignored
+        # then; after it, one ends the process at once (an exit stuck in a thread's join or
+        # a peer's collective stays killable), no traceback either way.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if world_rank_size()[0] == 0:   # the command as given: its overrides, markup as text
             said = interrupted_message(cfg, resume_command(config, list(overrides or [])))
             err_console.print(f"[bold yellow]{escape(said)}[/]", highlight=False, soft_wrap=True)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         sys.exit(130)
     # Not after an error: the other ranks may sit in a collective.
     end_distributed_run()

@@ -95,7 +95,20 @@ class Task(abc.ABC):
                 f"checkpoint's data stream is task={state.get('name')!r} seed={state.get('seed')} "
                 f"but this run has task={self.name!r} seed={self.seed}: resume with the same "
                 "data.task and run.seed, or start a fresh run.out_dir")
-        self.position = int(state["position"])
+        self.position = state["position"]
+
+
+def check_task_state(state: object, where: str) -> None:
+    """One line unless `state` is a Task.state_dict (a checkpoint's data position): `where`
+    names the file it was read from."""
+    if not isinstance(state, dict):
+        raise HandoffError(f"{where} records no data position (extra.task): it was not "
+                           "written by `handoff train`; start over with --overwrite")
+    position = state.get("position")
+    if type(position) is not int or position < 0:
+        raise HandoffError(f"{where} records no valid data position (extra.task.position "
+                           f"{position!r}, a whole number >= 0): it was edited by hand; point "
+                           "`latest` at another checkpoint, or restore meta.json")
 
 
 def render_prompt(problem: Problem, tokenizer: Any = None, *, chat: bool = True) -> str:

@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from handoff.dist import broadcast_object
 from handoff.errors import HandoffError
 from handoff.safe_files import (failing_write_is_one_line, make_dirs, open_for_writing,
                                 replace_file)
@@ -108,13 +109,6 @@ def _remove_leftovers(root: Path) -> None:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def _broadcast(obj: object) -> object:
-    box = [obj]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | None = None,
                     keep: int = KEEP_LAST, publish: bool = True) -> Path:
     """Write a complete checkpoint (collective: every rank calls it); returns its directory.
@@ -126,7 +120,7 @@ def save_checkpoint(root: str | Path, actor: Actor, *, step: int, extra: dict | 
     actor.require_on_device("params", "optimizer")
     root = Path(root)
     rank = dist.get_rank()
-    name = _broadcast(f"step_{step:08d}_{uuid.uuid4().hex[:8]}" if rank == 0 else None)
+    name = broadcast_object(f"step_{step:08d}_{uuid.uuid4().hex[:8]}" if rank == 0 else None)
     tmp, final = root / f".tmp_{name}", root / name
     if rank == 0:
         root.parent.mkdir(parents=True, exist_ok=True)
@@ -292,30 +286,57 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path
 
 
-def newest_complete_checkpoint(root: str | Path) -> Path | None:
-    """The complete step_* directory of the highest step (the later one of a step saved
-    twice), or None: what a resume takes when `latest` itself is gone (as Hugging Face's
-    Trainer takes its highest checkpoint-N)."""
+def newest_complete_checkpoint(root: str | Path, *, at_most: int) -> Path | None:
+    """The complete step_* directory of the highest step up to `at_most` (the later one of a
+    step saved twice), or None: what a resume takes when `latest` itself is gone (as Hugging
+    Face's Trainer takes its highest checkpoint-N). `at_most`: the last step the run logged;
+    a checkpoint past it was never published (its step did not finish: run.Run._save)."""
     root = Path(root)
     done = [p for p in root.glob("step_*") if _NAME.fullmatch(p.name) and not p.is_symlink()
-            and (p / META).is_file()]
-    return max(done, key=lambda p: (int(p.name.split("_")[1]), p.stat().st_mtime), default=None)
+            and (p / META).is_file() and int(p.name.split("_")[1]) <= at_most]
+    return max(done, key=lambda p: (int(p.name.split("_")[1]), p.stat().st_mtime, p.name),
+               default=None)
 
 
-def resumable_checkpoint(root: str | Path) -> tuple[Path | None, bool]:
+def resumable_checkpoint(root: str | Path, *, logged_up_to: int) -> tuple[Path | None, bool]:
     """(the checkpoint a resume continues from, whether `latest` was missing and the newest
-    complete directory stands in for it). None: no checkpoint was completed."""
+    complete directory up to the last logged step stands in for it). None: no checkpoint
+    was completed (and published)."""
     path = latest_checkpoint(root)
     if path is not None:
         return path, False
-    path = newest_complete_checkpoint(root)
+    path = newest_complete_checkpoint(root, at_most=logged_up_to)
     return path, path is not None
 
 
 def checkpoint_step(path: Path) -> int:
     """The step a complete checkpoint directory was saved at (one line if meta.json is bad,
     or records another step than the directory's name)."""
-    step = read_json(path / META, "checkpoint's meta.json").get("step")
+    return _valid_step(path, read_json(path / META, "checkpoint's meta.json"))
+
+
+def checkpoint_meta(path: Path) -> dict:
+    """meta.json of the complete checkpoint `path`, checked as far as it can be without the
+    model: its format, its step against the directory's name, its world size and optimizer
+    step (a hand edit is one line, before anything loads)."""
+    meta = read_json(path / META, "checkpoint's meta.json")
+    if meta.get("format") != FORMAT:
+        raise HandoffError(f"{path} was written by an older handoff (format "
+                           f"{meta.get('format', 1)}, without file hashes): it cannot be "
+                           "verified; resume it with the handoff that wrote it, or start over "
+                           "with --overwrite")
+    _valid_step(path, meta)
+    for key, least in (("world_size", 1), ("optimizer_step", 0)):
+        value = meta.get(key)
+        if type(value) is not int or value < least:
+            raise HandoffError(f"{path / META} has no valid {key} ({value!r}, a whole number "
+                               f">= {least}): meta.json was edited by hand; point `latest` at "
+                               "another checkpoint, or restore meta.json")
+    return meta
+
+
+def _valid_step(path: Path, meta: dict) -> int:
+    step = meta.get("step")
     if type(step) is not int or step < 0:
         raise HandoffError(f"{path / META} has no valid step ({step!r}): point `latest` at "
                            "another checkpoint")
@@ -326,16 +347,6 @@ def checkpoint_step(path: Path) -> int:
     return step
 
 
-def _check_counts(path: Path, meta: dict) -> None:
-    """meta.json's world size and optimizer step are whole numbers (a hand edit is named)."""
-    for key, least in (("world_size", 1), ("optimizer_step", 0)):
-        value = meta.get(key)
-        if type(value) is not int or value < least:
-            raise HandoffError(f"{path / META} has no valid {key} ({value!r}, a whole number "
-                               f">= {least}): meta.json was edited by hand; point `latest` at "
-                               "another checkpoint, or restore meta.json")
-
-
 def _on_rank0(check) -> None:
     """Run `check` on rank 0 and raise its HandoffError on every rank (none waits alone)."""
     error = None
@@ -344,7 +355,7 @@ def _on_rank0(check) -> None:
             check()
         except HandoffError as e:
             error = str(e)
-    error = _broadcast(error)
+    error = broadcast_object(error)
     if error is not None:
         raise HandoffError(error)
 
@@ -361,14 +372,8 @@ def load_checkpoint(root: str | Path, actor: Actor, *, path: Path | None = None)
     if path is None:
         return None
     actor.require_on_device("params", "optimizer")
-    meta = read_json(path / META, "checkpoint's meta.json")
-    if meta.get("format") != FORMAT:
-        raise HandoffError(f"{path} was written by an older handoff (format "
-                           f"{meta.get('format', 1)}, without file hashes): it cannot be "
-                           "verified; resume it with the handoff that wrote it, or start over "
-                           "with --overwrite")
-    step = checkpoint_step(path)
-    _check_counts(path, meta)
+    meta = checkpoint_meta(path)
+    step = meta["step"]
     if meta.get("lora") != lora_meta(actor):
         raise HandoffError(f"checkpoint {path} holds {_kind(meta.get('lora'))}, this run trains "
                            f"{_kind(lora_meta(actor))}: resume with the actor.lora settings that "
