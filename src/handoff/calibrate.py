@@ -10,10 +10,7 @@ What is measured, and why at this size and in this state:
 * map and unmap of a region the size of the KV pool the engine is about to take (mapping is
   not linear in size), in the state the switch maps it: the weights mapped, the trainer's
   offloaded state handed back to the driver when to_rollout hands it back, the pool's own
-  pages released seconds before; and the map of a region the weights' size. An elastic pool
-  (rollout.kv_pool=elastic) is measured as the engine maps it, an ElasticArena of one slab
-  per layer's K and V through the driver's VMM: torch_memory_saver's one-allocation map
-  (the fixed pool's) ran at half its rate on the 32B's 73 GiB (2026-12-06);
+  pages released seconds before; and the map of a region the weights' size;
 * the weight sync's copies: the real `sync_weights` over the actor's own tensors (a kernel
   per tensor into the bucket, batched copies out of it), slower per byte than one large copy;
 * the sync's host work per tensor, timed while a D2H of the optimizer's size is queued (the
@@ -27,7 +24,7 @@ import dataclasses
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -107,16 +104,14 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     if borrow:
         actor.to("host", params=True).wait()
         aggressive_empty_cache()
-    sizes = _switch_sizes(cfg, plan, pool)
+    kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool)
     on_cuda = device.type == "cuda"
     # Four pairs: one pair's times vary by a quarter from step to step.
-    elastic = cfg.rollout.kv_pool == "elastic"
-    values.update(measure_remap_rates(device, sizes.kv, pool=pool, repeats=4,
-                                      held_during_wake=sizes.held, freed_before_wake=sizes.freed,
-                                      settle_s=2.0 if on_cuda else 0.0,
-                                      elastic_slabs=2 * plan.shape.num_layers if elastic else 0))
-    if sizes.weights:   # none under LoRA on a shared base: its weights never leave the card
-        weights = measure_remap_rates(device, sizes.weights, pool=pool, tag="calibrate_weights")
+    values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
+                                      held_during_wake=weight_bytes, freed_before_wake=freed,
+                                      settle_s=2.0 if on_cuda else 0.0))
+    if weight_bytes:   # none under LoRA on a shared base: its weights never leave the card
+        weights = measure_remap_rates(device, weight_bytes, pool=pool, tag="calibrate_weights")
         values.update(weights_map_bps=weights["map_bps"],
                       weights_remap_bytes=weights["remap_bytes"])
     in_flight = actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload else 0
@@ -125,23 +120,14 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     return Rates(values)
 
 
-class SwitchSizes(NamedTuple):
-    """What the calibrated KV wake replays of a switch (bytes)."""
-
-    kv: int        # the KV pool the engine is about to take
-    weights: int   # the engine's weights (0: a LoRA base shared with the trainer)
-    held: int      # in use beside the wake: the weights, and copies to the host not yet done
-    freed: list    # [(bytes, seconds before the wake)] handed back to the driver before it
-
-
-def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> SwitchSizes:
-    """The sizes a switch's KV wake happens among, each at most what is free now less the
-    wake margin and 1 GiB. to_rollout hands back the optimizer once its copy ends (the
-    params' copy still to go), then the params and the sync's two buckets right before the
-    wake; streamed into an elastic pool (plan.order: memory.overlap) the copies to the host
-    run under the next generation instead, so their bytes are still held at the wake. The
-    pool is sized by the engine's own rule, with the planner's activation peak and graph
-    pool for the ones the engine profiles."""
+def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, int, list]:
+    """(KV pool, engine weights) bytes the engine is about to take, each at most what is free
+    now less the wake margin and 1 GiB (weights 0 under LoRA on a shared base: mapped
+    already, and they stay); and [(bytes, seconds before the KV wake)] that
+    to_rollout hands back to the driver: the optimizer once its copy ends (the params' copy
+    still to go), then the params and the sync's two buckets right before the wake. The pool
+    is sized by the engine's own rule, with the planner's activation peak and graph pool for
+    the ones the engine profiles."""
     shape, dtypes, hw = plan.shape, plan.dtypes, plan.hardware
     ro, tp = cfg.rollout, cfg.parallel.tp
     weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
@@ -155,21 +141,15 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> SwitchSizes:
     room = free - pool.wake_margin_bytes - (1 << 30)
     if cfg.actor.lora.shares_base:   # the weights are mapped already (the trainer's base) and `free`
         # excludes them; nothing but the adapters' Adam state (megabytes) leaves before the wake
-        return SwitchSizes(int(max(min(blocks * block, room), block)), 0, 0, [])
+        return int(max(min(blocks * block, room), block)), 0, []
     weights = int(max(min(weights, room), 1))
     params, optimizer = _offloaded_bytes(cfg, plan)
-    optimizer = optimizer if cfg.memory.optimizer_offload else 0
-    behind = {m.action for m in plan.order.behind("generation")}
-    copying = ((optimizer if "optimizer_d2h" in behind else 0)
-               + (params if "params_d2h" in behind else 0))
-    held = int(min(weights + copying, room))
-    params = 0 if "params_d2h" in behind else params
-    early = 0 if "optimizer_d2h" in behind else optimizer
-    late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - held)
-    early = min(early, room - held - late)
+    late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)
+    early = optimizer if cfg.memory.optimizer_offload else 0
+    early = min(early, room - weights - late)
     freed = [(int(late), 0.0)] + ([(int(early), params / hw.pinned_pcie_bps)] if early > 0 else [])
-    # What is held while the KV region wakes and the region itself both fit in the room.
-    return SwitchSizes(int(max(min(blocks * block, room - held), block)), weights, held, freed)
+    # The weights are held while the KV region wakes: both fit in the room.
+    return int(max(min(blocks * block, room - weights), block)), weights, freed
 
 
 def _offloaded_bytes(cfg: Config, plan: RunPlan) -> tuple[int, int]:
@@ -228,12 +208,10 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
                         pool: RegionPool | None = None, tag: str = "calibrate",
                         held_during_wake: int = 0,
                         freed_before_wake: Sequence[tuple[int, float]] = (),
-                        settle_s: float = 0.0, elastic_slabs: int = 0) -> dict:
+                        settle_s: float = 0.0) -> dict:
     """Bytes/s of waking (map) and level-2 sleeping (unmap) one region of one `nbytes` tensor:
     medians over `repeats` pairs after a warm-up, {"map_bps", "unmap_bps", "remap_bytes"}
-    (remap_bytes: what a wake maps, allocator granularity included). With `elastic_slabs`
-    the region is an ElasticArena of that many slabs (the elastic KV pool's: one per layer's
-    K and V), `nbytes` over them, mapped and released as the engine's pool is.
+    (remap_bytes: what a wake maps, allocator granularity included).
 
     The wake happens in a switch's state: `held_during_wake` bytes in use elsewhere,
     `freed_before_wake` = [(bytes, seconds before the wake)] of touched memory handed back
@@ -243,13 +221,10 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
     space only) for the life of the process. Pass the run's pool, so its meter sees it.
     """
     pool = pool if pool is not None else RegionPool(device)
-    if elastic_slabs:
-        block = _elastic_region(pool, tag, int(nbytes), elastic_slabs)
-    else:
-        with pool.region(tag):
-            block = torch.empty(int(nbytes), dtype=torch.uint8, device=pool.device)
-        block.fill_(1)  # touch every page: a CPU region is only real once written
-        pool.track(tag, block)
+    with pool.region(tag):
+        block = torch.empty(int(nbytes), dtype=torch.uint8, device=pool.device)
+    block.fill_(1)  # touch every page: a CPU region is only real once written
+    pool.track(tag, block)
     remap_bytes = pool.region_bytes(tag)
     sleeps, wakes = [], []
     for repeat in range(repeats + 1):
@@ -282,19 +257,6 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
     return {"map_bps": remap_bytes / max(statistics.median(wakes[1:]), tiny),
             "unmap_bps": remap_bytes / max(statistics.median(sleeps[1:]), tiny),
             "remap_bytes": remap_bytes}
-
-
-def _elastic_region(pool: RegionPool, tag: str, nbytes: int, slabs: int) -> torch.Tensor:
-    """`tag` as an elastic region of `slabs` equal slabs holding `nbytes` (granule-rounded),
-    mapped whole; returns its bytes as one tensor (written before each sleep, as the pool's
-    KV is). Its virtual range stays reserved for the process, as a fixed region's does."""
-    from handoff.memory.elastic import ElasticArena
-
-    granule = ElasticArena.granule_bytes(pool.device)
-    slab_bytes = max(-(-nbytes // slabs // granule) * granule, granule)
-    arena = ElasticArena(pool.device, slabs=slabs, slab_bytes=slab_bytes)
-    pool.elastic(tag, arena, min_per_slab=slab_bytes)
-    return arena.view(torch.uint8, (slabs * slab_bytes,))
 
 
 def _engine_like_loader(plan: dict):
