@@ -79,3 +79,20 @@ def test_train_and_generate_with_a_stray_world_size_say_one_line_and_write_nothi
         assert res.exit_code == 2 and len(lines) == 1, res.output
         assert "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_torchruns_variables_without_torchrun_say_what_the_start_waits_for(env, monkeypatch,
+                                                                           capsys):
+    """A full set left in a shell: the rendezvous would wait 30 minutes without a word."""
+    joined = []
+    monkeypatch.setattr(dist.dist, "init_process_group", lambda *a, **kw: joined.append(kw))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    env(**FULL)
+    dist.init_process_group(torch.device("cpu"))
+    err = capsys.readouterr().err
+    assert joined and err.count("\n") == 1
+    assert err.startswith("rank 1 of 2: waiting for the other ranks at 127.0.0.1:29500")
+    assert "unset them to run one process" in err
+    env(TORCHELASTIC_RUN_ID="abc")   # torchrun's own launch: nothing to say
+    dist.init_process_group(torch.device("cpu"))
+    assert len(joined) == 2 and not capsys.readouterr().err

@@ -149,7 +149,15 @@ def init_process_group(device: torch.device) -> None:
     # With a GPU present the group gets NCCL too, even when a CPU model creates it first: a
     # CUDA model in the same process (tests, benches) then finds the backend it needs.
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
-    if launch_env() is not None:
+    launch = launch_env()
+    if launch is not None:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            # Not torchrun's (a launcher of one's own, or variables left in a shell): the
+            # rendezvous waits up to 30 minutes for ranks that may never come, so say so.
+            print(f"rank {launch[0]} of {launch[1]}: waiting for the other ranks at "
+                  f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} (WORLD_SIZE, RANK, "
+                  "MASTER_ADDR and MASTER_PORT are set, torchrun did not set them: unset them "
+                  "to run one process)", file=sys.stderr, flush=True)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
