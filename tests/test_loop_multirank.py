@@ -70,7 +70,7 @@ def run(cmd: list[str]) -> str:
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=180)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return done.stdout
+    return done.stdout + done.stderr
 
 
 def torchrun_train(model_dir, out_dir, *extra) -> str:
@@ -94,8 +94,11 @@ def assert_same_metrics(rows: list[dict], alone: list[dict]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_two_rank_train_logs_the_one_rank_metrics(model_dir, one_rank, tmp_path, tp):
-    stdout = torchrun_train(model_dir, tmp_path, f"parallel.tp={tp}")
-    assert stdout.count("step   2 ") == 1   # rank 0 prints, rank 1 is quiet
+    said = torchrun_train(model_dir, tmp_path, f"parallel.tp={tp}")
+    assert said.count("step   2 ") == 1   # rank 0 prints, rank 1 is quiet
+    # the fixed pool's note offers the elastic pool only where it runs (one engine a card)
+    assert "generation does not start under them" in said
+    assert ("rollout.kv_pool=elastic streams them" in said) == (tp == 1)
     assert_same_metrics(metrics(tmp_path), one_rank)
 
 

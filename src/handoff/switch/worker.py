@@ -96,10 +96,12 @@ class HybridWorker:
         mem = cfg.memory
         if mem.overlap and not self.streams_to_host and (mem.param_offload
                                                          or mem.optimizer_offload):
+            # The elastic pool is one engine per card: not a fix to offer under TP.
+            fix = ("; rollout.kv_pool=elastic streams them behind generation"
+                   if cfg.parallel.tp == 1 else "")
             self._say_once("fixed pool", "memory.overlap: the fixed KV pool is mapped whole at "
                            "its wake, so the copies to the host are waited for before it and "
-                           "generation does not start under them; rollout.kv_pool=elastic "
-                           "streams them behind generation")
+                           f"generation does not start under them{fix}")
         self.probe("start")
 
     @property
