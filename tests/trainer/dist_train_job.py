@@ -13,6 +13,7 @@ import sys
 import torch
 
 from handoff.config import ActorConfig
+from handoff.dist import end_distributed_run
 from handoff.trainer.batch import RolloutBatch
 from handoff.trainer.grpo import group_advantages
 
@@ -108,3 +109,4 @@ def main(ckpt: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_distributed_run()   # gloo's threads vs finalization: dist.end_distributed_run

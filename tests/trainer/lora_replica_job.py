@@ -15,7 +15,7 @@ import sys
 import torch
 
 from handoff.config import ActorConfig, LoraConfig, RolloutConfig
-from handoff.dist import init_process_group, world_rank_size
+from handoff.dist import end_distributed_run, init_process_group, world_rank_size
 from handoff.rollout.engine import Engine
 from handoff.switch.lora import sync_lora
 from handoff.trainer.actor import Actor
@@ -69,3 +69,4 @@ def main(ckpt: str, out: str, share: bool) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3] == "1")
+    end_distributed_run()   # gloo's threads vs finalization: dist.end_distributed_run
