@@ -59,7 +59,9 @@ from handoff.model_source import _is_hub_id, resolve_model
 from handoff.plan.shapes import PRESETS
 from handoff.reading import read_json
 from handoff.safe_files import usual_mode
-from handoff.trainer.checkpoint import LATEST, checkpoint_step, latest_checkpoint
+from handoff.trainer.checkpoint import (CHECKPOINT_NAME, LATEST, checkpoint_step,
+                                      complete_checkpoints, latest_checkpoint,
+                                      saved_step)
 from handoff.trainer.checkpoint_files import FORMAT, META, SafeReader, verify_files
 from handoff.trainer.checkpoint_files import read_json as read_checkpoint_json
 from handoff.units import fmt_bytes
@@ -67,7 +69,6 @@ from handoff.units import fmt_bytes
 STAGING = ".handoff-export.tmp"
 MAX_SHARD_BYTES = 5 * 10**9
 INDEX = "model.safetensors.index.json"
-_STEP_DIR = re.compile(r"step_(\d+)_[A-Za-z0-9]+")
 # The fix checkpoint_files.py gives a resume ("point `latest` at another checkpoint", "start
 # over with --overwrite", "do not resume it"): an export's is --step N of another checkpoint.
 _RESUME_FIX = re.compile(r"[;:] (?:point `latest`|start over|do not resume)")
@@ -202,7 +203,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
         return latest
     if step < 0:
         raise HandoffError(f"--step {step} is negative: pass the step of a saved checkpoint")
-    found = [p for p in _complete(root) if _step_of(p) == step]
+    found = [p for p in complete_checkpoints(root) if saved_step(p) == step]
     if not found:
         raise HandoffError(f"{run_dir} has no complete checkpoint of step {step}: it keeps "
                            f"steps {kept_steps(root) or 'none'}; pass one of them to --step, "
@@ -213,23 +214,9 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
         raise _removed(found[0]) from None
 
 
-def _complete(root: Path) -> list[Path]:
-    """The step_* directories of `root` that hold a meta.json (a save renames them whole)."""
-    try:
-        names = sorted(root.iterdir()) if root.is_dir() else []
-    except FileNotFoundError:
-        return []
-    return [p for p in names
-            if _STEP_DIR.fullmatch(p.name) and not p.is_symlink() and (p / META).is_file()]
-
-
-def _step_of(path: Path) -> int:
-    return int(_STEP_DIR.fullmatch(path.name).group(1))
-
-
 def kept_steps(root: Path, *, but: Path | None = None) -> list[int]:
     """The steps of the complete checkpoints under `root` now (`but`: less that one)."""
-    return sorted({_step_of(p) for p in _complete(root) if p != but})
+    return sorted({saved_step(p) for p in complete_checkpoints(root) if p != but})
 
 
 def _latest(root: Path) -> Path | None:
@@ -244,7 +231,7 @@ def _latest(root: Path) -> Path | None:
             pass
         pointer = root / LATEST
         name = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
-        if _STEP_DIR.fullmatch(name) and not (root / name / META).is_file():
+        if CHECKPOINT_NAME.fullmatch(name) and not (root / name / META).is_file():
             raise _removed(root / name, named=True) from None
         raise first
 

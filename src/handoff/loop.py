@@ -51,7 +51,7 @@ from handoff.rewards import RewardSet, Sample
 from handoff.runplan import RunPlan
 from handoff.startup import start_worker
 from handoff.tasks import build_eval_problems, build_task
-from handoff.tasks.base import check_task_state
+from handoff.tasks.base import checkpoint_task_state
 from handoff.trainer.batch import RolloutBatch
 from handoff.trainer.compiled import compiles_so_far, layers_compiled
 from handoff.trainer.checkpoint import (checkpoint_meta, load_checkpoint, publish_checkpoint,
@@ -248,9 +248,8 @@ class Run:
             console.print(f"resume: {self.ckpt_dir / 'latest'} is missing: continuing from the "
                           f"newest complete checkpoint, {path.name}", style="yellow",
                           markup=False, highlight=False)
-        extra = checkpoint_meta(path).get("extra")   # checked before any tensor is read
-        task_state = extra.get("task") if isinstance(extra, dict) else None
-        check_task_state(task_state, f"{path / 'meta.json'}")
+        # checked before any tensor is read
+        task_state = checkpoint_task_state(checkpoint_meta(path), f"{path / 'meta.json'}")
         state = self.worker.load_trainer_state(
             lambda actor: load_checkpoint(self.ckpt_dir, actor, path=path))
         self.start_step = int(state["step"])

@@ -134,16 +134,14 @@ def _start_step(out_dir: Path) -> int:
     """The step --resume continues from (0 when there is no checkpoint), its meta.json
     checked (a hand edit is one line before the card is touched)."""
     from handoff.run_dir import resume_point
-    from handoff.tasks.base import check_task_state
+    from handoff.tasks.base import checkpoint_task_state
     from handoff.trainer.checkpoint import checkpoint_meta
 
     path, _ = resume_point(out_dir)
     if path is None:
         return 0
     meta = checkpoint_meta(path)
-    extra = meta.get("extra")
-    check_task_state(extra.get("task") if isinstance(extra, dict) else None,
-                     f"{path / 'meta.json'}")
+    checkpoint_task_state(meta, f"{path / 'meta.json'}")
     return meta["step"]
 
 

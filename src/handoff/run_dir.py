@@ -198,7 +198,7 @@ def keep_changed_config(cfg: Config, step: int) -> None:
     if not is_run_config(before):
         return
     old, new = dotted(before), dotted(run_record(cfg))
-    old["model.path"] = _recorded_model_path(old.get("model.path"))   # an older run's record
+    old["model.path"] = _absolute_if_local_dir(old.get("model.path"))   # an older run's record
     # A copied run directory is resumed where it now is: its out_dir is no change.
     ignored = {"run.resume", "run.overwrite", "run.out_dir"}
     if cfg.actor.lr_schedule == "constant":
@@ -218,9 +218,9 @@ def keep_changed_config(cfg: Config, step: int) -> None:
                   highlight=False, soft_wrap=True)
 
 
-def _recorded_model_path(path: object) -> object:
-    """model.path as run_record writes it now, for a config.json an older run wrote."""
-    if isinstance(path, str) and not Path(path).expanduser().is_absolute() and Path(path).is_dir():
+def _absolute_if_local_dir(path: object) -> object:
+    """model.path as config.json records it: a relative local directory made absolute."""
+    if isinstance(path, str) and not Path(path).is_absolute() and Path(path).is_dir():
         return str(Path(path).resolve())
     return path
 
@@ -261,9 +261,7 @@ def run_record(cfg: Config) -> dict:
     absolute, so `handoff export` (run from anywhere) reads the model that trained, never
     another directory of the same relative name."""
     record = to_dict(cfg)
-    path = Path(cfg.model.path).expanduser()
-    if path.is_dir() and not path.is_absolute():
-        record["model"]["path"] = str(path.resolve())
+    record["model"]["path"] = _absolute_if_local_dir(cfg.model.path)
     return record
 
 
@@ -336,10 +334,16 @@ def last_logged_step(out_dir: Path) -> int:
 def resume_point(out_dir: Path) -> tuple[Path | None, bool]:
     """(the checkpoint `--resume` continues from, whether it stands in for a missing
     `latest`): `latest`, else the newest complete one a logged step published (one past
-    the last logged step never counted). Read on one rank: callers broadcast it."""
-    from handoff.trainer.checkpoint import resumable_checkpoint
+    the last logged step never counted; metrics.jsonl is read only then). Read on one
+    rank: callers broadcast it."""
+    from handoff.trainer.checkpoint import latest_checkpoint, newest_complete_checkpoint
 
-    return resumable_checkpoint(out_dir / "checkpoints", logged_up_to=last_logged_step(out_dir))
+    root = out_dir / "checkpoints"
+    latest = latest_checkpoint(root)
+    if latest is not None:
+        return latest, False
+    stand_in = newest_complete_checkpoint(root, at_most=last_logged_step(out_dir))
+    return stand_in, stand_in is not None
 
 
 # ---------------------------------------------------------------- an interrupted run

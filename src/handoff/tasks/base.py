@@ -98,9 +98,11 @@ class Task(abc.ABC):
         self.position = state["position"]
 
 
-def check_task_state(state: object, where: str) -> None:
-    """One line unless `state` is a Task.state_dict (a checkpoint's data position): `where`
-    names the file it was read from."""
+def checkpoint_task_state(meta: dict, where: str) -> dict:
+    """The Task.state_dict a checkpoint's meta.json records (its data position), checked:
+    one line unless it is one; `where` names the file."""
+    extra = meta.get("extra")
+    state = extra.get("task") if isinstance(extra, dict) else None
     if not isinstance(state, dict):
         raise HandoffError(f"{where} records no data position (extra.task): it was not "
                            "written by `handoff train`; start over with --overwrite")
@@ -109,6 +111,7 @@ def check_task_state(state: object, where: str) -> None:
         raise HandoffError(f"{where} records no valid data position (extra.task.position "
                            f"{position!r}, a whole number >= 0): it was edited by hand; point "
                            "`latest` at another checkpoint, or restore meta.json")
+    return state
 
 
 def render_prompt(problem: Problem, tokenizer: Any = None, *, chat: bool = True) -> str:

@@ -10,7 +10,8 @@ Layout under the root:
                         (under LoRA: the adapters and their optimizer state only, meta.json's
                         `lora` names rank, alpha and targets; a full checkpoint has lora null)
   latest                the name of the newest complete directory (one line); a resume that
-                        finds it gone takes the newest complete step_* (resumable_checkpoint)
+                        finds it gone takes the newest complete step_* of a logged step
+                        (newest_complete_checkpoint, run_dir.resume_point)
 A save writes everything into `.tmp_<name>/` with fsync, renames it into place, then replaces
 `latest` atomically (write latest.tmp, fsync, rename). A process killed at any moment leaves
 `latest` naming a complete checkpoint (or no `latest` at all before the first one). A prune
@@ -57,7 +58,8 @@ from handoff.trainer.checkpoint_files import (FILE_OVERHEAD_BYTES, FORMAT, META,
 LATEST = "latest"
 KEEP_LAST = 2  # complete checkpoints kept after a publish (the default of run.keep_checkpoints)
 LEFTOVERS = (".tmp_*", ".trash_*")   # a save or a prune a kill cut short
-_NAME = re.compile(r"step_\d+_[A-Za-z0-9]+")   # what `latest` may name: no path, no dots
+# What `latest` may name (no path, no dots); group 1: the step it was saved at.
+CHECKPOINT_NAME = re.compile(r"step_(\d+)_[A-Za-z0-9]+")
 
 
 def _state(actor: Actor) -> dict:
@@ -251,9 +253,7 @@ def _prune(root: Path, keep: int, newest: str) -> None:
     """Delete complete checkpoints beyond the newest `keep` (never the one `latest` names):
     each is renamed to `.trash_<name>` first, then deleted (a kill between leaves a name
     the next save, prune or load removes)."""
-    done = sorted((p for p in root.glob("step_*") if _NAME.fullmatch(p.name)
-                   and not p.is_symlink() and (p / META).is_file()),
-                  key=lambda p: (int(p.name.split("_")[1]), p.stat().st_mtime))
+    done = sorted(complete_checkpoints(root), key=lambda p: (saved_step(p), p.stat().st_mtime))
     for old in done[:-max(keep, 1)]:
         if old.name != newest:
             os.rename(old, root / f".trash_{old.name}")
@@ -275,7 +275,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         return None
     name = pointer.read_text(errors="replace").strip()
     path = root / name
-    if not _NAME.fullmatch(name) or path.is_symlink() or path.resolve().parent != root.resolve():
+    if not CHECKPOINT_NAME.fullmatch(name) or path.is_symlink() or path.resolve().parent != root.resolve():
         raise HandoffError(f"{pointer} names {name[:80]!r}, not a step_* directory of {root}: "
                            "a checkpoint is only read from its own directory; point latest at "
                            "one of its step_* directories")
@@ -286,27 +286,29 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path
 
 
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The step_* directories of `root` that hold a meta.json (a save renames them whole), by
+    name; none through a link, none when `root` is gone (a live run may prune meanwhile)."""
+    try:
+        names = sorted(root.iterdir()) if root.is_dir() else []
+    except FileNotFoundError:
+        return []
+    return [p for p in names if CHECKPOINT_NAME.fullmatch(p.name) and not p.is_symlink()
+            and (p / META).is_file()]
+
+
+def saved_step(path: Path) -> int:
+    """The step a checkpoint directory's name says it was saved at."""
+    return int(CHECKPOINT_NAME.fullmatch(path.name).group(1))
+
+
 def newest_complete_checkpoint(root: str | Path, *, at_most: int) -> Path | None:
     """The complete step_* directory of the highest step up to `at_most` (the later one of a
     step saved twice), or None: what a resume takes when `latest` itself is gone (as Hugging
     Face's Trainer takes its highest checkpoint-N). `at_most`: the last step the run logged;
     a checkpoint past it was never published (its step did not finish: run.Run._save)."""
-    root = Path(root)
-    done = [p for p in root.glob("step_*") if _NAME.fullmatch(p.name) and not p.is_symlink()
-            and (p / META).is_file() and int(p.name.split("_")[1]) <= at_most]
-    return max(done, key=lambda p: (int(p.name.split("_")[1]), p.stat().st_mtime, p.name),
-               default=None)
-
-
-def resumable_checkpoint(root: str | Path, *, logged_up_to: int) -> tuple[Path | None, bool]:
-    """(the checkpoint a resume continues from, whether `latest` was missing and the newest
-    complete directory up to the last logged step stands in for it). None: no checkpoint
-    was completed (and published)."""
-    path = latest_checkpoint(root)
-    if path is not None:
-        return path, False
-    path = newest_complete_checkpoint(root, at_most=logged_up_to)
-    return path, path is not None
+    done = [p for p in complete_checkpoints(Path(root)) if saved_step(p) <= at_most]
+    return max(done, key=lambda p: (saved_step(p), p.stat().st_mtime, p.name), default=None)
 
 
 def checkpoint_step(path: Path) -> int:
@@ -340,9 +342,9 @@ def _valid_step(path: Path, meta: dict) -> int:
     if type(step) is not int or step < 0:
         raise HandoffError(f"{path / META} has no valid step ({step!r}): point `latest` at "
                            "another checkpoint")
-    if _NAME.fullmatch(path.name) and int(path.name.split("_")[1]) != step:
+    if CHECKPOINT_NAME.fullmatch(path.name) and saved_step(path) != step:
         raise HandoffError(f"{path / META} records step {step} but its directory was saved at "
-                           f"step {int(path.name.split('_')[1])}: meta.json was edited by hand; "
+                           f"step {saved_step(path)}: meta.json was edited by hand; "
                            "point `latest` at another checkpoint, or restore meta.json")
     return step
 
