@@ -1,0 +1,122 @@
+"""The KV pool's map (wake) rate against what happened since its pages were released.
+
+A run's KV wake mapped at about twice the rate its start-up calibration measured (the ledger
+priced it at 0.43-0.51x of what it took). The calibration maps a region `settle` seconds after
+releasing that same region; in the run, the trainer allocates the released pages through
+torch's caching allocator for the whole training phase and hands them back right before the
+wake. This probe times the wake of one `--gib` region, through the elastic arena (what
+rollout.kv_pool=elastic maps) and torch_memory_saver (the fixed pool), after:
+
+* own:S       the region released S seconds before;
+* train:H     the region released, then the same bytes allocated and written by torch, held H
+              seconds, freed (empty_cache) right before the wake;
+* train:H+W   as train:H, the wake W seconds after the free.
+
+    python3 scripts/device/map_probe.py --gib 40        (on the GPU machine; a table last)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from handoff.memory.elastic import ElasticArena
+from handoff.memory.regions import RegionPool
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+class Arena:
+    name = "elastic"
+
+    def __init__(self, nbytes: int):
+        granule = ElasticArena.granule_bytes("cuda")
+        slabs = 72
+        slab = -(-nbytes // slabs // granule) * granule
+        self.arena = ElasticArena("cuda", slabs=slabs, slab_bytes=slab)
+        self.bytes = slabs * slab
+        self.wake()
+        self.arena.view(torch.uint8, (self.bytes,)).fill_(1)
+
+    def sleep(self) -> None:
+        _sync()
+        self.arena.release()
+
+    def wake(self) -> None:
+        self.arena.grow_to(self.arena.slab_bytes)
+        _sync()
+
+
+class Saver:
+    name = "tms"
+
+    def __init__(self, nbytes: int):
+        self.pool = RegionPool(torch.device("cuda"))
+        with self.pool.region("probe"):
+            self.block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.block.fill_(1)
+        self.pool.track("probe", self.block)
+        self.bytes = self.pool.region_bytes("probe")
+
+    def sleep(self) -> None:
+        _sync()
+        self.pool.sleep(["probe"], level=2)
+        _sync()
+
+    def wake(self) -> None:
+        self.pool.wake_up(["probe"])
+        _sync()
+
+
+def timed_wake(region, *, settle: float = 0.0, hold: float | None = None,
+               after_free: float = 0.0) -> float:
+    region.sleep()
+    if hold is None:
+        time.sleep(settle)
+    else:
+        blob = torch.empty(region.bytes, dtype=torch.uint8, device="cuda").fill_(2)
+        _sync()
+        time.sleep(hold)
+        del blob
+        torch.cuda.empty_cache()
+        time.sleep(after_free)
+    t0 = time.perf_counter()
+    region.wake()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gib", type=float, default=40.0)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    nbytes = int(args.gib * (1 << 30))
+    conditions = [("own:0", {}), ("own:2", {"settle": 2.0}), ("own:16", {"settle": 16.0}),
+                  ("train:1", {"hold": 1.0}), ("train:12", {"hold": 12.0}),
+                  ("train:12+2", {"hold": 12.0, "after_free": 2.0})]
+    rows = []
+    for cls in (Arena, Saver):
+        region = cls(nbytes)
+        timed_wake(region, settle=1.0)  # warm-up
+        for label, kw in conditions:
+            secs = [timed_wake(region, **kw) for _ in range(args.repeats)]
+            rate = [region.bytes / s / 1e12 for s in secs]
+            rows.append((region.name, label, secs, rate))
+            print(f"{region.name:8s} {label:11s} " + "  ".join(
+                f"{s * 1e3:7.1f} ms {r:5.2f} TB/s" for s, r in zip(secs, rate)), flush=True)
+        region.sleep()
+        del region
+        torch.cuda.empty_cache()
+    print(f"\n| pool | condition | wake ms | TB/s |  ({args.gib:g} GiB, "
+          f"{torch.cuda.get_device_name()})\n|---|---|---|---|")
+    for name, label, secs, rate in rows:
+        print(f"| {name} | {label} | {' / '.join(f'{s * 1e3:.1f}' for s in secs)} | "
+              f"{' / '.join(f'{r:.2f}' for r in rate)} |")
+
+
+if __name__ == "__main__":
+    main()
