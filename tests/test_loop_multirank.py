@@ -100,6 +100,15 @@ def test_two_rank_train_logs_the_one_rank_metrics(model_dir, one_rank, tmp_path,
     assert "generation does not start under them" in said
     assert ("rollout.kv_pool=elastic streams them" in said) == (tp == 1)
     assert_same_metrics(metrics(tmp_path), one_rank)
+    assert_sync_bytes_as_planned(tmp_path)
+
+
+def assert_sync_bytes_as_planned(out_dir) -> None:
+    """The sync's measured bytes are what each rank's engine keeps, as the plan counts them
+    (under TP its shard; the norms it keeps whole are the 1% the plan splits)."""
+    summary = json.loads((out_dir / "summary.json").read_text())
+    planned = summary["planned"]["engine_weights_sync"]["bytes"]
+    assert summary["measured"]["engine_weights_sync"]["bytes"] == pytest.approx(planned, rel=0.01)
 
 
 @pytest.mark.cuda

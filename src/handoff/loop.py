@@ -141,6 +141,8 @@ def step_row(step: int, scored: Scored, update: dict[str, float], gen: Generatio
         **{f"work_s/{phase}": seconds for phase, seconds in times.work.items()},
         "switch/raw_s": switch.raw_seconds,
         "train_tokens": sum(scored.prompt_lengths) + sum(scored.lengths),
+        # The full tensors streamed through this card's buckets (every rank all of them);
+        # switch/engine_weights_sync/bytes is what its engine keeps (its TP shard).
         "sync/bytes": sync.bytes, "sync/buckets": sync.num_buckets,
         "sync/bound_extra_bytes": sync.bound_extra_bytes,
         # The sync action's parts: mapping the weights, then the copies (host: until the last

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from handoff.errors import HandoffError
-from handoff.sync.weights import checksum, sync_weights
+from handoff.sync.weights import checksum, kept_bytes, sync_weights
 
 
 def iter_state_dict(state, dtype=None):
@@ -87,3 +87,16 @@ def test_dtype_cast_and_bad_bucket():
     assert all(t.dtype == torch.bfloat16 for t in rx.store.values())
     with pytest.raises(HandoffError, match="bucket_mb"):
         sync_weights(iter_state_dict(state), rx.load_weights, bucket_bytes=0, device="cpu")
+
+
+def test_kept_bytes_counts_what_select_keeps_from_the_shapes_alone():
+    """A TP-2 rank's rule: rows split in half, 1-D tensors (norms) replicated."""
+    state = _state() | {"norm": torch.randn(64)}
+
+    def half_rows(name, full):
+        return full if full.dim() == 1 else full.narrow(0, 0, full.shape[0] // 2)
+
+    shapes = [(name, t.shape) for name, t in state.items()]
+    kept = sum(half_rows(n, t.to(torch.bfloat16)).nbytes for n, t in state.items())
+    assert kept_bytes(shapes, torch.bfloat16, half_rows) == kept
+    assert kept < sum(t.numel() * 2 for t in state.values())

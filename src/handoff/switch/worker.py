@@ -22,6 +22,7 @@ sleeps, wakes and loads its own shard; every rank sends its engine all full para
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from handoff.switch.clock import StepClock, StepTimes
 from handoff.switch.copies import CopiesInFlight
 from handoff.switch.lora import sleep_engine, sync_lora
 from handoff.switch.record import Generation, SwitchRecord
-from handoff.sync.weights import sync_weights
+from handoff.sync.weights import kept_bytes, sync_weights
 from handoff.trainer.actor import Actor
 from handoff.trainer.batch import RolloutBatch
 from handoff.trainer.model import ShardedModel
@@ -369,6 +370,19 @@ class HybridWorker:
             return 0
         return self.engine.pool.tracked_bytes("weights")
 
+    @functools.cached_property
+    def _kept_param_bytes(self) -> int:
+        """This rank's engine shard of every param (all of it at TP 1): the plan's count of
+        the sync. The layout is the run's, so counted once, not per tensor in the sync."""
+        return kept_bytes(self.actor.full_shapes(), self.engine.dtype, self.engine.weight_shard)
+
+    def _synced_bytes(self, record: SwitchRecord) -> int:
+        """What the sync wrote into this rank's engine: the adapters (each rank all of them),
+        or its shard of the full params that every rank streams whole."""
+        if self.actor.lora is not None:
+            return record.sync.bytes
+        return self._kept_param_bytes
+
     def _sync_weights(self, record: SwitchRecord) -> None:
         """Full-parameter: the engine's weights mapped, then every param sent. LoRA: the
         adapters only, in place (switch/lora.py), after the wake restored a base of the
@@ -435,7 +449,7 @@ class HybridWorker:
         self.probe("before resume weights")
         with expandable_segments(False):
             self._timed(record, "engine_weights_sync", lambda: self._sync_weights(record),
-                        nbytes=lambda: record.sync.bytes + self._backed_up_bytes())
+                        nbytes=lambda: self._synced_bytes(record) + self._backed_up_bytes())
             self.probe("after update_weights")
             if self.streams_to_host:
                 # Generation starts before the copies: they start under it and land between

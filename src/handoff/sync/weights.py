@@ -93,6 +93,15 @@ def _bucket_checksum(entries: list[tuple[str, torch.Tensor]]) -> int:
     return total
 
 
+def kept_bytes(shapes: Iterable[tuple[str, torch.Size]], dtype: torch.dtype,
+               select: Callable[[str, torch.Tensor], torch.Tensor]) -> int:
+    """Bytes the engine keeps of full tensors of these (HF name, shape)s: under TP each rank
+    its shard, cut by `select` from a meta tensor (nothing allocated). A sync's layout is
+    fixed, so a caller counts this once instead of per tensor in the sync's loop."""
+    return sum(select(name, torch.empty(shape, dtype=dtype, device="meta")).nbytes
+               for name, shape in shapes)
+
+
 def sync_weights(params: WeightIter, load_weights: Callable[[WeightIter], None], *,
                  bucket_bytes: int, device: torch.device | str,
                  readback: Callable[[str], torch.Tensor] | None = None,

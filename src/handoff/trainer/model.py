@@ -368,6 +368,12 @@ class ShardedModel:
             yield name, full
             del full
 
+    def full_shapes(self) -> Iterator[tuple[str, torch.Size]]:
+        """(HF name, full shape) of every tensor full_params yields, in its order, gathering
+        nothing (a DTensor's shape is the full tensor's)."""
+        for name, p in self.module.named_parameters():
+            yield name, p.shape
+
     def _gather(self, p: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             # The shard is the full tensor: hand it over, no copy. Detached as a plain
