@@ -139,9 +139,9 @@ def test_a_reload_zeroes_the_buffers_only_when_the_layout_changes(qwen3_dir, ref
 
 def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monkeypatch):
     calls = []
-    add_to = lora.LoraSlot.add_to
-    monkeypatch.setattr(lora.LoraSlot, "add_to",
-                        lambda self, y, x: calls.append(1) or add_to(self, y, x))
+    run = lora.LoraSlot.linear
+    monkeypatch.setattr(lora.LoraSlot, "linear",
+                        lambda self, *args: calls.append(1) or run(self, *args))
     engine = Engine(str(qwen3_dir), ref.cfg())
     assert _tokens(engine) == [ref.greedy(qwen3_dir, p, NEW_TOKENS) for p in PROMPTS]
     assert engine.lora is None and calls == []
@@ -206,3 +206,53 @@ def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref
     assert engine.lora is None
     with pytest.raises(HandoffError, match="not positive"):
         Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=0)
+
+
+def test_a_linears_adapter_rows_follow_its_weight_and_one_gemm_gives_both(qwen3_dir, ref):
+    from handoff.rollout import ops
+    from handoff.rollout.layers import ColumnParallelLinear, RowParallelLinear, adapter_rows
+    from handoff.rollout.parallel import TPGroup
+
+    engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=RANK)
+    engine.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
+    gen = torch.Generator().manual_seed(3)
+    for name, module in engine.lora.linears.items():
+        slot, weight = module.lora, module.weight
+        assert slot.joined is not None and slot.joined.data_ptr() == weight.data_ptr(), name
+        assert slot.A.data_ptr() == weight.data_ptr() + weight.numel() * weight.element_size()
+        apart = lora.LoraSlot(weight, RANK)        # the same adapter in buffers of its own
+        apart.A.copy_(slot.A)
+        apart.B.copy_(slot.B)
+        assert apart.joined is None and slot.A.abs().max() > 0
+        x = torch.randn(3, weight.shape[1], generator=gen)
+        torch.testing.assert_close(ops.linear(x, weight, None, slot),
+                                   ops.linear(x, weight, None, apart))
+    assert _tokens(engine) == [_peft_greedy(qwen3_dir, p) for p in PROMPTS]
+    # Where the GEMM's output must stay one dense tensor, A keeps a buffer of its own.
+    meta = {"device": "meta", "dtype": torch.float32}
+    fused = ColumnParallelLinear(8, [(6, 0, 6), (2, 0, 2), (2, 0, 2)], bias=False, **meta)
+    assert adapter_rows(fused, 4) == 12
+    assert adapter_rows(ColumnParallelLinear(8, [(6, 0, 6)], bias=True, **meta), 4) == 0
+    assert adapter_rows(RowParallelLinear(8, 6, bias=False, tp=TPGroup(), **meta), 4) == 4
+    assert adapter_rows(RowParallelLinear(8, 6, bias=False, tp=TPGroup(rank=0, size=2),
+                                          **meta), 4) == 0
+
+
+def test_a_level_1_sleep_keeps_the_adapter_and_level_2_drops_it(qwen3_dir, ref):
+    from handoff.rollout.models import iter_checkpoint
+
+    engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=RANK)
+    adapter = _adapter(qwen3_dir)
+    engine.load_adapter(adapter, alpha=ALPHA, rank=RANK)
+    with_adapter = _tokens(engine)
+    engine.sleep(1)
+    engine.wake_up()
+    assert _tokens(engine) == with_adapter
+    engine.sleep(2)
+    engine.wake_up()
+    slots = [m.lora for m in engine.lora.linears.values()]
+    assert all(not s.A.any() and not s.B.any() for s in slots)
+    engine.load_weights(iter_checkpoint(qwen3_dir))
+    assert _tokens(engine) == [ref.greedy(qwen3_dir, p, NEW_TOKENS) for p in PROMPTS]
+    engine.load_adapter(adapter, alpha=ALPHA, rank=RANK)
+    assert _tokens(engine) == with_adapter

@@ -82,7 +82,8 @@ class Engine(EngineKVPool, EngineSleepWake, EngineLora):
         self.tp = tp if isinstance(tp, TPGroup) else init_tp_group(tp)
 
         with self.pool.region("weights"):
-            model = build_model(self.spec, device=self.device, dtype=self.dtype, tp=self.tp)
+            model = build_model(self.spec, device=self.device, dtype=self.dtype, tp=self.tp,
+                                lora_max_rank=lora_max_rank)
         self.pool.track("weights", model)
         self.model = model
         self.weights_version = 0

@@ -109,6 +109,17 @@ def shard_rules(param: torch.Tensor) -> tuple[ShardRule, ...]:
     return getattr(param, "shard_rules", None) or (whole(param.shape[0]),)
 
 
+def adapter_rows(linear: nn.Module, max_rank: int) -> int:
+    """Rows of LoRA A a decoder linear keeps after its weight (one A per fused part), so that
+    one GEMM gives [x W^T | x A^T]: 0 where the output must stay one dense tensor (a bias
+    added by the GEMM, or a row-parallel linear's partial sum that the all-reduce takes)."""
+    if linear.bias is not None:
+        return 0
+    if isinstance(linear, RowParallelLinear):
+        return max_rank if linear.tp.size == 1 else 0
+    return len(shard_rules(linear.weight)) * max_rank
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with this rank's output rows; a fused projection lists its parts.
 

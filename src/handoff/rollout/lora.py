@@ -17,11 +17,19 @@ read only columns p*R..p*R+r), so one pair of GEMMs serves all parts. Under TP a
 parallel linear keeps its rows of B and all of A; a row-parallel one (o_proj, down_proj) keeps
 its input columns of A and all of B, and adds its partial delta before the all-reduce.
 
+With `lora_max_rank` the engine builds each decoder linear with its A rows right after its
+weight rows in the weights' buffer (models.build_model), and one GEMM gives x W^T and x A^T
+side by side: an adapter adds one launch per linear, the expand, not two (at decode batch a
+launch costs about what these small products do). Not where the GEMM adds a bias, or for a
+row-parallel linear under TP (its output is the all-reduce's dense buffer): there A is a
+buffer of its own and the shrink a GEMM of its own. The zero buffers exist from the start, so
+the decode graphs capture them (and the adapter's GEMMs run even while they are zero). A
+sleep of level 1 keeps the adapter (A is backed up with the weights, B lives outside the
+regions: megabytes); level 2 drops it with the weights.
+
 Without `lora_max_rank` the engine has no slot until its first load_adapter (then sized for
-that adapter's rank; refused once decode graphs were captured without them): until then its
-linears test one attribute and do nothing else. With it, the zero buffers exist from the
-start, so the graphs capture them (and the adapter's GEMMs run even while they are zero).
-Adapters live outside the memory regions (megabytes): a sleep keeps them.
+that adapter's rank, A apart; refused once decode graphs were captured without them): until
+then its linears test one attribute and do nothing else.
 
 Shape legend: T = tokens, E = in features, F = out features (this rank's), P = fused parts,
 R = maximum rank.
@@ -50,19 +58,32 @@ _PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
 
 class LoraSlot:
     """One engine linear's adapter buffers: A [P*R, E] (scaled by alpha / r), B [F, P*R]
-    block-diagonal."""
+    block-diagonal. Where the linear kept rows for A after its weight (build_model's
+    lora_max_rank), A is those rows and `joined` [F + P*R, E] the weight with them."""
 
-    def __init__(self, weight: torch.Tensor, max_rank: int):
+    def __init__(self, weight: torch.Tensor, max_rank: int, joined: torch.Tensor | None = None):
         num_parts = len(shard_rules(weight))
         out_features, in_features = weight.shape
         kw = {"device": weight.device, "dtype": weight.dtype}
-        self.A = torch.zeros(num_parts * max_rank, in_features, **kw)
+        if joined is not None and joined.shape[0] == out_features + num_parts * max_rank:
+            self.joined = joined
+            self.A = joined[out_features:].zero_()
+        else:
+            self.joined = None
+            self.A = torch.zeros(num_parts * max_rank, in_features, **kw)
         self.B = torch.zeros(out_features, num_parts * max_rank, **kw)
 
-    def add_to(self, y_TF: torch.Tensor, x_TE: torch.Tensor) -> torch.Tensor:
-        """y += (x A^T) B^T in place (y is the fresh output of the base GEMM): two GEMMs, the
-        add in the second one's epilogue."""
-        return self.expand_into(y_TF, F.linear(x_TE, self.A))
+    def linear(self, x_TE: torch.Tensor, weight_FE: torch.Tensor,
+               bias_F: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b + (x A^T) B^T. With A joined to the weight, one GEMM gives x W^T and
+        x A^T side by side and the second adds the delta in its epilogue (y is a view of
+        rows F + P*R apart); else three ops. Two launches instead of three: at decode batch
+        a launch costs about what a small product does."""
+        if self.joined is not None:
+            out = F.linear(x_TE, self.joined)
+            width = weight_FE.shape[0]
+            return self.expand_into(out[..., :width], out[..., width:])
+        return self.expand_into(F.linear(x_TE, weight_FE, bias_F), F.linear(x_TE, self.A))
 
     def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:
         """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows)."""
@@ -84,7 +105,8 @@ class LoraAdapters:
         for name, module in model.named_modules():
             if hasattr(module, "lora") and name.startswith("model.layers."):
                 self.linears[name] = module
-                module.lora = LoraSlot(module.weight, max_rank)
+                module.lora = LoraSlot(module.weight, max_rank,
+                                       getattr(module, "weight_and_adapter", None))
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float,

@@ -91,8 +91,8 @@ def linear(x_TE: torch.Tensor | NormInput, weight_FE: torch.Tensor,
         x_TE = pending.materialize()
     if gated:
         x_TE = silu_mul(x_TE)
-    y_TF = F.linear(x_TE, weight_FE, bias_F)
-    return y_TF if lora is None else lora.add_to(y_TF, x_TE)
+    return F.linear(x_TE, weight_FE, bias_F) if lora is None else lora.linear(x_TE, weight_FE,
+                                                                              bias_F)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

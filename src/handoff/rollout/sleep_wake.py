@@ -2,8 +2,9 @@
 
 Sleep levels: 0 pauses generation only; 1 backs the weights up to pinned host memory and
 drops the KV; 2 drops both (the trainer sends new weights anyway), and generation is refused
-until `load_weights` has refilled every parameter. `sleep_kv` drops the KV only (LoRA on a
-base the trainer shares). `EngineSleepWake` is a part of `Engine`
+until `load_weights` has refilled every parameter; an adapter is dropped with the weights
+(its A rows share their buffer) until the next `load_adapter`. `sleep_kv` drops the KV only
+(LoRA on a base the trainer shares). `EngineSleepWake` is a part of `Engine`
 (rollout/engine.py), which owns the state these methods use.
 """
 
@@ -47,7 +48,10 @@ class EngineSleepWake:
         unknown = [t for t in tags if t not in TAGS]
         if unknown:
             raise HandoffError(f"unknown engine tags {unknown}: use {list(TAGS)}")
+        dropped = "weights" in tags and not self.pool.is_awake("weights") and self._missing_weights
         self.pool.wake_up([t for t in TAGS if t in tags])
+        if dropped and self.lora is not None:
+            self.lora.clear()   # a level-2 sleep dropped the A rows kept beside the weights
         if "kv_cache" in tags:
             self.blocks.reset_prefix_cache()
         self._paused = not all(self.pool.is_awake(t) for t in TAGS)

@@ -8,6 +8,7 @@ loads, and config.json is checked by model_files first (architecture, sizes, hea
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -15,6 +16,7 @@ import torch
 
 from handoff.errors import HandoffError
 from handoff.model_files import SUPPORTED_MODEL_TYPES, ModelFiles
+from handoff.rollout.layers import adapter_rows
 from handoff.rollout.models.qwen3 import CausalLM, DecoderSpec
 from handoff.rollout.parallel import SINGLE, TPGroup
 
@@ -51,12 +53,18 @@ def eos_token_ids(files: ModelFiles) -> frozenset[int]:
 
 
 def build_model(spec: DecoderSpec, *, device: torch.device, dtype: torch.dtype,
-                tp: TPGroup = SINGLE) -> CausalLM:
+                tp: TPGroup = SINGLE, lora_max_rank: int | None = None) -> CausalLM:
     """This TP rank's parameters, uninitialised on `device` (fill them with load_weights,
     which takes full tensors), all views of ONE buffer: a memory region maps and unmaps one
     allocation instead of one per tensor (~40 us each way per allocation on the H200: ~17 ms
-    per switch for a 4B model's ~400 tensors, see docs/PERF.md)."""
+    per switch for a 4B model's ~400 tensors, see docs/PERF.md). With `lora_max_rank`, each
+    decoder linear that can (layers.adapter_rows) gets that many rows of LoRA A right after
+    its weight rows, so one GEMM computes x W^T and the adapter's x A^T (rollout/lora.py)."""
     model = CausalLM(spec, device=torch.device("meta"), dtype=dtype, tp=tp)
+    if lora_max_rank:
+        for name, module in model.named_modules():
+            if name.startswith("model.layers.") and hasattr(module, "lora"):
+                module.adapter_rows = adapter_rows(module, lora_max_rank)
     _place_in_one_buffer(model, device)
     return model
 
@@ -65,17 +73,21 @@ def _place_in_one_buffer(model: torch.nn.Module, device: torch.device, align: in
     """Replace every (meta) parameter by a view of one new uninitialised byte buffer."""
     owners = [(module, name, param) for module in model.modules()
               for name, param in module.named_parameters(recurse=False)]
-    offsets, total = [], 0
-    for _, _, param in owners:
+    shapes, offsets, total = [], [], 0
+    for module, name, param in owners:
+        extra = getattr(module, "adapter_rows", 0) if name == "weight" else 0
+        shapes.append((param.shape[0] + extra, *param.shape[1:]))
         offsets.append(total)
-        total += -(-param.numel() * param.element_size() // align) * align
+        total += -(-math.prod(shapes[-1]) * param.element_size() // align) * align
     flat = torch.empty(total, dtype=torch.uint8, device=device)
-    for (module, name, param), start in zip(owners, offsets):
-        nbytes = param.numel() * param.element_size()
-        view = flat[start:start + nbytes].view(param.dtype).view(param.shape)
-        placed = torch.nn.Parameter(view, requires_grad=False)
+    for (module, name, param), shape, start in zip(owners, shapes, offsets):
+        nbytes = math.prod(shape) * param.element_size()
+        view = flat[start:start + nbytes].view(param.dtype).view(shape)
+        placed = torch.nn.Parameter(view[:param.shape[0]], requires_grad=False)
         placed.__dict__.update(param.__dict__)  # shard_rules
         setattr(module, name, placed)
+        if shape != param.shape:
+            module.weight_and_adapter = view   # [weight rows; LoRA A rows], one GEMM's operand
 
 
 def iter_checkpoint(model: str | Path | ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
