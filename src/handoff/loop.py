@@ -216,7 +216,8 @@ class Run:
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
         self.task = build_task(cfg.data, seed=cfg.run.seed)
-        self.rewards = RewardSet.from_config(cfg.reward, self.task, callables=reward_funcs)
+        self.rewards = RewardSet.from_config(cfg.reward, self.task, callables=reward_funcs,
+                                             rank=self.rank if self.world > 1 else None)
         self.eval_set = build_eval_problems(cfg.data, cfg.eval, seed=cfg.run.seed)
         self.samples: list[tuple[str, str, float]] = []   # the last step's, for the report
         self.plan = plan or RunPlan.build(cfg)

@@ -21,8 +21,9 @@ def _samples(texts=("a", "b", "boom", "d")) -> list[Sample]:
     return [Sample(problem, "q", t, [1]) for t in texts]
 
 
-def _error(spec: str, *, workers: int = 0) -> str:
-    with RewardSet.from_config(RewardConfig(functions=[spec], workers=workers), TASK) as rewards:
+def _error(spec: str, *, workers: int = 0, rank: int | None = None) -> str:
+    with RewardSet.from_config(RewardConfig(functions=[spec], workers=workers), TASK,
+                               rank=rank) as rewards:
         with pytest.raises(HandoffError) as e:
             rewards.score(_samples())
     message = str(e.value)
@@ -55,6 +56,37 @@ def test_a_bad_reward_is_one_line_naming_the_function_sample_and_value(name):
     assert CASES[name] in _error(f"{BAD}:{name}")
 
 
+RANKED_CASES = {
+    "raises": "reward raises raised ZeroDivisionError on rank 1, samples 0..3 of its batch: "
+              "float division by zero",
+    "gives_nan": "reward gives_nan gave nan for rank 1, sample 1 of its batch: return a finite",
+    "one_short": "reward one_short returned 3 values for 4 completions (rank 1, samples 0..3 of "
+                 "its batch)",
+    "verl_raises": "reward verl_raises raised KeyError on rank 1, sample 2 of its batch",
+    "verl_dict_without_score": "reward verl_dict_without_score returned a dict without 'score' "
+                               "for rank 1, sample 0 of its batch (keys: acc)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANKED_CASES))
+def test_under_torchrun_a_bad_reward_names_the_rank_whose_sample_it_is(name):
+    """Each rank numbers its own samples from 0: "sample 2" alone would not say whose."""
+    assert RANKED_CASES[name] in _error(f"{BAD}:{name}", rank=1)
+
+
+def test_a_builtin_and_a_weighted_total_name_the_rank_too():
+    problem = Problem(messages=({"role": "user", "content": "q"},), answer="Paris", index=0)
+    rewards = RewardSet.from_config(RewardConfig(functions=["handoff:numeric"]), TASK, rank=3)
+    with pytest.raises(HandoffError, match=r"reward numeric raised ValueError on rank 3, "
+                                           r"sample 0 of its batch: the reference answer"):
+        rewards.score([Sample(problem, "q", "Paris", [1])])
+    with RewardSet.from_config(RewardConfig(functions=[f"{BAD}:gives_half_the_limit"],
+                                            weights=[2.0]), TASK, rank=1) as rewards:
+        with pytest.raises(HandoffError, match=r"the weighted total of rank 1, sample 0 of its "
+                                               r"batch is 1.2e\+15"):
+            rewards.score(_samples())
+
+
 def test_a_weighted_total_past_the_limit_is_one_line():
     with RewardSet.from_config(RewardConfig(functions=[f"{BAD}:gives_half_the_limit"],
                                             weights=[2.0]), TASK) as rewards:
@@ -68,6 +100,7 @@ def test_a_bad_reward_in_a_worker_pool_gives_the_same_line():
     assert CASES["gives_nan"] in _error(f"{BAD}:gives_nan", workers=1)
     assert CASES["verl_raises"] in _error(f"{BAD}:verl_raises", workers=1)
     assert CASES["calls_sys_exit"] in _error(f"{BAD}:calls_sys_exit", workers=1)
+    assert RANKED_CASES["verl_raises"] in _error(f"{BAD}:verl_raises", workers=1, rank=1)
 
 
 @pytest.mark.slow   # spawns a worker

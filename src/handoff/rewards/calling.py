@@ -13,7 +13,8 @@ what it returns.
 * built-in: once per sample, `grader(problem, completion_text) -> Score`.
 
 Whatever comes back is checked here: a raise, NaN or infinity, a wrong length or a wrong type
-is one HandoffError line naming the function, the sample and the value.
+is one HandoffError line naming the function, the sample and the value (`named_samples`:
+under torchrun each rank numbers its own samples, so the line names the rank too).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class RewardInputs:
     extra_infos: list[Any]
     step: int = 0
     max_steps: int = 0
+    rank: int | None = None  # the rank whose batch these are (None: one process)
 
     def __len__(self) -> int:
         return len(self.completion_texts)
@@ -58,7 +60,17 @@ class RewardInputs:
                             cut(self.completion_ids),
                             {k: cut(v) for k, v in self.columns.items()},
                             cut(self.data_sources), cut(self.ground_truths),
-                            cut(self.extra_infos), self.step, self.max_steps)
+                            cut(self.extra_infos), self.step, self.max_steps, self.rank)
+
+    def named(self, first: int, last: int | None = None) -> str:
+        return named_samples(first, last, rank=self.rank)
+
+
+def named_samples(first: int, last: int | None = None, *, rank: int | None = None) -> str:
+    """Sample `first` (to `last`) as an error line names it: its index in this process's
+    batch, which under torchrun (`rank` given) every rank numbers from 0 for itself."""
+    what = f"sample {first}" if last is None else f"samples {first}..{last}"
+    return what if rank is None else f"rank {rank}, {what} of its batch"
 
 
 @dataclass
@@ -83,14 +95,15 @@ def call_user_function(fn: Callable[..., Any], style: str, name: str, inputs: Re
                   "ground_truth": inputs.ground_truths[i]}
         if takes_extra:
             kwargs["extra_info"] = inputs.extra_infos[i]
-        raw = _guarded(lambda: _awaited(fn(**kwargs)), name, f"sample {start + i}")
+        sample = inputs.named(start + i)
+        raw = _guarded(lambda: _awaited(fn(**kwargs)), name, sample)
         if isinstance(raw, dict):
             if "score" not in raw:
-                raise HandoffError(f"reward {name} returned a dict without 'score' for sample "
-                                   f"{start + i} (keys: {', '.join(map(str, raw))}): return a "
-                                   "number or a dict with a 'score'")
+                raise HandoffError(f"reward {name} returned a dict without 'score' for {sample} "
+                                   f"(keys: {', '.join(map(str, raw))}): return a number or a "
+                                   "dict with a 'score'")
             raw = raw["score"]
-        values.append(checked_value(raw, name, start + i))
+        values.append(checked_value(raw, name, sample))
     return CallResult(values)
 
 
@@ -107,7 +120,7 @@ def _call_trl(fn: Callable[..., Any], name: str, inputs: RewardInputs, start: in
                   completion_ids=inputs.completion_ids,
                   trainer_state=_trainer_state(inputs.step, inputs.max_steps),
                   log_extra=log_extra, log_metric=log_metric)
-    where = f"samples {start}..{start + len(inputs) - 1}"
+    where = inputs.named(start, start + len(inputs) - 1)
     raw = _guarded(lambda: _awaited(fn(**kwargs)), name, where)
     if isinstance(raw, (str, bytes, dict)) or not hasattr(raw, "__len__"):
         raise HandoffError(f"reward {name} returned {_show(raw)} ({type(raw).__name__}) for "
@@ -115,16 +128,16 @@ def _call_trl(fn: Callable[..., Any], name: str, inputs: RewardInputs, start: in
     if len(raw) != len(inputs):
         raise HandoffError(f"reward {name} returned {len(raw)} values for {len(inputs)} "
                            f"completions ({where}): return one float (or None) per completion")
-    result.values = [checked_value(v, name, start + i) for i, v in enumerate(raw)]
+    result.values = [checked_value(v, name, inputs.named(start + i)) for i, v in enumerate(raw)]
     return result
 
 
 def call_builtin(grader: Callable[..., Any], name: str, problem: Any, text: str,
-                 index: int) -> tuple[float, bool, bool]:
-    """(reward, correct, formatted) of a built-in grader on sample `index`."""
-    score = _guarded(lambda: grader(problem, text), name, f"sample {index}",
+                 sample: str) -> tuple[float, bool, bool]:
+    """(reward, correct, formatted) of a built-in grader on `sample` (named_samples)."""
+    score = _guarded(lambda: grader(problem, text), name, sample,
                      fix="fix the data or pick another reward")
-    return checked_value(score.reward, name, index), bool(score.correct), bool(score.formatted)
+    return checked_value(score.reward, name, sample), bool(score.correct), bool(score.formatted)
 
 
 # The advantages are float32 statistics of a group's rewards: their squared deviations must
@@ -132,24 +145,25 @@ def call_builtin(grader: Callable[..., Any], name: str, problem: Any, text: str,
 REWARD_LIMIT = 1e15
 
 
-def checked_value(value: Any, name: str, index: int) -> float | None:
-    """A reward as a float (None stays None: no reward); wrong types and non-finite refused."""
+def checked_value(value: Any, name: str, sample: str) -> float | None:
+    """A reward as a float (None stays None: no reward); wrong types and non-finite refused,
+    naming `sample` (named_samples)."""
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not (
             isinstance(value, numbers.Real) or hasattr(type(value), "__float__")):
         raise HandoffError(f"reward {name} gave {_show(value)} ({type(value).__name__}) for "
-                           f"sample {index}: return a float, or None for no reward")
+                           f"{sample}: return a float, or None for no reward")
     try:
         number = float(value)
     except (OverflowError, ValueError, TypeError):   # an int past float's range, a bad __float__
-        raise HandoffError(f"reward {name} gave {_show(value)} for sample {index}, which is not "
-                           "a float (out of its range?): return a finite float, or None for no "
+        raise HandoffError(f"reward {name} gave {_show(value)} for {sample}, which is not a "
+                           "float (out of its range?): return a finite float, or None for no "
                            "reward") from None
     if not math.isfinite(number):
-        raise HandoffError(f"reward {name} gave {number} for sample {index}: return a finite "
-                           "float, or None for no reward")
-    check_reward_range(number, f"reward {name} gave {number:g} for sample {index}")
+        raise HandoffError(f"reward {name} gave {number} for {sample}: return a finite float, "
+                           "or None for no reward")
+    check_reward_range(number, f"reward {name} gave {number:g} for {sample}")
     return number
 
 

@@ -32,7 +32,7 @@ from handoff.config import RewardConfig
 from handoff.errors import HandoffError
 from handoff.rewards.builtin import builtin
 from handoff.rewards.calling import (RESERVED, CallResult, RewardInputs, call_builtin,
-                                     call_user_function, check_reward_range)
+                                     call_user_function, check_reward_range, named_samples)
 from handoff.rewards.loading import (BUILTIN, BUILTIN_PREFIX, RewardFunction, first_line,
                                      from_callable, from_spec, resolve_spec)
 from handoff.tasks import Problem, Task
@@ -90,7 +90,9 @@ class RewardSet:
     """The run's reward functions with their weights; `score` rewards one step's samples."""
 
     def __init__(self, functions: Sequence[RewardFunction], weights: Sequence[float] | None = None,
-                 *, workers: int = 0) -> None:
+                 *, workers: int = 0, rank: int | None = None) -> None:
+        """`rank`: this process's rank under torchrun (None alone), named with a sample in
+        an error line: each rank numbers its own samples from 0."""
         if not functions:
             raise HandoffError("no reward function: name one in reward.functions (or leave it "
                                "empty for the task's own grader)")
@@ -104,12 +106,14 @@ class RewardSet:
         self.functions = _unique_names(functions)
         self.weights = tuple(weights)
         self.workers = workers
+        self.rank = rank
         self._pool: ProcessPoolExecutor | None = None
         self._warned_unscored = False
 
     @classmethod
     def from_config(cls, reward: RewardConfig, task: Task, *,
-                    callables: Sequence[Callable[..., Any]] = ()) -> RewardSet:
+                    callables: Sequence[Callable[..., Any]] = (),
+                    rank: int | None = None) -> RewardSet:
         """`reward.functions` by spec, then `callables` from Python; the task's grader when
         there are neither. `reward.weights` covers both, in that order."""
         functions = [builtin(s, task) if s.strip().startswith(BUILTIN_PREFIX) else from_spec(s)
@@ -122,7 +126,7 @@ class RewardSet:
             raise HandoffError(f"{BUILTIN_PREFIX}{graders[0].name} grades against a reference "
                                "answer and data.answer_field is null (prompts only): set "
                                "data.answer_field, or score with reward.functions of your own")
-        return cls(functions, reward.weights, workers=reward.workers)
+        return cls(functions, reward.weights, workers=reward.workers, rank=rank)
 
     @property
     def names(self) -> list[str]:
@@ -133,14 +137,14 @@ class RewardSet:
         """Every function on every sample; HandoffError naming the function, the sample and
         the value when one raises or returns what is not a finite float (or None)."""
         started = time.perf_counter()
-        inputs = reward_inputs(samples, step=step, max_steps=max_steps)
+        inputs = reward_inputs(samples, step=step, max_steps=max_steps, rank=self.rank)
         flags = None  # (correct, formatted) per sample, from the first built-in grader
         results: dict[int, CallResult] = {}
         pending = {i: self._submit(f, inputs) for i, f in enumerate(self.functions)
                    if f.spec is not None and self.workers > 0}
         for i, f in enumerate(self.functions):
             if f.style == BUILTIN:
-                scores = [call_builtin(f.fn, f.name, s.problem, s.completion, k)
+                scores = [call_builtin(f.fn, f.name, s.problem, s.completion, inputs.named(k))
                           for k, s in enumerate(samples)]
                 results[i] = CallResult([r for r, _, _ in scores])
                 if flags is None:
@@ -150,7 +154,8 @@ class RewardSet:
         for i, futures in pending.items():
             results[i] = _joined([_result(future, self.functions[i].name) for future in futures])
         ordered = [results[i] for i in range(len(self.functions))]
-        totals, unscorable = weighted_totals([r.values for r in ordered], self.weights)
+        totals, unscorable = weighted_totals([r.values for r in ordered], self.weights,
+                                             rank=self.rank)
         if unscorable and all(unscorable) and not self._warned_unscored:
             self._warned_unscored = True   # once a run: TRL warns too, and scores them 0
             names = ", ".join(f.name for f in self.functions)
@@ -187,10 +192,10 @@ class RewardSet:
         self.close()
 
 
-def weighted_totals(values: Sequence[Sequence[float | None]], weights: Sequence[float]
-                    ) -> tuple[tuple[float, ...], tuple[bool, ...]]:
+def weighted_totals(values: Sequence[Sequence[float | None]], weights: Sequence[float], *,
+                    rank: int | None = None) -> tuple[tuple[float, ...], tuple[bool, ...]]:
     """Per sample, the weighted sum of the functions' values with None skipped (TRL's nansum),
-    and whether every function gave None (then the total is 0.0)."""
+    and whether every function gave None (then the total is 0.0); `rank` as RewardSet's."""
     totals, unscorable = [], []
     for per_sample in zip(*values):
         given = [(w, v) for w, v in zip(weights, per_sample) if v is not None]
@@ -198,13 +203,15 @@ def weighted_totals(values: Sequence[Sequence[float | None]], weights: Sequence[
         # bit for bit (the task's grader alone gives exactly Task.reward's floats).
         totals.append(sum((w * v for w, v in given[1:]), given[0][0] * given[0][1])
                       if given else 0.0)
-        check_reward_range(totals[-1], f"the weighted total of sample {len(totals) - 1} is "
-                                       f"{totals[-1]:g} (reward.weights {list(weights)})")
+        sample = named_samples(len(totals) - 1, rank=rank)
+        check_reward_range(totals[-1], f"the weighted total of {sample} is {totals[-1]:g} "
+                                       f"(reward.weights {list(weights)})")
         unscorable.append(not given)
     return tuple(totals), tuple(unscorable)
 
 
-def reward_inputs(samples: Sequence[Sample], *, step: int = 0, max_steps: int = 0) -> RewardInputs:
+def reward_inputs(samples: Sequence[Sample], *, step: int = 0, max_steps: int = 0,
+                  rank: int | None = None) -> RewardInputs:
     """The samples as TRL and verl read them (see calling.py and dataset_columns)."""
     columns_per_sample = [dataset_columns(s.problem) for s in samples]
     keys = list(dict.fromkeys(k for cols in columns_per_sample for k in cols))
@@ -219,7 +226,7 @@ def reward_inputs(samples: Sequence[Sample], *, step: int = 0, max_steps: int = 
         ground_truths=[_ground_truth(s.problem, cols)
                        for s, cols in zip(samples, columns_per_sample)],
         extra_infos=[cols.get("extra_info") or {} for cols in columns_per_sample],
-        step=step, max_steps=max_steps)
+        step=step, max_steps=max_steps, rank=rank)
 
 
 def dataset_columns(problem: Problem) -> dict[str, Any]:
