@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from handoff import dist
 from handoff.cli import app
-from handoff.errors import HandoffError
+from handoff.errors import HandoffError, RankError
 
 VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 FULL = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
@@ -66,6 +66,23 @@ def test_local_rank_beyond_the_cards_is_refused(env, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(HandoffError, match=r"LOCAL_RANK=3 but torch sees 2 GPU\(s\)"):
         dist.resolve_device("cuda")
+
+
+def test_an_error_every_rank_raises_alike_is_said_by_local_rank_zero(env, monkeypatch):
+    alike, own = HandoffError("a config error"), RankError("this rank's card")
+    env(**FULL)   # rank 1 of 2, local rank 1, before the ranks meet
+    assert not dist.says_error(alike) and dist.says_error(own)
+    env(LOCAL_RANK="0")   # the first rank of its node (a node's files are its own)
+    assert dist.says_error(alike)
+    env(LOCAL_RANK="1")
+    monkeypatch.setattr(dist.dist, "is_initialized", lambda: True)   # the group formed
+    assert dist.says_error(alike)
+
+
+def test_a_refused_launch_and_a_lone_process_say_every_error(env):
+    assert dist.says_error(HandoffError("alone"))
+    env(RANK="1")   # no WORLD_SIZE: the launch itself is refused, in every process
+    assert dist.says_error(HandoffError("RANK=1 is set but ..."))
 
 
 def test_train_and_generate_with_a_stray_world_size_say_one_line_and_write_nothing(env,

@@ -66,21 +66,21 @@ def one_rank(model_dir, tmp_path_factory):
     return rows
 
 
-def run(cmd: list[str]) -> str:
+def run(cmd: list[str], *, fails: bool = False) -> str:
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=180)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (done.returncode != 0) == fails, (done.stdout + done.stderr)[-4000:]
     return done.stdout + done.stderr
 
 
-def torchrun_train(model_dir, out_dir, *extra) -> str:
+def torchrun_train(model_dir, out_dir, *extra, fails: bool = False) -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "handoff",
                 "train", "examples/cpu-tiny.yaml",
-                *overrides(model_dir, out_dir, "parallel.gpus=2", *extra)])
+                *overrides(model_dir, out_dir, "parallel.gpus=2", *extra)], fails=fails)
 
 
 def assert_same_metrics(rows: list[dict], alone: list[dict]) -> None:
@@ -109,6 +109,31 @@ def assert_sync_bytes_as_planned(out_dir) -> None:
     summary = json.loads((out_dir / "summary.json").read_text())
     planned = summary["planned"]["engine_weights_sync"]["bytes"]
     assert summary["measured"]["engine_weights_sync"]["bytes"] == pytest.approx(planned, rel=0.01)
+
+
+@pytest.mark.slow
+def test_an_error_every_rank_has_is_said_once(model_dir, tmp_path):
+    said = torchrun_train(model_dir, tmp_path, "parallel.gpus=4", fails=True)
+    assert said.count("parallel.gpus=4 but 2 process(es) were started") == 1, said[-4000:]
+
+
+RANK_ONE_FAILS = """import os
+
+def fails_on_rank_1(data_source, solution_str, ground_truth, extra_info=None):
+    if os.environ["RANK"] == "1":
+        raise ValueError("no grader here")
+    return 0.0
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_that_fails_on_one_rank_is_said_by_that_rank_naming_it(model_dir, tmp_path):
+    (tmp_path / "rank_reward.py").write_text(RANK_ONE_FAILS)
+    said = torchrun_train(model_dir, tmp_path / "run",
+                          f"reward.functions=[{tmp_path / 'rank_reward.py'}:fails_on_rank_1]",
+                          fails=True)
+    assert said.count("reward fails_on_rank_1 raised ValueError on rank 1, sample 0 of its "
+                      "batch: no grader here") == 1, said[-4000:]
 
 
 @pytest.mark.cuda

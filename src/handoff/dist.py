@@ -7,6 +7,7 @@ reductions over ranks, and the end of a torchrun launch. One place for all of it
     rank, world = world_rank_size()
     mean, std, n = mean_over_ranks(values)
     end_distributed_run()                    # after the outputs are written
+    says_error(error)                        # whether this rank prints a one-line error
 
 A process group that already exists is reused as it is. The engine's tensor-parallel groups
 are subgroups of this one (rollout/parallel.py).
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from handoff.errors import HandoffError
+from handoff.errors import HandoffError, RankError
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _NEEDED_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -85,10 +86,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if device.index is None:
             local = (launch_env() or (0, 1, 0))[2]
             if local >= torch.cuda.device_count():
-                raise HandoffError(f"LOCAL_RANK={local} but torch sees "
-                                   f"{torch.cuda.device_count()} GPU(s): start at most that many "
-                                   "processes per node (torchrun --nproc-per-node), or unset "
-                                   "LOCAL_RANK")
+                raise RankError(f"LOCAL_RANK={local} but torch sees "
+                                f"{torch.cuda.device_count()} GPU(s): start at most that many "
+                                "processes per node (torchrun --nproc-per-node), or unset "
+                                "LOCAL_RANK")
             device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     elif device.type != "cpu":
@@ -222,6 +223,22 @@ def mean_over_ranks(values: list[float]) -> tuple[float, float, int]:
     total, sq, n = t.tolist()
     mean = total / max(n, 1)
     return mean, max(sq / max(n, 1) - mean * mean, 0.0) ** 0.5, int(n)
+
+
+def says_error(error: HandoffError) -> bool:
+    """Whether this process prints `error`, the command's one line. Until the process group
+    forms, the ranks of a launch have made the same checks on the same inputs (the config,
+    the launch, the preflight, the run's data and rewards): local rank 0 says what failed,
+    once a node (a node's files are its own). Once it has formed, each rank's work is its
+    own (its card, its share of the samples): every rank says its error, as it says a
+    RankError at any time. A launch whose variables are refused says so in every process."""
+    if isinstance(error, RankError) or dist.is_initialized():
+        return True
+    try:
+        launch = launch_env()
+    except HandoffError:
+        return True
+    return launch is None or launch[2] == 0
 
 
 def end_distributed_run() -> None:

@@ -11,3 +11,8 @@ class HandoffError(ValueError):
 
 class ConfigError(HandoffError):
     """A configuration field holds a value outside its accepted range or type."""
+
+
+class RankError(HandoffError):
+    """An error of one rank's own under torchrun (its device, its share of the work), even
+    before the ranks first meet: every rank that has it prints it (dist.says_error)."""

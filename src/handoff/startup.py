@@ -44,8 +44,8 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
                  ) -> tuple[HybridWorker, Rates]:
     """This process's worker, in the rollout phase, and the rates measured on its card."""
     device = resolve_device(device or cfg.run.device)
+    check_world_size(cfg.parallel.gpus)   # before the rendezvous: every rank sees it alike
     init_process_group(device)
-    check_world_size(cfg.parallel.gpus)
     arena = PinnedArena(pin=device.type == "cuda")
     pool = RegionPool(device, wake_margin_bytes=cfg.memory.wake_margin_mb << 20)
     meter = MemoryMeter(device, pool=pool, arena=arena)

@@ -14,6 +14,7 @@ and what every command shares; one module per command group adds its commands: `
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -31,8 +32,9 @@ PLAN_DOES_NOT_FIT = 3   # `handoff plan`'s exit status when the verdict is "does
 
 
 def friendly_errors(fn: Callable) -> Callable:
-    """Turn a HandoffError into one red line and exit code 2; refuse a NaN or infinite
-    number option first (click's FLOAT accepts both, and every range check passes NaN)."""
+    """Turn a HandoffError into one red line and exit code 2 (under torchrun, one rank says
+    an error every rank has alike: _says_error); refuse a NaN or infinite number option
+    first (click's FLOAT accepts both, and every range check passes NaN)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -40,11 +42,22 @@ def friendly_errors(fn: Callable) -> Callable:
             check_finite_options(kwargs)
             return fn(*args, **kwargs)
         except HandoffError as e:
-            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
-                              soft_wrap=True)
+            if _says_error(e):
+                err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
+                                  soft_wrap=True)
             sys.exit(2)
 
     return wrapper
+
+
+def _says_error(error: HandoffError) -> bool:
+    """dist.says_error under torchrun's rank variables; a lone process always says its error
+    (and imports no torch for it: `handoff plan` answers in well under a second)."""
+    if not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} & os.environ.keys():
+        return True
+    from handoff.dist import says_error
+
+    return says_error(error)
 
 
 def check_finite_options(values: dict) -> None:
