@@ -251,3 +251,34 @@ def test_lora_with_the_base_held_twice_replays_the_runs_own_frees_not_a_full_mod
     full = calibrate_module.trainer_bytes(run.plan.shape, run.plan.shard, run.plan.dtypes,
                                           ref=False)
     assert parts["optimizer"] < full["optimizer"] / 10
+
+
+@pytest.mark.parametrize("share_base", [True, False])
+def test_the_wake_is_measured_after_the_trainers_activations_leave_at_once(
+        model_dir, tmp_path, share_base):
+    """A page handed back a moment before a map maps 2-3x faster than one released seconds
+    before (scripts/device/map_probe.py): the trainer's activations, which to_rollout's
+    empty_cache hands back right before the KV wake, are replayed there, capped at the room."""
+    import types
+
+    import handoff.calibrate as calibrate_module
+    from handoff.plan.trainer import MicroBatchChoice
+
+    cfg = _cfg(model_dir, tmp_path, "actor.lora.rank=4",
+               f"actor.lora.share_base={str(share_base).lower()}")
+    plan = RunPlan.build(cfg)
+    pool = RegionPool(torch.device("cpu"))
+    _, _, before = calibrate_module._switch_sizes(cfg, plan, pool)
+    _, _, freed = calibrate_module._switch_sizes(cfg, plan, pool, activations=3 << 20)
+    assert freed[0] == ((before[0][0] if before else 0) + (3 << 20), 0.0)
+    assert freed[1:] == before[1:]
+    _, _, capped = calibrate_module._switch_sizes(cfg, plan, pool, activations=1 << 62)
+    assert capped[0][0] < 1 << 62
+    # The micro-batch the planner sized, else the profile's estimate.
+    choice = MicroBatchChoice(tokens=1024, checkpointing=False, bytes_per_token=1000.0,
+                              fixed_bytes=5.0, room_bytes=0.0, reason="")
+    actor = types.SimpleNamespace(micro_batch_choice=choice)
+    assert calibrate_module._activation_bytes(plan, actor) == 1024 * 1000 + 5
+    actor.micro_batch_choice = None
+    assert (calibrate_module._activation_bytes(plan, actor)
+            == int(plan.hardware.train_activation_bytes))

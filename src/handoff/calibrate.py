@@ -9,8 +9,9 @@ What is measured, and why at this size and in this state:
   as to_train copies right after the engine's sleep), a device-to-device copy;
 * map and unmap of a region the size of the KV pool the engine is about to take (mapping is
   not linear in size), in the state the switch maps it: the weights mapped, the trainer's
-  offloaded state handed back to the driver when to_rollout hands it back, the pool's own
-  pages released seconds before; and the map of a region the weights' size;
+  offloaded state and its activations handed back to the driver when to_rollout hands them
+  back, the pool's own pages released seconds before; and the map of a region the weights'
+  size;
 * the weight sync's copies: the real `sync_weights` over the actor's own tensors (a kernel
   per tensor into the bucket, batched copies out of it), slower per byte than one large copy;
 * the sync's host work per tensor, timed while a D2H of the optimizer's size is queued (the
@@ -104,8 +105,10 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     if borrow:
         actor.to("host", params=True).wait()
         aggressive_empty_cache()
-    kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool)
     on_cuda = device.type == "cuda"
+    # (on the CPU a map is a resize: gigabytes of activations replayed would only cost time)
+    activations = _activation_bytes(plan, actor) if on_cuda else 0
+    kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool, activations=activations)
     # Four pairs: one pair's times vary by a quarter from step to step.
     values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
                                       held_during_wake=weight_bytes, freed_before_wake=freed,
@@ -120,14 +123,27 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     return Rates(values)
 
 
-def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, int, list]:
+def _activation_bytes(plan: RunPlan, actor) -> int:
+    """What the trainer's micro-batch holds at its peak (the planner's choice when it sized
+    the micro-batch, else the profile's estimate): to_rollout's empty_cache hands it back
+    right before the KV wake."""
+    choice = getattr(actor, "micro_batch_choice", None)
+    if choice is None:
+        return int(plan.hardware.train_activation_bytes)
+    return int(choice.tokens * choice.bytes_per_token + choice.fixed_bytes)
+
+
+def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool, *, activations: int = 0
+                  ) -> tuple[int, int, list]:
     """(KV pool, engine weights) bytes the engine is about to take, each at most what is free
     now less the wake margin and 1 GiB (weights 0 under LoRA on a shared base: mapped
-    already, and they stay); and [(bytes, seconds before the KV wake)] that
-    to_rollout hands back to the driver: the optimizer once its copy ends (the params' copy
-    still to go), then the params and the sync's two buckets right before the wake. The pool
-    is sized by the engine's own rule, with the planner's activation peak and graph pool for
-    the ones the engine profiles."""
+    already, and they stay); and [(bytes, seconds before the KV wake)] that to_rollout hands
+    back to the driver: the optimizer once its copy ends (the params' copy still to go),
+    then the params, the sync's two buckets and the trainer's `activations` right before the
+    wake. Pages handed back a moment before a map map ~2-3x faster than pages released
+    seconds before (H200, 40 GiB: scripts/device/map_probe.py, docs/PERF.md), so what the
+    wake maps fast is what the trainer held last. The pool is sized by the engine's own rule,
+    with the planner's activation peak and graph pool for the ones the engine profiles."""
     shape, dtypes, hw = plan.shape, plan.dtypes, plan.hardware
     ro, tp = cfg.rollout, cfg.parallel.tp
     weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
@@ -140,11 +156,13 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, in
                             overhead_bytes=int(hw.activation_peak_bytes + hw.graph_pool_bytes))
     room = free - pool.wake_margin_bytes - (1 << 30)
     if cfg.actor.lora.shares_base:   # the weights are mapped already (the trainer's base) and `free`
-        # excludes them; nothing but the adapters' Adam state (megabytes) leaves before the wake
-        return int(max(min(blocks * block, room), block)), 0, []
+        # excludes them; the activations leave before the wake (and the adapters' Adam
+        # state, megabytes)
+        late = int(max(min(activations, room), 0))
+        return int(max(min(blocks * block, room), block)), 0, [(late, 0.0)] if late else []
     weights = int(max(min(weights, room), 1))
     params, optimizer = _offloaded_bytes(cfg, plan)
-    late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)
+    late = min(params + 2 * (cfg.sync.bucket_mb << 20) + activations, room - weights)
     early = optimizer if cfg.memory.optimizer_offload else 0
     early = min(early, room - weights - late)
     freed = [(int(late), 0.0)] + ([(int(early), params / hw.pinned_pcie_bps)] if early > 0 else [])
@@ -155,8 +173,8 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, in
 def _offloaded_bytes(cfg: Config, plan: RunPlan) -> tuple[int, int]:
     """(params, optimizer state) bytes to_rollout hands back to the driver before the KV
     wake: a full model's, or under LoRA with the base held twice the trainer's base and
-    adapters (memory.param_offload) and the adapters' Adam state (a map right after large
-    frees is slower: replaying a full model's frees priced a LoRA wake at 10x its time)."""
+    adapters (memory.param_offload) and the adapters' Adam state (replaying a full model's
+    frees priced a LoRA wake at 10x its time)."""
     shape, dtypes, mem = plan.shape, plan.dtypes, cfg.memory
     lora = cfg.actor.lora
     if not lora.rank:
