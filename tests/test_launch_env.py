@@ -1,6 +1,10 @@
 """Torchrun's variables without torchrun (issue 33): a partial or garbled set is refused in
 one line, never taken as a world it is not (a lone WORLD_SIZE=2 trained on half the prompts)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -41,10 +45,31 @@ def test_a_whole_launch_is_taken_as_it_is(env):
     assert dist.launch_env() == (1, 2, 0)
 
 
+@pytest.mark.parametrize("values", [{"WORLD_SIZE": "1"}, {"WORLD_SIZE": " 1"},
+                                    {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}])
+def test_a_partial_launch_that_says_one_process_is_one(env, values):
+    env(**values)
+    assert dist.launch_env() is None and dist.world_rank_size() == (0, 1)
+    dist.check_world_size(1)
+
+
+@pytest.mark.slow
+def test_train_with_a_lone_world_size_of_one_trains(good, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in VARS}
+    done = subprocess.run([sys.executable, "-m", "handoff", "train", "examples/cpu-tiny.yaml",
+                           f"model.path={good}", f"run.out_dir={tmp_path}", "run.steps=1"],
+                          env={**env, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
 @pytest.mark.parametrize("values,match", [
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not"),
     ({"RANK": "3"}, "RANK=3 is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
     ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0 is set but RANK, WORLD_SIZE"),
+    ({"WORLD_SIZE": "1", "RANK": "1"}, "RANK=1 is set but MASTER_ADDR, MASTER_PORT are not"),
+    ({"WORLD_SIZE": "1", "LOCAL_RANK": "2"}, "WORLD_SIZE=1 is set but RANK, MASTER_ADDR"),
     ({**FULL, "WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not a whole number >= 1"),
     ({**FULL, "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number >= 1"),
     ({**FULL, "WORLD_SIZE": ""}, "WORLD_SIZE='' is not a whole number >= 1"),

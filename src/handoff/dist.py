@@ -17,7 +17,8 @@ launch only when they are complete and consistent; anything else is refused in o
 (`launch_env`), never guessed at: a WORLD_SIZE=2 left in a lone process's environment would
 otherwise make it take half of every batch, and a RANK without WORLD_SIZE a world of one
 that believes it is rank 3. A process without any of RANK, WORLD_SIZE, LOCAL_RANK is a
-world of one (MASTER_ADDR/PORT alone are often exported by a cluster's shell: ignored).
+world of one (MASTER_ADDR/PORT alone are often exported by a cluster's shell: ignored), as
+is one whose partial set says so itself (WORLD_SIZE=1, with RANK and LOCAL_RANK 0 if set).
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ def launch_env() -> tuple[int, int, int] | None:
     present = [name for name in _LAUNCH_VARS if name in os.environ]
     if not present:
         return None
+    missing = [name for name in _NEEDED_VARS if name not in os.environ]
+    if missing and _says_one_process(present):
+        return None
     unset = "unset " + " ".join(n for n in (*_LAUNCH_VARS, "MASTER_ADDR", "MASTER_PORT")
                                 if n in os.environ) + " to run one process"
-    missing = [name for name in _NEEDED_VARS if name not in os.environ]
     if missing:
         raise HandoffError(f"{present[0]}={os.environ[present[0]]} is set but "
                            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
@@ -67,6 +70,14 @@ def launch_env() -> tuple[int, int, int] | None:
     rank = _env_int("RANK", 0, world, unset)
     local = _env_int("LOCAL_RANK", 0, world, unset) if "LOCAL_RANK" in os.environ else 0
     return rank, world, local
+
+
+def _says_one_process(present: list[str]) -> bool:
+    """WORLD_SIZE=1, and RANK / LOCAL_RANK 0 where set: a partial set that cannot mislead
+    (one process takes every prompt either way)."""
+    values = {name: os.environ[name].strip() for name in present}
+    return (values.get("WORLD_SIZE") == "1"
+            and all(values.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK")))
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
