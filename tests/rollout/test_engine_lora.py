@@ -141,7 +141,7 @@ def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monke
     calls = []
     run = lora.LoraSlot.linear
     monkeypatch.setattr(lora.LoraSlot, "linear",
-                        lambda self, *args: calls.append(1) or run(self, *args))
+                        lambda self, *args, **kw: calls.append(1) or run(self, *args, **kw))
     engine = Engine(str(qwen3_dir), ref.cfg())
     assert _tokens(engine) == [ref.greedy(qwen3_dir, p, NEW_TOKENS) for p in PROMPTS]
     assert engine.lora is None and calls == []
@@ -209,6 +209,8 @@ def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref
 
 
 def test_a_linears_adapter_rows_follow_its_weight_and_one_gemm_gives_both(qwen3_dir, ref):
+    from handoff.plan.lora import engine_adapter_rows
+    from handoff.plan.shapes import load_shape
     from handoff.rollout import ops
     from handoff.rollout.layers import ColumnParallelLinear, RowParallelLinear, adapter_rows
     from handoff.rollout.parallel import TPGroup
@@ -228,6 +230,8 @@ def test_a_linears_adapter_rows_follow_its_weight_and_one_gemm_gives_both(qwen3_
         torch.testing.assert_close(ops.linear(x, weight, None, slot),
                                    ops.linear(x, weight, None, apart))
     assert _tokens(engine) == [_peft_greedy(qwen3_dir, p) for p in PROMPTS]
+    rows = sum(m.lora.A.numel() for m in engine.lora.linears.values())
+    assert rows == engine_adapter_rows(load_shape(str(qwen3_dir)), RANK, tp=1)   # as planned
     # Where the GEMM's output must stay one dense tensor, A keeps a buffer of its own.
     meta = {"device": "meta", "dtype": torch.float32}
     fused = ColumnParallelLinear(8, [(6, 0, 6), (2, 0, 2), (2, 0, 2)], bias=False, **meta)

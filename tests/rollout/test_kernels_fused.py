@@ -26,15 +26,47 @@ QKV_CASES = {
     "no_cache_profiling": (4, 4, 2, 32, True, None, None),
 }
 NUM_BLOCKS, BLOCK_SIZE = 4, 16
+LORA_RANK = 4
+# A product's output with its LoRA term left to the kernel (ops.Deferred): q/k/v's three parts
+LORA_QKV_CASES = {"qwen3_norm_store_adapter": (3, 4, 2, 32, True, "model", [5, 17, 40]),
+                  "no_cache_adapter": (2, 4, 2, 32, True, None, None)}
 
 
-def _qkv_case(seed: int, case, dtype, device):
+def _deferred(y, parts: list[int], gen, scale: float = 1.0):
+    """ops.Deferred of `y` [T, F] with a random rank-LORA_RANK term: t [T, P*R] in a wider
+    buffer (as the joined GEMM leaves it), B [F, P*R] block-diagonal over `parts` rows."""
+    tokens, width = y.shape
+    cols = len(parts) * LORA_RANK
+    out = torch.empty(tokens, width + cols, dtype=y.dtype)
+    out[:, :width] = y
+    out[:, width:] = (torch.randn(tokens, cols, generator=gen) * scale).to(y.dtype)
+    b = torch.zeros(width, cols)
+    start = 0
+    for p, rows in enumerate(parts):
+        b[start:start + rows, p * LORA_RANK:(p + 1) * LORA_RANK] = torch.randn(
+            rows, LORA_RANK, generator=gen) * 0.3
+        start += rows
+    return out, b.to(y.dtype)
+
+
+def _as_deferred(out, b, width, device):
+    from handoff.rollout.lora import Delta
+    from handoff.rollout.ops import Deferred
+
+    out, b = out.to(device, copy=True), b.to(device)   # a reader may add the term in place
+    return Deferred(out[:, :width], Delta(out[:, width:], b, LORA_RANK))
+
+
+def _qkv_case(seed: int, case, dtype, device, lora: bool = False):
     from handoff.rollout.attention import AttnMeta, KVCache
     from handoff.rollout.layers import inverse_frequencies, rope_table
 
     tokens, heads, kv_heads, d, norm, cache, slots = case
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    if lora:
+        out, b = _deferred(qkv, [heads * d, kv_heads * d, kv_heads * d], gen)
+        qkv = _as_deferred(out, b, qkv.shape[1], device)
     table = rope_table(inverse_frequencies({"rope_theta": 10000.0}, d), 64)
     positions = torch.randint(0, 64, (tokens,), generator=gen)
     weights = [(1 + 0.1 * torch.randn(d, generator=gen)).to(dtype) for _ in range(2)]
@@ -56,17 +88,18 @@ def _qkv_case(seed: int, case, dtype, device):
             [moved(kv.k[0])], [moved(kv.v[0])],
             None if kv.k_scale is None else [moved(kv.k_scale[0])],
             None if kv.v_scale is None else [moved(kv.v_scale[0])]))
-    args = (qkv.to(device), heads, kv_heads, d, positions.to(device), table.to(device),
+    args = (qkv if lora else qkv.to(device), heads, kv_heads, d, positions.to(device),
+            table.to(device),
             moved(weights[0]) if norm else None, moved(weights[1]) if norm else None, 1e-6,
             meta, 0)
     return args
 
 
-def _compare_qkv(fused_fn, ref_fn, case, dtype, device, seed) -> dict:
+def _compare_qkv(fused_fn, ref_fn, case, dtype, device, seed, lora: bool = False) -> dict:
     """Run both on identical inputs; report max |fused - ref| / max |ref| of q, k, v and of
     the cache rows written (fp8 caches compared in stored units)."""
-    got_args = _qkv_case(seed, case, dtype, device)
-    ref_args = _qkv_case(seed, case, dtype, "cpu")
+    got_args = _qkv_case(seed, case, dtype, device, lora)
+    ref_args = _qkv_case(seed, case, dtype, "cpu", lora)
     got = fused_fn(*got_args)
     ref = ref_fn(*ref_args)
     out = {name: _rel(g, r) for name, g, r in zip("qkv", got, ref)}
@@ -98,12 +131,16 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 def _fused_qkv(*args):
     from handoff.rollout.kernels.fused import qk_norm_rope_store
 
+    from handoff.rollout.ops import Deferred
+
     qkv, heads, kv_heads, d, pos, table, qw, kw, eps, meta, layer = args
+    qkv, delta = (qkv.y_TF, qkv.delta) if isinstance(qkv, Deferred) else (qkv, None)
     kv = meta.kv
     caches = () if kv is None else (kv.k[0], kv.v[0], meta.slot_mapping_T)
     scales = {} if kv is None or kv.k_scale is None else {"k_scale": kv.k_scale[0],
                                                          "v_scale": kv.v_scale[0]}
-    qk_norm_rope_store(qkv, heads, kv_heads, d, pos, table, qw, kw, eps, *caches, **scales)
+    qk_norm_rope_store(qkv, heads, kv_heads, d, pos, table, qw, kw, eps, *caches, **scales,
+                       delta=delta)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     return q.reshape(-1, heads, d), k.reshape(-1, kv_heads, d), v.reshape(-1, kv_heads, d)
 
@@ -125,7 +162,34 @@ def run_cases(device: str, dtype: torch.dtype, fused_qkv, fused_norm, fused_silu
     x = torch.randn(2, 2 * 1500, generator=gen).to(dtype) * 3
     got = fused_silu(x.to(device)).float().cpu()
     results["silu_mul"] = {"out": _rel(got, ops.silu_mul(x))}
+    # The readers of a product whose LoRA term is left to them.
+    for i, (name, case) in enumerate(LORA_QKV_CASES.items()):
+        results[name] = _compare_qkv(fused_qkv, ops.qk_norm_rope_store, case, dtype, device,
+                                     100 + i, lora=True)
+    x, r = (torch.randn(3, 200, generator=gen).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(200, generator=gen)).to(dtype)
+    out, b = _deferred(x, [200], gen)
+    ref = ops.add_rms_norm(_as_deferred(out, b, 200, "cpu"), r, w, 1e-6)
+    got = fused_norm(_as_deferred(out, b, 200, device), r.to(device), w.to(device), 1e-6)
+    results["add_norm_adapter"] = {n: _rel(g, e) for n, g, e in zip(("out", "residual"), got,
+                                                                      ref)}
+    x = torch.randn(2, 2 * 1500, generator=gen).to(dtype) * 3
+    out, b = _deferred(x, [1500, 1500], gen, scale=3.0)
+    got = fused_silu(_as_deferred(out, b, 3000, device)).float().cpu()
+    results["silu_mul_adapter"] = {"out": _rel(got, ops.silu_mul(_as_deferred(out, b, 3000,
+                                                                             "cpu")))}
     return results
+
+
+def _split_deferred(fn):
+    """A kernel's wrapper taking an ops.Deferred as the fused ops do (interpreter runs)."""
+    from handoff.rollout.ops import Deferred
+
+    def call(x, *args):
+        if isinstance(x, Deferred):
+            return fn(x.y_TF, *args, delta=x.delta)
+        return fn(x, *args)
+    return call
 
 
 def _interpreter_main() -> None:
@@ -133,7 +197,8 @@ def _interpreter_main() -> None:
     from handoff.rollout.kernels import fused
 
     print("RESULTS " + json.dumps(run_cases("cpu", torch.float16, _fused_qkv,
-                                            fused.add_rms_norm, fused.silu_mul)))
+                                            _split_deferred(fused.add_rms_norm),
+                                            _split_deferred(fused.silu_mul))))
 
 
 def _check(results: dict, tol: float, fp8_mismatch: float) -> None:
@@ -156,7 +221,8 @@ def interpreter_results() -> dict:
 
 def test_fused_kernels_equal_reference_under_interpreter(interpreter_results):
     assert set(interpreter_results) == {*QKV_CASES, "add_norm_residual", "norm_first_layer",
-                                        "silu_mul"}
+                                        "silu_mul", *LORA_QKV_CASES, "add_norm_adapter",
+                                        "silu_mul_adapter"}
     # fp16 rounding points are the reference's; only fp32 sum order differs (an ulp or so).
     # Triton 3.6's interpreter gets some fp8 conversions at a binade edge wrong (a value torch
     # rounds to -32 came out -16): ~1% of the values; the CUDA test checks the GPU's.

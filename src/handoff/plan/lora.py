@@ -64,6 +64,17 @@ def adapter_tensors(shape: ModelShape, targets: list[str] | tuple[str, ...]) -> 
     return 2 * shape.num_layers * len(dict.fromkeys(targets))
 
 
+def engine_adapter_rows(shape: ModelShape, rank: int, tp: int) -> int:
+    """Elements of LoRA A the engine keeps beside its weights, in their region (rollout.layers.
+    adapter_rows): `rank` rows of each decoder linear's input, for all seven projections
+    whatever the targets; not q/k/v's where the product adds a bias (Qwen2), nor o's and
+    down's under TP."""
+    shapes = projection_shapes(shape)
+    fused = [] if shape.model_type == "qwen2" else ["q_proj", "k_proj", "v_proj"]
+    names = fused + ["gate_proj", "up_proj"] + (["o_proj", "down_proj"] if tp == 1 else [])
+    return shape.num_layers * rank * sum(shapes[n][0] for n in names)
+
+
 def base_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """The base on each card, whole: the engine's weights and the trainer's frozen base."""
     return shape.num_params * dtypes.engine_bytes
@@ -75,18 +86,21 @@ class BaseCopies:
 
     shared: bool            # one copy: the engine's weights are the trainer's frozen base
     trainer: int            # the trainer's base through the update
-    engine: int             # the engine's weights
+    engine: int             # the engine's weights (held twice: with the adapters' A rows)
     kept_generating: int    # the trainer's own base left on the card while the engine runs
 
     @classmethod
     def of(cls, shape: ModelShape, *, shares_base: bool, shard: int, tp: int,
-           param_offload: bool, dtypes: Dtypes = Dtypes()) -> "BaseCopies":
+           param_offload: bool, dtypes: Dtypes = Dtypes(), rank: int = 0) -> "BaseCopies":
+        """`rank`: the engine's adapter rank; held twice, the engine's sleep moves its A rows
+        with its weights (one region)."""
         if shares_base:
             whole = base_bytes(shape, dtypes)
             return cls(shared=True, trainer=whole, engine=whole, kept_generating=0)
         trainer = math.ceil(shape.num_params * dtypes.param_bytes / shard)
+        rows = engine_adapter_rows(shape, rank, tp) * dtypes.engine_bytes if rank else 0
         return cls(shared=False, trainer=trainer,
-                   engine=engine_weight_bytes(shape, tp, dtypes.engine_bytes),
+                   engine=engine_weight_bytes(shape, tp, dtypes.engine_bytes) + rows,
                    kept_generating=0 if param_offload else trainer)
 
     @classmethod
@@ -94,7 +108,8 @@ class BaseCopies:
                parallel: ParallelConfig, dtypes: Dtypes = Dtypes()) -> "BaseCopies":
         """The copies of a run's config (actor.lora, memory, parallel)."""
         return cls.of(shape, shares_base=lora.shares_base, shard=shard_size(parallel),
-                      tp=parallel.tp, param_offload=memory.param_offload, dtypes=dtypes)
+                      tp=parallel.tp, param_offload=memory.param_offload, dtypes=dtypes,
+                      rank=lora.rank)
 
     @classmethod
     def shared_of(cls, shape: ModelShape, dtypes: Dtypes = Dtypes()) -> "BaseCopies":

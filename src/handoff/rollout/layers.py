@@ -142,8 +142,10 @@ class ColumnParallelLinear(nn.Module):
         self.shard_sizes = tuple(length for _, _, length in parts)
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
-    def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor:
-        return ops.linear(x_TE, self.weight, self.bias, self.lora)
+    def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor | ops.Deferred:
+        """The output, or at decode batch with an adapter an ops.Deferred (every reader in
+        the decoder takes one)."""
+        return ops.linear(x_TE, self.weight, self.bias, self.lora, defer=True)
 
 
 class RowParallelLinear(nn.Module):
@@ -160,10 +162,16 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
-    def forward(self, x_TE: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
-        """`gated`: x is the MLP's [gate | up], the input SiLU(gate) * up (ops.linear)."""
-        # With an adapter, this rank's partial delta: the all-reduce sums them.
-        y_TF = self.tp.all_reduce_(ops.linear(x_TE, self.weight, None, self.lora, gated=gated))
+    def forward(self, x_TE: torch.Tensor | ops.Deferred, *, gated: bool = False
+                ) -> torch.Tensor | ops.Deferred:
+        """`gated`: x is the MLP's [gate | up], the input SiLU(gate) * up (ops.linear). One
+        rank without a bias may leave its adapter term to the reader (ops.Deferred); under
+        TP each rank's partial term is added before the all-reduce sums them."""
+        alone = self.tp.size == 1 and self.bias is None
+        y_TF = ops.linear(x_TE, self.weight, None, self.lora, gated=gated, defer=alone)
+        if alone:
+            return y_TF
+        y_TF = self.tp.all_reduce_(y_TF)
         return y_TF if self.bias is None else y_TF + self.bias
 
 

@@ -38,6 +38,7 @@ R = maximum rank.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -56,6 +57,27 @@ _PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
                 "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
+# Rows a product may leave its adapter term to the op that reads its output (ops.Deferred;
+# on CUDA that op's fused kernel adds it as it reads: one launch fewer per linear). Those
+# kernels read B once per row, so past a decode batch the expand's own GEMM is the cheaper.
+DEFER_MAX_ROWS = 32
+DEFER_MAX_RANK = 64   # the kernels unroll their loop over the rank
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A product's adapter term not added yet: y + t B^T. t = x A^T [T, P*R] (the joined GEMM's
+    last columns), B [F, P*R] block-diagonal, `rank` = R, the columns of one part's block."""
+
+    t_TR: torch.Tensor
+    B_FR: torch.Tensor
+    rank: int
+
+    def add_to(self, y_TF: torch.Tensor) -> torch.Tensor:
+        """y += t B^T in place (the reference, and where no kernel takes the term)."""
+        return y_TF.addmm_(self.t_TR, self.B_FR.t())
+
+
 class LoraSlot:
     """One engine linear's adapter buffers: A [P*R, E] (scaled by alpha / r), B [F, P*R]
     block-diagonal. Where the linear kept rows for A after its weight (build_model's
@@ -72,18 +94,23 @@ class LoraSlot:
             self.joined = None
             self.A = torch.zeros(num_parts * max_rank, in_features, **kw)
         self.B = torch.zeros(out_features, num_parts * max_rank, **kw)
+        self.rank = max_rank   # columns of B per part
 
     def linear(self, x_TE: torch.Tensor, weight_FE: torch.Tensor,
-               bias_F: torch.Tensor | None) -> torch.Tensor:
+               bias_F: torch.Tensor | None, *, defer: bool = False):
         """x W^T + b + (x A^T) B^T. With A joined to the weight, one GEMM gives x W^T and
-        x A^T side by side and the second adds the delta in its epilogue (y is a view of
-        rows F + P*R apart); else three ops. Two launches instead of three: at decode batch
-        a launch costs about what a small product does."""
-        if self.joined is not None:
-            out = F.linear(x_TE, self.joined)
-            width = weight_FE.shape[0]
-            return self.expand_into(out[..., :width], out[..., width:])
-        return self.expand_into(F.linear(x_TE, weight_FE, bias_F), F.linear(x_TE, self.A))
+        x A^T side by side (y is a view of rows F + P*R apart) and the second adds the term
+        in its epilogue, or with `defer` (a decode batch, a rank the kernels unroll) the
+        term is left to the op that reads y: (y, Delta). Else three ops. At decode batch a
+        launch costs about what these small products do."""
+        if self.joined is None:
+            return self.expand_into(F.linear(x_TE, weight_FE, bias_F), F.linear(x_TE, self.A))
+        out = F.linear(x_TE, self.joined)
+        width = weight_FE.shape[0]
+        y_TF, t_TR = out[..., :width], out[..., width:]
+        if defer and x_TE.shape[0] <= DEFER_MAX_ROWS and self.rank <= DEFER_MAX_RANK:
+            return y_TF, Delta(t_TR, self.B, self.rank)
+        return self.expand_into(y_TF, t_TR)
 
     def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:
         """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows)."""
