@@ -6,6 +6,7 @@
 # --hardware h100-sxm --lora-rank 16` says so). Step parts, the KV pool, peak memory by
 # owner and every switch action against the ledger are in the run's summary.md.
 #   bash scripts/device/3-largest-lora.sh          (repo root, on the GPU machine; logs in $OUT)
+#   STEPS=2 RUN_TIMEOUT=280 bash scripts/device/3-largest-lora.sh      (a shorter call)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/device-env.sh || exit 1
@@ -13,9 +14,10 @@ shm_free=$(df --output=avail -B1 /dev/shm | tail -1)
 if [ "$HW" = h200 ] && [ "$shm_free" -gt 72000000000 ]; then preset=qwen3-32b; dir=/dev/shm/qwen3-32b
 else preset=qwen3-14b; dir=/tmp/qwen3-14b; fi
 echo "largest shape: $preset in $dir (/dev/shm free: $shm_free B)"
+STEPS=${STEPS:-3}; RUN_TIMEOUT=${RUN_TIMEOUT:-330}
 timeout 200 python3 -m handoff init-model --preset $preset --out $dir --device cuda > "$OUT/init.log" 2>&1
 echo "init-model: rc=$?"
-timeout 330 python3 -m handoff train examples/h200-4b.yaml model.path=$dir actor.lora.rank=16 run.steps=3 \
+timeout $RUN_TIMEOUT python3 -m handoff train examples/h200-4b.yaml model.path=$dir actor.lora.rank=16 run.steps=$STEPS \
     run.checkpoint=false rollout.kv_pool=elastic hardware.name=$HW run.out_dir="$OUT/lora-$preset" \
     > "$OUT/lora-$preset.log" 2>&1
 echo "train: rc=$?"
