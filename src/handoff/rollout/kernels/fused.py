@@ -10,6 +10,10 @@ than the GEMMs (docs/PERF.md). These three replace them with 3 launches per laye
   paged cache at their slots (fp8 caches: divided by the layer's scale, clamped, cast);
 * silu_mul: SiLU(gate) * up of the fused gate_up projection output.
 
+Each also takes the LoRA term of the product it reads (`delta`, rollout.lora.Delta: y + t B^T
+left to it at decode batch, ops.Deferred), added as y is read and rounded where the
+reference's addmm_ rounds: the adapter's expand costs no launch of its own.
+
 Numbers: each kernel rounds to the model dtype exactly where the plain-torch reference
 (handoff.rollout.ops) does, so bf16 results match it bit for bit but for the order of the
 fp32 sums inside a norm. Grids depend on shapes only, so the launches capture in CUDA graphs.
