@@ -108,7 +108,8 @@ def linear(x_TE: torch.Tensor | NormInput | Deferred, weight_FE: torch.Tensor,
             and (lora is None or lora.A.shape[0] <= SKINNY_MAX_EXTRA_ROWS)):
         from handoff.rollout.kernels.skinny import skinny_linear
 
-        x = _resolved(x_TE if pending is None else pending.x_TE)   # the kernel takes tensors
+        # the kernel takes dense tensors (a joined product's output is a strided view)
+        x = _resolved(x_TE if pending is None else pending.x_TE).contiguous()
         if pending is not None:
             pending.x_TE = x
         norm = None
