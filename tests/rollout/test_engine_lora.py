@@ -208,6 +208,26 @@ def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref
         Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=0)
 
 
+def test_a_decode_batch_leaves_the_term_to_the_reader_unless_turned_off(qwen3_dir, ref,
+                                                                       monkeypatch):
+    from handoff.rollout import ops
+
+    engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=RANK)
+    engine.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
+    module = engine.lora.linears["model.layers.0.self_attn.qkv_proj"]
+    x = torch.randn(lora.DEFER_MAX_ROWS + 1, module.weight.shape[1])
+    whole = ops.linear(x, module.weight, None, module.lora, defer=True)   # past a decode batch
+    left = ops.linear(x[:2], module.weight, None, module.lora, defer=True)
+    assert isinstance(left, ops.Deferred) and not isinstance(whole, ops.Deferred)
+    torch.testing.assert_close(left.resolve(), whole[:2])
+    monkeypatch.setattr(lora, "DEFER_MAX_ROWS", 0)   # HANDOFF_LORA_DEFER=0
+    assert not isinstance(ops.linear(x[:2], module.weight, None, module.lora, defer=True),
+                          ops.Deferred)
+    with_adapter = _tokens(engine)
+    monkeypatch.undo()
+    assert _tokens(engine) == with_adapter == [_peft_greedy(qwen3_dir, p) for p in PROMPTS]
+
+
 def test_a_linears_adapter_rows_follow_its_weight_and_one_gemm_gives_both(qwen3_dir, ref):
     from handoff.plan.lora import engine_adapter_rows
     from handoff.plan.shapes import load_shape
