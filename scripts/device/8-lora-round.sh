@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Device (one `run` call, < 10 min): the LoRA CUDA tests, the 1.7B's decode with and without
+# a rank-16 adapter at batch 1 / 32 / 128 (issue 31: within 10%), then the largest shape's
+# LoRA run against its ledger (3-largest-lora.sh, 2 steps). A failing CUDA test of the fused
+# kernels turns the deferred LoRA term off (HANDOFF_LORA_DEFER=0) for what follows.
+#   bash scripts/device/8-lora-round.sh            (repo root, on the GPU machine; logs in $OUT)
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source scripts/device-env.sh > /dev/null || exit 1
+echo "card: $HW"
+timeout 110 python3 -m pytest -q -m cuda tests/rollout/test_kernels_fused.py \
+    tests/rollout/test_engine_lora_cuda.py tests/rollout/test_graphs_cuda.py > "$OUT/tests.log" 2>&1
+rc=$?; echo "rollout cuda tests: rc=$rc"; tail -2 "$OUT/tests.log"
+if [ $rc -ne 0 ]; then export HANDOFF_LORA_DEFER=0; echo "HANDOFF_LORA_DEFER=0 from here"; fi
+timeout 60 python3 -m pytest -q -m cuda tests/test_loop_lora_cuda.py > "$OUT/tests2.log" 2>&1
+echo "loop lora cuda test: rc=$?"; tail -1 "$OUT/tests2.log"
+timeout 100 python3 -m handoff bench engine --skip-hf --no-public --models qwen3-1.7b \
+    --batches 1,32,128 --lora-rank 16 --out "$OUT/engine.json" > "$OUT/bench.log" 2>&1
+echo "bench engine: rc=$?"
+python3 - "$OUT/engine.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["models"]["qwen3-1.7b"]["rows"]
+print("| batch | base ms | LoRA r16 ms | LoRA x base | base x floor |\n|---|---|---|---|---|")
+for r in rows:
+    print(f"| {r['batch']} | {r['ms_per_step']:.3f} | {r['lora_ms_per_step']:.3f} | "
+          f"{r['lora_over_base']:.3f} | {r['over_floor']:.2f} |")
+PY
+STEPS=2 RUN_TIMEOUT=260 bash scripts/device/3-largest-lora.sh
