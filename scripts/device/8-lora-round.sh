@@ -4,6 +4,7 @@
 # LoRA run against its ledger (3-largest-lora.sh, 2 steps). A failing CUDA test of the fused
 # kernels turns the deferred LoRA term off (HANDOFF_LORA_DEFER=0) for what follows.
 #   bash scripts/device/8-lora-round.sh            (repo root, on the GPU machine; logs in $OUT)
+#   LARGEST=0 bash scripts/device/8-lora-round.sh  (without the largest shape's run)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/device-env.sh > /dev/null || exit 1
@@ -25,4 +26,4 @@ for r in rows:
     print(f"| {r['batch']} | {r['ms_per_step']:.3f} | {r['lora_ms_per_step']:.3f} | "
           f"{r['lora_over_base']:.3f} | {r['over_floor']:.2f} |")
 PY
-STEPS=2 RUN_TIMEOUT=260 bash scripts/device/3-largest-lora.sh
+[ "${LARGEST:-1}" = 1 ] && STEPS=2 RUN_TIMEOUT=${RUN_TIMEOUT:-260} bash scripts/device/3-largest-lora.sh
