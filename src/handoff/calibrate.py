@@ -9,9 +9,9 @@ What is measured, and why at this size and in this state:
   as to_train copies right after the engine's sleep), a device-to-device copy;
 * map and unmap of a region the size of the KV pool the engine is about to take (mapping is
   not linear in size), in the state the switch maps it: the weights mapped, the trainer's
-  offloaded state and its activations handed back to the driver when to_rollout hands them
-  back, the pool's own pages released seconds before; and the map of a region the weights'
-  size;
+  offloaded state (on a shared LoRA base, its activations) handed back to the driver when
+  to_rollout hands it back, the pool's own pages released seconds before; and the map of a
+  region the weights' size;
 * the weight sync's copies: the real `sync_weights` over the actor's own tensors (a kernel
   per tensor into the bucket, batched copies out of it), slower per byte than one large copy;
 * the sync's host work per tensor, timed while a D2H of the optimizer's size is queued (the
@@ -107,7 +107,7 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
         aggressive_empty_cache()
     on_cuda = device.type == "cuda"
     # (on the CPU a map is a resize: gigabytes of activations replayed would only cost time)
-    activations = _activation_bytes(plan, actor) if on_cuda else 0
+    activations = _activation_bytes(plan, actor) if on_cuda and cfg.actor.lora.shares_base else 0
     kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool, activations=activations)
     # Four pairs: one pair's times vary by a quarter from step to step.
     values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
@@ -139,11 +139,14 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool, *, activations: 
     now less the wake margin and 1 GiB (weights 0 under LoRA on a shared base: mapped
     already, and they stay); and [(bytes, seconds before the KV wake)] that to_rollout hands
     back to the driver: the optimizer once its copy ends (the params' copy still to go),
-    then the params, the sync's two buckets and the trainer's `activations` right before the
-    wake. Pages handed back a moment before a map map ~2-3x faster than pages released
-    seconds before (H200, 40 GiB: scripts/device/map_probe.py, docs/PERF.md), so what the
-    wake maps fast is what the trainer held last. The pool is sized by the engine's own rule,
-    with the planner's activation peak and graph pool for the ones the engine profiles."""
+    then the params and the sync's two buckets right before the wake; under LoRA on a shared
+    base, the trainer's `activations` right before it. Pages handed back a moment before a
+    map map ~2-3x faster than pages released seconds before (H200, 40 GiB:
+    scripts/device/map_probe.py, docs/PERF.md): without them a shared base's wake was priced
+    at twice what it took. (A full-parameter run's wake, priced with its params and buckets,
+    measured 0.94 of its price: its activations leave before the weights wake, which takes
+    their pages.) The pool is sized by the engine's own rule, with the planner's activation
+    peak and graph pool for the ones the engine profiles."""
     shape, dtypes, hw = plan.shape, plan.dtypes, plan.hardware
     ro, tp = cfg.rollout, cfg.parallel.tp
     weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
@@ -162,7 +165,7 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool, *, activations: 
         return int(max(min(blocks * block, room), block)), 0, [(late, 0.0)] if late else []
     weights = int(max(min(weights, room), 1))
     params, optimizer = _offloaded_bytes(cfg, plan)
-    late = min(params + 2 * (cfg.sync.bucket_mb << 20) + activations, room - weights)
+    late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)
     early = optimizer if cfg.memory.optimizer_offload else 0
     early = min(early, room - weights - late)
     freed = [(int(late), 0.0)] + ([(int(early), params / hw.pinned_pcie_bps)] if early > 0 else [])

@@ -196,6 +196,9 @@ def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path):
     for r in ranks:
         assert r["adapter"] == with_adapter
         assert r["cleared"] == job.tokens(alone)
+        # Under TP the column-parallel products join A (their term left to the reader); the
+        # row-parallel ones keep it apart, their partial term added before the all-reduce.
+        assert r["joined"] == ["gate_up_proj"] * 2 + ["qkv_proj"] * 2
 
 
 def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref):
@@ -260,6 +263,20 @@ def test_a_linears_adapter_rows_follow_its_weight_and_one_gemm_gives_both(qwen3_
     assert adapter_rows(RowParallelLinear(8, 6, bias=False, tp=TPGroup(), **meta), 4) == 4
     assert adapter_rows(RowParallelLinear(8, 6, bias=False, tp=TPGroup(rank=0, size=2),
                                           **meta), 4) == 0
+
+
+def test_no_adapter_write_while_the_weights_sleep(qwen3_dir, ref):
+    engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=RANK)
+    adapter = _adapter(qwen3_dir)
+    engine.load_adapter(adapter, alpha=ALPHA, rank=RANK)
+    engine.sleep(1)
+    for call in (lambda: engine.load_adapter(adapter, alpha=ALPHA, rank=RANK),
+                 engine.clear_adapter):
+        with pytest.raises(HandoffError, match=r"wake_up\(\['weights'\]\) first"):
+            call()
+    engine.wake_up()
+    engine.clear_adapter()
+    assert _tokens(engine) == [ref.greedy(qwen3_dir, p, NEW_TOKENS) for p in PROMPTS]
 
 
 def test_a_level_1_sleep_keeps_the_adapter_and_level_2_drops_it(qwen3_dir, ref):

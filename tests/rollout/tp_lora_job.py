@@ -31,9 +31,12 @@ def tokens(engine: Engine) -> list[list[int]]:
 def main(ckpt: str, adapter: str, out: Path) -> None:
     dev = resolve_device("cpu")
     init_process_group(dev)
-    engine = Engine(ckpt, RolloutConfig(**CFG), device=dev, dtype=torch.float32, tp=2)
+    engine = Engine(ckpt, RolloutConfig(**CFG), device=dev, dtype=torch.float32, tp=2,
+                    lora_max_rank=4)
     engine.load_adapter(load_file(adapter), alpha=8, rank=4)
-    result = {"adapter": tokens(engine)}
+    result = {"adapter": tokens(engine),
+              "joined": sorted(name.rsplit(".", 1)[1] for name, linear in
+                               engine.lora.linears.items() if linear.lora.joined is not None)}
     engine.clear_adapter()
     result["cleared"] = tokens(engine)
     (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))

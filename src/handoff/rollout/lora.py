@@ -218,6 +218,7 @@ class EngineLora:
         a bad tensor is refused in one line before anything is written."""
         if isinstance(named_tensors, dict):
             named_tensors = named_tensors.items()
+        self._check_adapter_awake("load_adapter")
         if self.lora is None:
             if self.runner.graphs is not None:
                 raise HandoffError("the decode graphs were captured without the adapter path: "
@@ -236,8 +237,17 @@ class EngineLora:
     def clear_adapter(self) -> None:
         """Zero the adapter: outputs equal the base model's (buffers and addresses kept)."""
         if self.lora is not None:
+            self._check_adapter_awake("clear_adapter")
             self.lora.clear()
             self._adapter_changed()
+
+    def _check_adapter_awake(self, call: str) -> None:
+        """A rows kept beside the weights sleep with them: no write while they sleep."""
+        joined = self.lora is not None and any(
+            linear.lora.joined is not None for linear in self.lora.linears.values())
+        if joined and not self.pool.is_awake("weights"):
+            raise HandoffError(f"{call} while the weights region sleeps (the adapter's A rows "
+                               "live beside the weights): call wake_up(['weights']) first")
 
     def _adapter_changed(self) -> None:
         if not self._updating_weights:  # one sync (weights and adapter) makes one new version

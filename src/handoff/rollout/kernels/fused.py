@@ -80,6 +80,7 @@ def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E:
                  eps: float, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rms_norm(x + residual), x + residual); without a residual the sum is x.
     `delta` (rollout.lora.Delta, with a residual): x's adapter term, added first."""
+    assert delta is None or residual_TE is not None, "the stream would lack x's term"
     rows, n = x_TE.shape
     out = torch.empty(rows, n, dtype=x_TE.dtype, device=x_TE.device)
     res_out = torch.empty_like(out) if residual_TE is not None else x_TE
