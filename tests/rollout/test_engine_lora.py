@@ -23,6 +23,14 @@ from handoff.rollout.engine import Engine
 from handoff.rollout.sampling import SamplingParams
 
 RANK, ALPHA = 4, 8
+
+
+@pytest.fixture(autouse=True)
+def deferred_term(monkeypatch):
+    """HANDOFF_LORA_DEFER=1 for this module: every engine here leaves a decode batch's LoRA
+    term to the op that reads the product (the default path runs in test_engine_lora_sync
+    and the loop's tests)."""
+    monkeypatch.setattr(lora, "DEFER_MAX_ROWS", 32)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 9, [42]]
 NEW_TOKENS = 16
@@ -178,7 +186,7 @@ def test_a_bad_adapter_is_refused_in_one_line_and_the_loaded_one_kept(qwen3_dir,
     assert _tokens(engine) == before
 
 
-def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path):
+def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path, monkeypatch):
     import json
 
     from test_parallel_engine import HERE, torchrun
@@ -186,6 +194,7 @@ def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path):
     import tp_lora_job as job
 
     adapter = _peft_model(str(qwen3_dir))[1] / "adapter_model.safetensors"
+    monkeypatch.setenv("HANDOFF_LORA_DEFER", "1")   # the ranks leave the term to its reader
     torchrun([str(HERE / "tp_lora_job.py"), str(qwen3_dir), str(adapter), str(tmp_path)])
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     alone = Engine(str(qwen3_dir), ref.cfg(**job.CFG))
@@ -199,6 +208,7 @@ def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path):
         # Under TP the column-parallel products join A (their term left to the reader); the
         # row-parallel ones keep it apart, their partial term added before the all-reduce.
         assert r["joined"] == ["gate_up_proj"] * 2 + ["qkv_proj"] * 2
+        assert r["defer_rows"] > 0
 
 
 def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref):
@@ -211,8 +221,7 @@ def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref
         Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=0)
 
 
-def test_a_decode_batch_leaves_the_term_to_the_reader_unless_turned_off(qwen3_dir, ref,
-                                                                       monkeypatch):
+def test_a_decode_batch_leaves_the_term_to_the_reader_when_on(qwen3_dir, ref, monkeypatch):
     from handoff.rollout import ops
 
     engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=RANK)
@@ -223,11 +232,11 @@ def test_a_decode_batch_leaves_the_term_to_the_reader_unless_turned_off(qwen3_di
     left = ops.linear(x[:2], module.weight, None, module.lora, defer=True)
     assert isinstance(left, ops.Deferred) and not isinstance(whole, ops.Deferred)
     torch.testing.assert_close(left.resolve(), whole[:2])
-    monkeypatch.setattr(lora, "DEFER_MAX_ROWS", 0)   # HANDOFF_LORA_DEFER=0
+    monkeypatch.setattr(lora, "DEFER_MAX_ROWS", 0)   # the default: HANDOFF_LORA_DEFER unset
     assert not isinstance(ops.linear(x[:2], module.weight, None, module.lora, defer=True),
                           ops.Deferred)
     with_adapter = _tokens(engine)
-    monkeypatch.undo()
+    monkeypatch.setattr(lora, "DEFER_MAX_ROWS", 32)
     assert _tokens(engine) == with_adapter == [_peft_greedy(qwen3_dir, p) for p in PROMPTS]
 
 

@@ -61,8 +61,9 @@ _PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
 # Rows a product may leave its adapter term to the op that reads its output (ops.Deferred;
 # on CUDA that op's fused kernel adds it as it reads: one launch fewer per linear). Those
 # kernels read B once per row, so past a decode batch the expand's own GEMM is the cheaper.
-# HANDOFF_LORA_DEFER=0 in the environment turns it off (A/B benches).
-DEFER_MAX_ROWS = 32 if os.environ.get("HANDOFF_LORA_DEFER", "1") != "0" else 0
+# Off unless HANDOFF_LORA_DEFER=1 in the environment: tested against the reference under
+# the Triton interpreter, not yet measured on a card (docs/PERF.md).
+DEFER_MAX_ROWS = 32 if os.environ.get("HANDOFF_LORA_DEFER", "0") == "1" else 0
 DEFER_MAX_RANK = 64   # the kernels unroll their loop over the rank
 
 
