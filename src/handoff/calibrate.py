@@ -107,7 +107,7 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
         aggressive_empty_cache()
     on_cuda = device.type == "cuda"
     # (on the CPU a map is a resize: gigabytes of activations replayed would only cost time)
-    activations = _activation_bytes(plan, actor) if on_cuda and cfg.actor.lora.shares_base else 0
+    activations = _activation_bytes(plan, actor) if on_cuda else 0
     kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool, activations=activations)
     # Four pairs: one pair's times vary by a quarter from step to step.
     values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,

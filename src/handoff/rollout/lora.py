@@ -117,7 +117,7 @@ class LoraSlot:
 
     def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:
         """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows)."""
-        return y_TF.addmm_(t_TR, self.B.t())
+        return Delta(t_TR, self.B, self.rank).add_to(y_TF)
 
 
 class LoraAdapters:
@@ -137,6 +137,8 @@ class LoraAdapters:
                 self.linears[name] = module
                 module.lora = LoraSlot(module.weight, max_rank,
                                        getattr(module, "weight_and_adapter", None))
+        # A rows in the weights' buffer sleep with the weights (EngineLora checks it)
+        self.beside_weights = any(m.lora.joined is not None for m in self.linears.values())
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float,
@@ -244,9 +246,8 @@ class EngineLora:
 
     def _check_adapter_awake(self, call: str) -> None:
         """A rows kept beside the weights sleep with them: no write while they sleep."""
-        joined = self.lora is not None and any(
-            linear.lora.joined is not None for linear in self.lora.linears.values())
-        if joined and not self.pool.is_awake("weights"):
+        if (self.lora is not None and self.lora.beside_weights
+                and not self.pool.is_awake("weights")):
             raise HandoffError(f"{call} while the weights region sleeps (the adapter's A rows "
                                "live beside the weights): call wake_up(['weights']) first")
 
