@@ -264,6 +264,12 @@ def test_a_linears_adapter_rows_follow_its_weight_and_one_gemm_gives_both(qwen3_
     assert _tokens(engine) == [_peft_greedy(qwen3_dir, p) for p in PROMPTS]
     rows = sum(m.lora.A.numel() for m in engine.lora.linears.values())
     assert rows == engine_adapter_rows(load_shape(str(qwen3_dir)), RANK, tp=1)   # as planned
+    # A decode step reads the adapter's A and B with the weights (the bench's HBM floor).
+    from handoff.rollout.layers import shard_rules
+    b_elements = sum(m.weight.shape[0] * len(shard_rules(m.weight)) * RANK
+                     for m in engine.lora.linears.values())
+    extra = engine.decode_weight_bytes - Engine(str(qwen3_dir), ref.cfg()).decode_weight_bytes
+    assert extra == (rows + b_elements) * engine.model.model.norm.weight.element_size()
     # Where the GEMM's output must stay one dense tensor, A keeps a buffer of its own.
     meta = {"device": "meta", "dtype": torch.float32}
     fused = ColumnParallelLinear(8, [(6, 0, 6), (2, 0, 2), (2, 0, 2)], bias=False, **meta)
@@ -272,6 +278,28 @@ def test_a_linears_adapter_rows_follow_its_weight_and_one_gemm_gives_both(qwen3_
     assert adapter_rows(RowParallelLinear(8, 6, bias=False, tp=TPGroup(), **meta), 4) == 4
     assert adapter_rows(RowParallelLinear(8, 6, bias=False, tp=TPGroup(rank=0, size=2),
                                           **meta), 4) == 0
+
+
+@pytest.mark.parametrize("preset,flags", [
+    ("tiny-llama", {}), ("tiny-llama", {"attention_bias": True}),
+    ("tiny-llama", {"mlp_bias": True}), ("tiny-qwen3", {"model_type": "qwen2"})])
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_the_plan_counts_the_a_rows_the_engine_keeps_beside_its_weights(preset, flags, tp_size):
+    """engine_adapter_rows reads the bias flags the engine builds from (a biased product keeps
+    A apart), and TP's row-parallel linears."""
+    from handoff.plan.lora import engine_adapter_rows
+    from handoff.plan.shapes import PRESETS, shape_from_config
+    from handoff.rollout.layers import adapter_rows
+    from handoff.rollout.models import build_model, spec_from_hf_config
+    from handoff.rollout.parallel import TPGroup
+
+    cfg = {**PRESETS[preset], **flags}
+    model = build_model(spec_from_hf_config(cfg), device=torch.device("cpu"),
+                        dtype=torch.bfloat16, tp=TPGroup(rank=0, size=tp_size),
+                        lora_max_rank=RANK)
+    kept = sum(adapter_rows(m, RANK) * m.weight.shape[1] for name, m in model.named_modules()
+               if name.startswith("model.layers.") and hasattr(m, "lora"))
+    assert kept == engine_adapter_rows(shape_from_config(cfg), RANK, tp=tp_size)
 
 
 def test_no_adapter_write_while_the_weights_sleep(qwen3_dir, ref):

@@ -67,11 +67,14 @@ def adapter_tensors(shape: ModelShape, targets: list[str] | tuple[str, ...]) -> 
 def engine_adapter_rows(shape: ModelShape, rank: int, tp: int) -> int:
     """Elements of LoRA A the engine keeps beside its weights, in their region (rollout.layers.
     adapter_rows): `rank` rows of each decoder linear's input, for all seven projections
-    whatever the targets; not q/k/v's where the product adds a bias (Qwen2), nor o's and
-    down's under TP."""
+    whatever the targets; not where the product adds a bias (Qwen2's q/k/v, Llama's with
+    attention_bias or mlp_bias), nor o's and down's under TP."""
     shapes = projection_shapes(shape)
-    fused = [] if shape.model_type == "qwen2" else ["q_proj", "k_proj", "v_proj"]
-    names = fused + ["gate_proj", "up_proj"] + (["o_proj", "down_proj"] if tp == 1 else [])
+    row_parallel_ok = tp == 1
+    names = ((["q_proj", "k_proj", "v_proj"] if not shape.qkv_bias else [])
+             + (["o_proj"] if row_parallel_ok and not shape.o_bias else [])
+             + (["gate_proj", "up_proj"] if not shape.mlp_bias else [])
+             + (["down_proj"] if row_parallel_ok and not shape.mlp_bias else []))
     return shape.num_layers * rank * sum(shapes[n][0] for n in names)
 
 

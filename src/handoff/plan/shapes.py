@@ -135,6 +135,11 @@ class ModelShape:
     num_tensors: int = 0            # parameter tensors (tied ones once): what a sync sends
     model_type: str = ""            # config.json's model_type: whether the runtime runs it
     intermediate_size: int = 0      # a dense MLP's width (what LoRA's gate/up/down adapt)
+    # Which products add a bias (rollout.models reads the same flags): q/k/v for Qwen2 or
+    # attention_bias, o for attention_bias, gate/up/down for mlp_bias.
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
 
     @property
     def runtime_refusal(self) -> str | None:
@@ -274,7 +279,9 @@ def shape_from_config(cfg: dict, name: str = "custom") -> ModelShape:
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             num_active_params=count_active_params(cfg), kv_latent_dim=latent,
             num_tensors=count_tensors(cfg), model_type=str(cfg.get("model_type") or ""),
-            intermediate_size=int(cfg.get("intermediate_size") or 0))
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
+            qkv_bias=bool(cfg.get("attention_bias")) or cfg.get("model_type") == "qwen2",
+            o_bias=bool(cfg.get("attention_bias")), mlp_bias=bool(cfg.get("mlp_bias")))
     except KeyError as e:
         raise HandoffError(f"model config {name!r} lacks field {e.args[0]!r}: pass a complete HF "
                            "config.json or a preset") from None

@@ -266,10 +266,16 @@ class Engine(EngineKVPool, EngineSleepWake, EngineLora):
                                f"loaded again ({len(self._missing_weights)} missing): call "
                                "load_weights with the full model before generate")
 
-    @functools.cached_property
+    @property
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: all of this rank's, but an untied embedding
-        (a lookup of one row per sequence, 0 here)."""
+        (a lookup of one row per sequence, 0 here), and the adapter's A and B when it has one
+        (at the maximum rank: its GEMMs read the zero padding too)."""
+        adapter = 0 if self.lora is None else self.lora.nbytes
+        return self._base_weight_bytes + adapter
+
+    @functools.cached_property
+    def _base_weight_bytes(self) -> int:
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.model.lm_head is not None:
             emb = self.model.model.embed_tokens.weight

@@ -140,6 +140,12 @@ class LoraAdapters:
         # A rows in the weights' buffer sleep with the weights (EngineLora checks it)
         self.beside_weights = any(m.lora.joined is not None for m in self.linears.values())
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every slot's A and B (a decode step reads them all)."""
+        return sum(t.numel() * t.element_size() for m in self.linears.values()
+                   for t in (m.lora.A, m.lora.B))
+
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float,
              rank: int) -> None:
