@@ -129,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, parts: list[tuple[int, int, int]], *, bias: bool,
-                 device=None, dtype=None):
+                 defer_term: bool = True, device=None, dtype=None):
         super().__init__()
         rules, dest = [], 0
         for full, start, length in parts:
@@ -141,11 +141,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((dest,), tuple(rules), **kw) if bias else None
         self.shard_sizes = tuple(length for _, _, length in parts)
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
+        self.defer_term = defer_term
 
     def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor | ops.Deferred:
-        """The output, or at decode batch with an adapter an ops.Deferred (every reader in
-        the decoder takes one)."""
-        return ops.linear(x_TE, self.weight, self.bias, self.lora, defer=True)
+        """The output, or at decode batch with an adapter and `defer_term` an ops.Deferred
+        (for a reader that takes one)."""
+        return ops.linear(x_TE, self.weight, self.bias, self.lora, defer=self.defer_term)
 
 
 class RowParallelLinear(nn.Module):

@@ -169,7 +169,7 @@ def apply_rope(x_THD: torch.Tensor, cos_T1D2: torch.Tensor, sin_T1D2: torch.Tens
     return torch.cat([x1 * cos_T1D2 - x2 * sin_T1D2, x2 * cos_T1D2 + x1 * sin_T1D2], dim=-1)
 
 
-def qk_norm_rope_store(qkv_TX: torch.Tensor | Deferred, num_heads: int, num_kv_heads: int,
+def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int,
                        head_dim: int,
                        positions_T: torch.Tensor, rope_LD: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
@@ -177,9 +177,7 @@ def qk_norm_rope_store(qkv_TX: torch.Tensor | Deferred, num_heads: int, num_kv_h
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused qkv output into q [T, H, D], k, v [T, K, D]; norm q and k per head (when
     weights are given: Qwen3), rotate them, and write the new K/V into the layer's cache
-    (when meta has one). The fused path works in place in qkv and returns views of it; a
-    Deferred qkv's LoRA term is added to q, k and v first (by the fused kernel as it reads)."""
-    qkv_TX, delta = _split(qkv_TX)
+    (when meta has one). The fused path works in place in qkv and returns views of it."""
     tokens = qkv_TX.shape[0]
     kv = meta.kv
     k_scale = kv.k_scale[layer] if kv is not None and kv.k_scale is not None else None
@@ -189,12 +187,11 @@ def qk_norm_rope_store(qkv_TX: torch.Tensor | Deferred, num_heads: int, num_kv_h
 
         fused(qkv_TX, num_heads, num_kv_heads, head_dim, positions_T, rope_LD, q_weight,
               k_weight, eps, *((kv.k[layer], kv.v[layer], meta.slot_mapping_T) if kv is not None else ()),
-              k_scale=k_scale, v_scale=v_scale, delta=delta)
+              k_scale=k_scale, v_scale=v_scale)
         q_TX, k_TX, v_TX = qkv_TX.split([num_heads * head_dim, num_kv_heads * head_dim,
                                          num_kv_heads * head_dim], dim=-1)
         return (q_TX.view(tokens, num_heads, head_dim), k_TX.view(tokens, num_kv_heads, head_dim),
                 v_TX.view(tokens, num_kv_heads, head_dim))
-    qkv_TX = qkv_TX if delta is None else delta.add_to(qkv_TX)
     q_TX, k_TX, v_TX = qkv_TX.split([num_heads * head_dim, num_kv_heads * head_dim,
                                      num_kv_heads * head_dim], dim=-1)
     q_THD = q_TX.reshape(tokens, num_heads, head_dim)

@@ -10,9 +10,11 @@ than the GEMMs (docs/PERF.md). These three replace them with 3 launches per laye
   paged cache at their slots (fp8 caches: divided by the layer's scale, clamped, cast);
 * silu_mul: SiLU(gate) * up of the fused gate_up projection output.
 
-Each also takes the LoRA term of the product it reads (`delta`, rollout.lora.Delta: y + t B^T
-left to it at decode batch, ops.Deferred), added as y is read and rounded where the
-reference's addmm_ rounds: the adapter's expand costs no launch of its own.
+add_rms_norm and silu_mul also take the LoRA term of the product they read (`delta`,
+rollout.lora.Delta: y + t B^T left to them at decode batch, ops.Deferred), added as y is read
+and rounded where the reference's addmm_ rounds: o's, gate/up's and down's expand cost no
+launch of their own. Not q/k/v's: qk_norm_rope_store runs one program per token, which would
+read all of that B (590 KB a layer on the 1.7B) on one SM; its expand stays a GEMM.
 
 Numbers: each kernel rounds to the model dtype exactly where the plain-torch reference
 (handoff.rollout.ops) does, so bf16 results match it bit for bit but for the order of the
@@ -35,36 +37,42 @@ FP8_MAX_F = tl.constexpr(FP8_MAX)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
-def _lora_delta(t_row_ptr, b_ptr, stride_b, rows, col0, mask, RANK: tl.constexpr):
-    """sum_r t[col0 + r] * B[rows, col0 + r] in fp32 over a tile of output rows of B: the
-    adapter term (x A^T) B^T of one token, for the part whose block of B starts at col0."""
-    acc = rows.to(tl.float32) * 0.0
-    for r in tl.static_range(RANK):
-        t = tl.load(t_row_ptr + col0 + r).to(tl.float32)
-        b = tl.load(b_ptr + rows * stride_b + col0 + r, mask=mask, other=0.0)
-        acc += t * b.to(tl.float32)
-    return acc
+def _lora_delta(t_row_ptr, b_ptr, stride_b, rows, col0, mask, RANK: tl.constexpr,
+                RANK_PAD: tl.constexpr):
+    """sum_r t[col0 + r] * B[rows, col0 + r] in fp32 over a 1-D tile of output rows of B: the
+    adapter term (x A^T) B^T of one token, for the part whose block of B starts at col0. One
+    [rows, rank] load: a row's rank columns of B are contiguous (a load per rank, strided by
+    B's row, made the reader 2x slower than the expand's own GEMM on an H100)."""
+    r = tl.arange(0, RANK_PAD)
+    r_ok = r < RANK
+    t = tl.load(t_row_ptr + col0 + r, mask=r_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows[:, None] * stride_b + col0 + r[None, :],
+                mask=mask[:, None] & r_ok[None, :], other=0.0)
+    return tl.sum(b.to(tl.float32) * t[None, :], axis=1)
 
 
 @triton.jit
-def _plus_delta(y, t_row_ptr, b_ptr, stride_b, rows, col0, mask, dtype, RANK: tl.constexpr):
+def _plus_delta(y, t_row_ptr, b_ptr, stride_b, rows, col0, mask, dtype, RANK: tl.constexpr,
+                RANK_PAD: tl.constexpr):
     """y + its adapter term, rounded to the model dtype where the product's epilogue rounds
     (the reference adds it with addmm_ into the base GEMM's output); fp32 out."""
-    d = _lora_delta(t_row_ptr, b_ptr, stride_b, rows, col0, mask, RANK)
+    d = _lora_delta(t_row_ptr, b_ptr, stride_b, rows, col0, mask, RANK, RANK_PAD)
     return (y.to(tl.float32) + d).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, t_ptr, b_ptr, n_cols, eps,
                          stride_x, stride_res, stride_out, stride_res_out, stride_t, stride_b,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr,
+                         RANK_PAD: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if RANK > 0:   # x is a linear's output whose adapter term is added here
-        x = _plus_delta(x, t_ptr + row * stride_t, b_ptr, stride_b, cols, 0, mask, dtype, RANK)
+        x = _plus_delta(x, t_ptr + row * stride_t, b_ptr, stride_b, cols, 0, mask, dtype, RANK,
+                        RANK_PAD)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(dtype)  # the residual stream is kept in the model dtype
@@ -74,6 +82,12 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, t_ptr, b_p
     normed = (x * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(dtype), mask=mask)
+
+
+def _rank_args(delta) -> dict:
+    """The kernels' RANK (0: no adapter term) and its power-of-two padding."""
+    rank = delta.rank if delta is not None else 0
+    return {"RANK": rank, "RANK_PAD": max(triton.next_power_of_2(rank), 2)}
 
 
 def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E: torch.Tensor,
@@ -91,7 +105,7 @@ def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E:
         x_TE, res_in, weight_E, out, res_out, t, b, n, eps,
         x_TE.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0), t.stride(0),
         b.stride(0), HAS_RESIDUAL=residual_TE is not None, BLOCK=block,
-        RANK=delta.rank if delta is not None else 0, num_warps=min(max(block // 512, 1), 16))
+        **_rank_args(delta), num_warps=min(max(block // 512, 1), 16))
     return out, res_out
 
 
@@ -106,7 +120,7 @@ def silu_times(gate, up, dtype):
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, t_ptr, b_ptr, n_cols, stride_x, stride_out, stride_t,
-                     stride_b, BLOCK: tl.constexpr, RANK: tl.constexpr):
+                     stride_b, BLOCK: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -115,9 +129,10 @@ def _silu_mul_kernel(x_ptr, out_ptr, t_ptr, b_ptr, n_cols, stride_x, stride_out,
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     if RANK > 0:   # the gate_up product's adapter term: gate's block of B, then up's
         t_row = t_ptr + row * stride_t
-        gate = _plus_delta(gate, t_row, b_ptr, stride_b, cols, 0, mask, dtype, RANK).to(dtype)
-        up = _plus_delta(up, t_row, b_ptr, stride_b, n_cols + cols, RANK, mask, dtype,
-                         RANK).to(dtype)
+        gate = _plus_delta(gate, t_row, b_ptr, stride_b, cols, 0, mask, dtype, RANK,
+                           RANK_PAD).to(dtype)
+        up = _plus_delta(up, t_row, b_ptr, stride_b, n_cols + cols, RANK, mask, dtype, RANK,
+                         RANK_PAD).to(dtype)
     tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up, dtype), mask=mask)
 
 
@@ -131,7 +146,7 @@ def silu_mul(gate_up_T2I: torch.Tensor, delta=None) -> torch.Tensor:
     t, b = (delta.t_TR, delta.B_FR) if delta is not None else (gate_up_T2I, gate_up_T2I)
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
         gate_up_T2I, out, t, b, inter, gate_up_T2I.stride(0), out.stride(0), t.stride(0),
-        b.stride(0), BLOCK=block, RANK=delta.rank if delta is not None else 0, num_warps=4)
+        b.stride(0), BLOCK=block, **_rank_args(delta), num_warps=4)
     return out
 
 
@@ -167,12 +182,11 @@ def _store_cache(cache_ptr, slot, stride_slot, heads, halves, mask, lo, hi, scal
 @triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr, pos_ptr, table_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    k_scale_ptr, v_scale_ptr, lora_t_ptr, lora_b_ptr, eps, stride_t, stride_table,
-    stride_k_slot, stride_v_slot, stride_lora_t, stride_lora_b,
+    k_scale_ptr, v_scale_ptr, eps, stride_t, stride_table, stride_k_slot, stride_v_slot,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
-    HAS_SCALES: tl.constexpr, RANK: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
 ):
     t = tl.program_id(0)
     dtype = qkv_ptr.dtype.element_ty
@@ -185,53 +199,31 @@ def _qk_norm_rope_store_kernel(
     cos = cos.to(dtype).to(tl.float32)[None, :]
     sin = sin.to(dtype).to(tl.float32)[None, :]
     row = qkv_ptr + t * stride_t
-    lora_t = lora_t_ptr + t * stride_lora_t
 
     q_heads = tl.arange(0, HEADS_PAD)
     q_mask = (q_heads[:, None] < NUM_HEADS) & hmask[None, :]
-    q_cols = q_heads[:, None] * HEAD_DIM + halves[None, :]
-    q_ptrs = row + q_cols
+    q_ptrs = row + q_heads[:, None] * HEAD_DIM + halves[None, :]
     q1 = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
     q2 = tl.load(q_ptrs + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    if RANK > 0:   # the qkv product's adapter term, part by part (B's blocks of RANK columns)
-        q1 = _plus_delta(q1, lora_t, lora_b_ptr, stride_lora_b, q_cols, 0, q_mask, dtype, RANK)
-        q2 = _plus_delta(q2, lora_t, lora_b_ptr, stride_lora_b, q_cols + HALF, 0, q_mask,
-                         dtype, RANK)
     q1, q2 = _norm_rope(q1, q2, q_w_ptr, cos, sin, halves, eps, HEAD_DIM, HALF, HAS_NORM, dtype)
     tl.store(q_ptrs, q1, mask=q_mask)
     tl.store(q_ptrs + HALF, q2, mask=q_mask)
 
     kv_heads = tl.arange(0, KV_HEADS_PAD)
     kv_mask = (kv_heads[:, None] < NUM_KV_HEADS) & hmask[None, :]
-    k_cols = NUM_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + halves[None, :]
-    k_ptrs = row + k_cols
+    k_ptrs = row + NUM_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + halves[None, :]
     k1 = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_ptrs + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-    if RANK > 0:
-        k1 = _plus_delta(k1, lora_t, lora_b_ptr, stride_lora_b, k_cols, RANK, kv_mask, dtype,
-                         RANK)
-        k2 = _plus_delta(k2, lora_t, lora_b_ptr, stride_lora_b, k_cols + HALF, RANK, kv_mask,
-                         dtype, RANK)
     k1, k2 = _norm_rope(k1, k2, k_w_ptr, cos, sin, halves, eps, HEAD_DIM, HALF, HAS_NORM, dtype)
     tl.store(k_ptrs, k1, mask=kv_mask)
     tl.store(k_ptrs + HALF, k2, mask=kv_mask)
 
-    v_ptrs = k_ptrs + NUM_KV_HEADS * HEAD_DIM
-    if RANK > 0:   # v with its term, written back: attention may read it from qkv
-        v_cols = k_cols + NUM_KV_HEADS * HEAD_DIM
-        v1 = _plus_delta(tl.load(v_ptrs, mask=kv_mask, other=0.0), lora_t, lora_b_ptr,
-                         stride_lora_b, v_cols, 2 * RANK, kv_mask, dtype, RANK).to(dtype)
-        v2 = _plus_delta(tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0), lora_t, lora_b_ptr,
-                         stride_lora_b, v_cols + HALF, 2 * RANK, kv_mask, dtype,
-                         RANK).to(dtype)
-        tl.store(v_ptrs, v1, mask=kv_mask)
-        tl.store(v_ptrs + HALF, v2, mask=kv_mask)
     if STORE:
         slot = tl.load(slot_ptr + t)
         keep = kv_mask & (slot >= 0)  # padded rows (slot -1) write nothing
-        if RANK == 0:
-            v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-            v2 = tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0)
+        v_ptrs = k_ptrs + NUM_KV_HEADS * HEAD_DIM
+        v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        v2 = tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0)
         _store_cache(k_cache_ptr, slot, stride_k_slot, kv_heads, halves, keep, k1, k2,
                      k_scale_ptr, HALF, HEAD_DIM, HAS_SCALES)
         _store_cache(v_cache_ptr, slot, stride_v_slot, kv_heads, halves, keep, v1, v2,
@@ -244,10 +236,9 @@ def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int, 
                        k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                        slot_mapping_T: torch.Tensor | None = None,
                        k_scale: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None, delta=None) -> None:
+                       v_scale: torch.Tensor | None = None) -> None:
     """In place on qkv [T, (H + 2K) * D]: q and k normed (when weights are given) and rotated;
-    with caches, the new K/V are written at their slots (caches [N, S, K, D], contiguous).
-    `delta` (rollout.lora.Delta): the product's adapter term, added to q, k and v first."""
+    with caches, the new K/V are written at their slots (caches [N, S, K, D], contiguous)."""
     tokens = qkv_TX.shape[0]
     assert qkv_TX.stride(-1) == 1 and head_dim % 2 == 0, (qkv_TX.stride(), head_dim)
     store = k_cache is not None
@@ -260,13 +251,10 @@ def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int, 
         k_weight if has_norm else dummy, k_cache if store else qkv_TX,
         v_cache if store else qkv_TX, slot_mapping_T if store else dummy,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy,
-        delta.t_TR if delta is not None else qkv_TX, delta.B_FR if delta is not None else qkv_TX,
         eps, qkv_TX.stride(0), rope_LD.stride(0),
         k_cache.stride(1) if store else 0, v_cache.stride(1) if store else 0,
-        delta.t_TR.stride(0) if delta is not None else 0,
-        delta.B_FR.stride(0) if delta is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, HALF=half,
         HALF_PAD=triton.next_power_of_2(half), HAS_NORM=has_norm, STORE=store,
-        HAS_SCALES=fp8, RANK=delta.rank if delta is not None else 0, num_warps=4)
+        HAS_SCALES=fp8, num_warps=4)

@@ -1,0 +1,130 @@
+"""Why the start-up calibration priced a shared-base LoRA run's KV wake at 9x what it took.
+
+On an H100 (2026-12-07, Qwen3-14B shape, LoRA, elastic pool) the calibration, which replays the
+trainer's activations (one torch tensor, handed back right before the measured wake), mapped a
+36.67 GiB region at 409 GB/s; the run's own wakes mapped 46 GiB at 3.7 TB/s. This times the
+wake of one `--gib` region, beside `--held-gib` held (the base), through torch_memory_saver
+(what calibrate maps) and the elastic arena (what rollout.kv_pool=elastic maps), after:
+
+* rested        the region released 2 s before (the calibration before the replay);
+* replay:A      then A GiB allocated and written by torch in one tensor, freed by empty_cache
+                right before the wake (the calibration now);
+* chunks:A      the same in 512 MiB tensors (a trainer's activations are many tensors);
+* trained:A     chunks held 3 s (a training phase), then freed right before.
+
+    python3 scripts/device/calib_probe.py --gib 36 --held-gib 29.5 --replay-gib 12,30
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from handoff.memory.allocator import aggressive_empty_cache
+from handoff.memory.elastic import ElasticArena
+from handoff.memory.regions import RegionPool
+
+GIB = 1 << 30
+CHUNK = 512 << 20
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+class Saver:
+    name = "tms"
+
+    def __init__(self, nbytes: int):
+        self.pool = RegionPool(torch.device("cuda"))
+        with self.pool.region("probe"):
+            self.block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.block.fill_(1)
+        self.pool.track("probe", self.block)
+        self.bytes = self.pool.region_bytes("probe")
+
+    def sleep(self) -> None:
+        _sync()
+        self.pool.sleep(["probe"], level=2)
+        _sync()
+
+    def wake(self) -> None:
+        self.pool.wake_up(["probe"])
+        _sync()
+
+
+class Arena:
+    name = "elastic"
+
+    def __init__(self, nbytes: int):
+        granule = ElasticArena.granule_bytes("cuda")
+        slabs = 72
+        slab = -(-nbytes // slabs // granule) * granule
+        self.arena = ElasticArena("cuda", slabs=slabs, slab_bytes=slab)
+        self.bytes = slabs * slab
+        self.wake()
+        self.arena.view(torch.uint8, (self.bytes,)).fill_(1)
+
+    def sleep(self) -> None:
+        _sync()
+        self.arena.release()
+        _sync()
+
+    def wake(self) -> None:
+        self.arena.grow_to(self.arena.slab_bytes)
+        _sync()
+
+
+def timed_wake(region, *, replay: int = 0, chunked: bool = False, hold: float = 0.0) -> float:
+    region.sleep()
+    time.sleep(2.0)
+    if replay:
+        sizes = [CHUNK] * (replay // CHUNK) + ([replay % CHUNK] if replay % CHUNK else []) \
+            if chunked else [replay]
+        blobs = [torch.ones(n, dtype=torch.uint8, device="cuda") for n in sizes]
+        _sync()
+        time.sleep(hold)
+        del blobs
+        aggressive_empty_cache()
+    t0 = time.perf_counter()
+    region.wake()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gib", type=float, default=36.0)
+    p.add_argument("--held-gib", type=float, default=29.5)
+    p.add_argument("--replay-gib", default="12,30")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    held = torch.empty(int(args.held_gib * GIB), dtype=torch.uint8, device="cuda").fill_(3)
+    conditions = [("rested", {})]
+    for a in (float(x) for x in args.replay_gib.split(",")):
+        n = int(a * GIB)
+        conditions += [(f"replay:{a:g}", {"replay": n}), (f"chunks:{a:g}", {"replay": n, "chunked": True}),
+                       (f"trained:{a:g}", {"replay": n, "chunked": True, "hold": 3.0})]
+    rows = []
+    for cls in (Saver, Arena):
+        region = cls(int(args.gib * GIB))
+        timed_wake(region)  # warm-up
+        for label, kw in conditions:
+            secs = [timed_wake(region, **kw) for _ in range(args.repeats)]
+            rows.append((region.name, label, secs, [region.bytes / s / 1e12 for s in secs]))
+            print(f"{region.name:8s} {label:11s} "
+                  + "  ".join(f"{s * 1e3:7.1f} ms" for s in secs), flush=True)
+        region.sleep()
+        del region
+        aggressive_empty_cache()
+    del held
+    print(f"\n| pool | condition | wake ms | TB/s |  ({args.gib:g} GiB region, {args.held_gib:g}"
+          f" GiB held, {torch.cuda.get_device_name()})\n|---|---|---|---|")
+    for name, label, secs, rate in rows:
+        print(f"| {name} | {label} | {' / '.join(f'{s * 1e3:.1f}' for s in secs)} | "
+              f"{' / '.join(f'{r:.2f}' for r in rate)} |")
+
+
+if __name__ == "__main__":
+    main()
