@@ -18,7 +18,10 @@ STEPS=${STEPS:-3}; RUN_TIMEOUT=${RUN_TIMEOUT:-330}
 timeout 200 python3 -m handoff init-model --preset $preset --out $dir --device cuda > "$OUT/init.log" 2>&1
 echo "init-model: rc=$?"
 timeout $RUN_TIMEOUT python3 -m handoff train examples/h200-4b.yaml model.path=$dir actor.lora.rank=16 run.steps=$STEPS \
-    run.checkpoint=false rollout.kv_pool=elastic hardware.name=$HW run.out_dir="$OUT/lora-$preset" \
+    run.checkpoint=false rollout.kv_pool=elastic hardware.name=$HW run.out_dir="/tmp/lora-$preset" \
     > "$OUT/lora-$preset.log" 2>&1
 echo "train: rc=$?"
-tail -40 "$OUT/lora-$preset/summary.md" 2>/dev/null || tail -20 "$OUT/lora-$preset.log"
+# A call brings back at most 8 files: the run's summaries and metrics in one archive.
+tar czf "$OUT/lora-$preset.tgz" -C /tmp "lora-$preset/summary.md" "lora-$preset/summary.json" \
+    "lora-$preset/metrics.jsonl" 2>/dev/null
+tail -40 "/tmp/lora-$preset/summary.md" 2>/dev/null || tail -20 "$OUT/lora-$preset.log"

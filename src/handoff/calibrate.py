@@ -9,9 +9,8 @@ What is measured, and why at this size and in this state:
   as to_train copies right after the engine's sleep), a device-to-device copy;
 * map and unmap of a region the size of the KV pool the engine is about to take (mapping is
   not linear in size), in the state the switch maps it: the weights mapped, the trainer's
-  offloaded state (on a shared LoRA base, its activations) handed back to the driver when
-  to_rollout hands it back, the pool's own pages released seconds before; and the map of a
-  region the weights' size;
+  offloaded state handed back to the driver when to_rollout hands it back, the pool's own
+  pages released seconds before; and the map of a region the weights' size;
 * the weight sync's copies: the real `sync_weights` over the actor's own tensors (a kernel
   per tensor into the bucket, batched copies out of it), slower per byte than one large copy;
 * the sync's host work per tensor, timed while a D2H of the optimizer's size is queued (the
@@ -106,9 +105,7 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
         actor.to("host", params=True).wait()
         aggressive_empty_cache()
     on_cuda = device.type == "cuda"
-    # (on the CPU a map is a resize: gigabytes of activations replayed would only cost time)
-    activations = _activation_bytes(plan, actor) if on_cuda else 0
-    kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool, activations=activations)
+    kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool)
     # Four pairs: one pair's times vary by a quarter from step to step.
     values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
                                       held_during_wake=weight_bytes, freed_before_wake=freed,
@@ -123,30 +120,20 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     return Rates(values)
 
 
-def _activation_bytes(plan: RunPlan, actor) -> int:
-    """What the trainer's micro-batch holds at its peak (the planner's choice when it sized
-    the micro-batch, else the profile's estimate): to_rollout's empty_cache hands it back
-    right before the KV wake."""
-    choice = getattr(actor, "micro_batch_choice", None)
-    if choice is None:
-        return int(plan.hardware.train_activation_bytes)
-    return int(choice.tokens * choice.bytes_per_token + choice.fixed_bytes)
-
-
-def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool, *, activations: int = 0
-                  ) -> tuple[int, int, list]:
+def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, int, list]:
     """(KV pool, engine weights) bytes the engine is about to take, each at most what is free
     now less the wake margin and 1 GiB (weights 0 under LoRA on a shared base: mapped
     already, and they stay); and [(bytes, seconds before the KV wake)] that to_rollout hands
     back to the driver: the optimizer once its copy ends (the params' copy still to go),
-    then the params and the sync's two buckets right before the wake; under LoRA on a shared
-    base, the trainer's `activations` right before it. Pages handed back a moment before a
-    map map ~2-3x faster than pages released seconds before (H200, 40 GiB:
-    scripts/device/map_probe.py, docs/PERF.md): without them a shared base's wake was priced
-    at twice what it took. (A full-parameter run's wake, priced with its params and buckets,
-    measured 0.94 of its price: its activations leave before the weights wake, which takes
-    their pages.) The pool is sized by the engine's own rule, with the planner's activation
-    peak and graph pool for the ones the engine profiles."""
+    then the params and the sync's two buckets right before the wake. The pool is sized by
+    the engine's own rule, with the planner's activation peak and graph pool for the ones
+    the engine profiles.
+
+    A shared LoRA base's trainer hands back its activations right before the wake, which
+    this does not replay: pages handed back a moment before a map change its rate both
+    ways, 7-30x faster after 12 GiB, 10x slower after 30 GiB (36 GiB region, H100:
+    scripts/device/calib_probe.py, docs/PERF.md), so a replay of the planner's activation
+    estimate priced a 14B run's wake at 9x what it took."""
     shape, dtypes, hw = plan.shape, plan.dtypes, plan.hardware
     ro, tp = cfg.rollout, cfg.parallel.tp
     weights = engine_weight_bytes(shape, tp, dtypes.engine_bytes)
@@ -158,11 +145,9 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool, *, activations: 
                             hbm_bytes=total, weights_bytes=weights,
                             overhead_bytes=int(hw.activation_peak_bytes + hw.graph_pool_bytes))
     room = free - pool.wake_margin_bytes - (1 << 30)
-    if cfg.actor.lora.shares_base:   # the weights are mapped already (the trainer's base) and `free`
-        # excludes them; the activations leave before the wake (and the adapters' Adam
-        # state, megabytes)
-        late = int(max(min(activations, room), 0))
-        return int(max(min(blocks * block, room), block)), 0, [(late, 0.0)] if late else []
+    if cfg.actor.lora.shares_base:   # the weights are mapped already (the trainer's base) and
+        # `free` excludes them
+        return int(max(min(blocks * block, room), block)), 0, []
     weights = int(max(min(weights, room), 1))
     params, optimizer = _offloaded_bytes(cfg, plan)
     late = min(params + 2 * (cfg.sync.bucket_mb << 20), room - weights)

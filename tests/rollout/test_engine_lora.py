@@ -23,14 +23,6 @@ from handoff.rollout.engine import Engine
 from handoff.rollout.sampling import SamplingParams
 
 RANK, ALPHA = 4, 8
-
-
-@pytest.fixture(autouse=True)
-def deferred_term(monkeypatch):
-    """HANDOFF_LORA_DEFER=1 for this module: every engine here leaves a decode batch's LoRA
-    term to the op that reads the product (the default path runs in test_engine_lora_sync
-    and the loop's tests)."""
-    monkeypatch.setattr(lora, "DEFER_MAX_ROWS", 32)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 9, [42]]
 NEW_TOKENS = 16
@@ -186,7 +178,7 @@ def test_a_bad_adapter_is_refused_in_one_line_and_the_loaded_one_kept(qwen3_dir,
     assert _tokens(engine) == before
 
 
-def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path, monkeypatch):
+def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path):
     import json
 
     from test_parallel_engine import HERE, torchrun
@@ -194,7 +186,6 @@ def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path, m
     import tp_lora_job as job
 
     adapter = _peft_model(str(qwen3_dir))[1] / "adapter_model.safetensors"
-    monkeypatch.setenv("HANDOFF_LORA_DEFER", "1")   # the ranks leave the term to its reader
     torchrun([str(HERE / "tp_lora_job.py"), str(qwen3_dir), str(adapter), str(tmp_path)])
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     alone = Engine(str(qwen3_dir), ref.cfg(**job.CFG))
@@ -205,10 +196,9 @@ def test_tp2_engine_with_adapter_matches_one_process(qwen3_dir, ref, tmp_path, m
     for r in ranks:
         assert r["adapter"] == with_adapter
         assert r["cleared"] == job.tokens(alone)
-        # Under TP the column-parallel products join A (their term left to the reader); the
-        # row-parallel ones keep it apart, their partial term added before the all-reduce.
+        # Under TP the column-parallel products join A; the row-parallel ones keep it apart,
+        # their partial term added before the all-reduce.
         assert r["joined"] == ["gate_up_proj"] * 2 + ["qkv_proj"] * 2
-        assert r["defer_rows"] > 0
 
 
 def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref):
@@ -219,25 +209,6 @@ def test_an_engine_with_decode_graphs_needs_its_max_rank_up_front(qwen3_dir, ref
     assert engine.lora is None
     with pytest.raises(HandoffError, match="not positive"):
         Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=0)
-
-
-def test_a_decode_batch_leaves_the_term_to_the_reader_when_on(qwen3_dir, ref, monkeypatch):
-    from handoff.rollout import ops
-
-    engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=RANK)
-    engine.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
-    module = engine.lora.linears["model.layers.0.self_attn.qkv_proj"]
-    x = torch.randn(lora.DEFER_MAX_ROWS + 1, module.weight.shape[1])
-    whole = ops.linear(x, module.weight, None, module.lora, defer=True)   # past a decode batch
-    left = ops.linear(x[:2], module.weight, None, module.lora, defer=True)
-    assert isinstance(left, ops.Deferred) and not isinstance(whole, ops.Deferred)
-    torch.testing.assert_close(left.resolve(), whole[:2])
-    monkeypatch.setattr(lora, "DEFER_MAX_ROWS", 0)   # the default: HANDOFF_LORA_DEFER unset
-    assert not isinstance(ops.linear(x[:2], module.weight, None, module.lora, defer=True),
-                          ops.Deferred)
-    with_adapter = _tokens(engine)
-    monkeypatch.setattr(lora, "DEFER_MAX_ROWS", 32)
-    assert _tokens(engine) == with_adapter == [_peft_greedy(qwen3_dir, p) for p in PROMPTS]
 
 
 def test_a_linears_adapter_rows_follow_its_weight_and_one_gemm_gives_both(qwen3_dir, ref):

@@ -34,9 +34,7 @@ def main(ckpt: str, adapter: str, out: Path) -> None:
     engine = Engine(ckpt, RolloutConfig(**CFG), device=dev, dtype=torch.float32, tp=2,
                     lora_max_rank=4)
     engine.load_adapter(load_file(adapter), alpha=8, rank=4)
-    from handoff.rollout import lora
-
-    result = {"adapter": tokens(engine), "defer_rows": lora.DEFER_MAX_ROWS,
+    result = {"adapter": tokens(engine),
               "joined": sorted(name.rsplit(".", 1)[1] for name, linear in
                                engine.lora.linears.items() if linear.lora.joined is not None)}
     engine.clear_adapter()

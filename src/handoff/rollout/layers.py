@@ -129,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, parts: list[tuple[int, int, int]], *, bias: bool,
-                 defer_term: bool = True, device=None, dtype=None):
+                 device=None, dtype=None):
         super().__init__()
         rules, dest = [], 0
         for full, start, length in parts:
@@ -141,12 +141,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((dest,), tuple(rules), **kw) if bias else None
         self.shard_sizes = tuple(length for _, _, length in parts)
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
-        self.defer_term = defer_term
 
-    def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor | ops.Deferred:
-        """The output, or at decode batch with an adapter and `defer_term` an ops.Deferred
-        (for a reader that takes one)."""
-        return ops.linear(x_TE, self.weight, self.bias, self.lora, defer=self.defer_term)
+    def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor:
+        return ops.linear(x_TE, self.weight, self.bias, self.lora)
 
 
 class RowParallelLinear(nn.Module):
@@ -163,16 +160,10 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
-    def forward(self, x_TE: torch.Tensor | ops.Deferred, *, gated: bool = False
-                ) -> torch.Tensor | ops.Deferred:
-        """`gated`: x is the MLP's [gate | up], the input SiLU(gate) * up (ops.linear). One
-        rank without a bias may leave its adapter term to the reader (ops.Deferred); under
-        TP each rank's partial term is added before the all-reduce sums them."""
-        alone = self.tp.size == 1 and self.bias is None
-        y_TF = ops.linear(x_TE, self.weight, None, self.lora, gated=gated, defer=alone)
-        if alone:
-            return y_TF
-        y_TF = self.tp.all_reduce_(y_TF)
+    def forward(self, x_TE: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
+        """`gated`: x is the MLP's [gate | up], the input SiLU(gate) * up (ops.linear)."""
+        # With an adapter, this rank's partial delta: the all-reduce sums them.
+        y_TF = self.tp.all_reduce_(ops.linear(x_TE, self.weight, None, self.lora, gated=gated))
         return y_TF if self.bias is None else y_TF + self.bias
 
 

@@ -37,9 +37,7 @@ R = maximum rank.
 
 from __future__ import annotations
 
-import os
 import re
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -56,29 +54,6 @@ _PEFT_NAME = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_at
                         r"(\w+)\.lora_([AB])(?:\.default)?\.weight")
 _PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
                 "mlp": ("gate_proj", "up_proj", "down_proj")}
-
-
-# Rows a product may leave its adapter term to the op that reads its output (ops.Deferred;
-# on CUDA that op's fused kernel adds it as it reads: one launch fewer per linear). Those
-# kernels read B once per row, so past a decode batch the expand's own GEMM is the cheaper.
-# Off unless HANDOFF_LORA_DEFER=1 in the environment: tested against the reference under
-# the Triton interpreter, not yet measured on a card (docs/PERF.md).
-DEFER_MAX_ROWS = 32 if os.environ.get("HANDOFF_LORA_DEFER", "0") == "1" else 0
-DEFER_MAX_RANK = 64   # the kernels unroll their loop over the rank
-
-
-@dataclass(frozen=True)
-class Delta:
-    """A product's adapter term not added yet: y + t B^T. t = x A^T [T, P*R] (the joined GEMM's
-    last columns), B [F, P*R] block-diagonal, `rank` = R, the columns of one part's block."""
-
-    t_TR: torch.Tensor
-    B_FR: torch.Tensor
-    rank: int
-
-    def add_to(self, y_TF: torch.Tensor) -> torch.Tensor:
-        """y += t B^T in place (the reference, and where no kernel takes the term)."""
-        return y_TF.addmm_(self.t_TR, self.B_FR.t())
 
 
 class LoraSlot:
@@ -100,24 +75,22 @@ class LoraSlot:
         self.rank = max_rank   # columns of B per part
 
     def linear(self, x_TE: torch.Tensor, weight_FE: torch.Tensor,
-               bias_F: torch.Tensor | None, *, defer: bool = False):
+               bias_F: torch.Tensor | None) -> torch.Tensor:
         """x W^T + b + (x A^T) B^T. With A joined to the weight, one GEMM gives x W^T and
         x A^T side by side (y is a view of rows F + P*R apart) and the second adds the term
-        in its epilogue, or with `defer` (a decode batch, a rank the kernels unroll) the
-        term is left to the op that reads y: (y, Delta). Else three ops. At decode batch a
-        launch costs about what these small products do."""
+        in its epilogue; else three ops. At decode batch a launch costs about what these
+        small products do. (Leaving the term to the fused kernel that reads y, a launch
+        fewer, was slower on an H100: 1.31x / 1.22x the base at batch 1 / 32 against 1.17x /
+        1.13x; docs/PERF.md.)"""
         if self.joined is None:
             return self.expand_into(F.linear(x_TE, weight_FE, bias_F), F.linear(x_TE, self.A))
         out = F.linear(x_TE, self.joined)
         width = weight_FE.shape[0]
-        y_TF, t_TR = out[..., :width], out[..., width:]
-        if defer and x_TE.shape[0] <= DEFER_MAX_ROWS and self.rank <= DEFER_MAX_RANK:
-            return y_TF, Delta(t_TR, self.B, self.rank)
-        return self.expand_into(y_TF, t_TR)
+        return self.expand_into(out[..., :width], out[..., width:])
 
     def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:
         """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows)."""
-        return Delta(t_TR, self.B, self.rank).add_to(y_TF)
+        return y_TF.addmm_(t_TR, self.B.t())
 
 
 class LoraAdapters:

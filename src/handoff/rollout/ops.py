@@ -41,39 +41,13 @@ def use_fused(x: torch.Tensor) -> bool:
 
 
 @dataclass
-class Deferred:
-    """A product's output whose LoRA term (rollout.lora.Delta) is left to the op that reads
-    it: the fused kernels add it as they read (no launch of its own), the references and the
-    skinny kernel add it first (`resolve`)."""
-
-    y_TF: torch.Tensor
-    delta: object   # rollout.lora.Delta
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.y_TF.shape
-
-    def resolve(self) -> torch.Tensor:
-        return self.delta.add_to(self.y_TF)
-
-
-def _split(x) -> tuple[torch.Tensor, object]:
-    """(tensor, its pending LoRA term or None)."""
-    return (x.y_TF, x.delta) if isinstance(x, Deferred) else (x, None)
-
-
-def _resolved(x) -> torch.Tensor:
-    return x.resolve() if isinstance(x, Deferred) else x
-
-
-@dataclass
 class NormInput:
     """weight * RMSNorm(x + residual), not computed yet: the linear that reads it computes it
     (the skinny kernel, tile by tile, without a launch of its own) or has add_rms_norm make
     it first. Either way `residual_out` (x + residual, the stream; x without a residual) is
     set then, for the layer's next add."""
 
-    x_TE: torch.Tensor | Deferred
+    x_TE: torch.Tensor
     residual_TE: torch.Tensor | None
     weight_E: torch.Tensor
     eps: float
@@ -89,27 +63,24 @@ class NormInput:
         return normed_TE
 
 
-def linear(x_TE: torch.Tensor | NormInput | Deferred, weight_FE: torch.Tensor,
-           bias_F: torch.Tensor | None = None, lora=None, *, gated: bool = False,
-           defer: bool = False) -> torch.Tensor | Deferred:
+def linear(x_TE: torch.Tensor | NormInput, weight_FE: torch.Tensor,
+           bias_F: torch.Tensor | None = None, lora=None, *, gated: bool = False
+           ) -> torch.Tensor:
     """x W^T + b, plus a LoRA slot's term (rollout/lora.py); `gated`: x is the MLP's
-    [gate | up] and the input is silu_mul(x); a NormInput: the input is its norm; a
-    Deferred input: its term is added first. `defer`: the reader of the output takes a
-    Deferred (the slot decides whether to leave its term). Under gemm_backend("triton") a
-    product of <= SKINNY_MAX_ROWS rows (CUDA, half precision) is the Triton skinny kernel:
-    the slot's shrink x A^T as more rows of the same launch, the SiLU or the norm made as x
-    is read (HANDOFF_FUSED=0 turns it off: cuBLAS, as for a weight that is not row-major or
-    not in x's dtype, or a slot past the kernel's extra rows)."""
+    [gate | up] and the input is silu_mul(x); a NormInput: the input is its norm. Under
+    gemm_backend("triton") a product of <= SKINNY_MAX_ROWS rows (CUDA, half precision) is
+    the Triton skinny kernel: the slot's shrink x A^T as more rows of the same launch, the
+    SiLU or the norm made as x is read (HANDOFF_FUSED=0 turns it off: cuBLAS, as for a
+    weight that is not row-major or not in x's dtype, or a slot past the kernel's extra rows)."""
     pending = x_TE if isinstance(x_TE, NormInput) else None
     x = x_TE if pending is None else pending.x_TE
-    x = x.y_TF if isinstance(x, Deferred) else x
     if (skinny_gemm_on() and x.shape[0] <= SKINNY_MAX_ROWS and use_fused(x)
             and weight_FE.stride(-1) == 1 and weight_FE.dtype == x.dtype
             and (lora is None or lora.A.shape[0] <= SKINNY_MAX_EXTRA_ROWS)):
         from handoff.rollout.kernels.skinny import skinny_linear
 
         # the kernel takes dense tensors (a joined product's output is a strided view)
-        x = _resolved(x_TE if pending is None else pending.x_TE).contiguous()
+        x = x.contiguous()
         if pending is not None:
             pending.x_TE = x
         norm = None
@@ -122,11 +93,10 @@ def linear(x_TE: torch.Tensor | NormInput | Deferred, weight_FE: torch.Tensor,
         return y_TF if lora is None else lora.expand_into(y_TF, t_TR)
     if pending is not None:
         x_TE = pending.materialize()
-    x_TE = silu_mul(x_TE) if gated else _resolved(x_TE)
-    if lora is None:
-        return F.linear(x_TE, weight_FE, bias_F)
-    out = lora.linear(x_TE, weight_FE, bias_F, defer=defer)
-    return Deferred(*out) if isinstance(out, tuple) else out
+    if gated:
+        x_TE = silu_mul(x_TE)
+    return F.linear(x_TE, weight_FE, bias_F) if lora is None else lora.linear(x_TE, weight_FE,
+                                                                              bias_F)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,27 +108,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def add_rms_norm(x_TE: torch.Tensor | Deferred, residual_TE: torch.Tensor | None,
-                 weight_E: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * RMSNorm(x + residual), x + residual); without a residual the sum is x."""
-    x_TE, delta = _split(x_TE)
-    if use_fused(x_TE) and (delta is None or residual_TE is not None):
+    if use_fused(x_TE):
         from handoff.rollout.kernels.fused import add_rms_norm as fused
 
-        return fused(x_TE, residual_TE, weight_E, eps, delta)
-    x_TE = x_TE if delta is None else delta.add_to(x_TE)
+        return fused(x_TE, residual_TE, weight_E, eps)
     summed = x_TE if residual_TE is None else x_TE + residual_TE
     return rms_norm(summed, weight_E, eps), summed
 
 
-def silu_mul(gate_up_T2I: torch.Tensor | Deferred) -> torch.Tensor:
+def silu_mul(gate_up_T2I: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up over the fused gate_up output [T, 2I] -> [T, I]."""
-    gate_up_T2I, delta = _split(gate_up_T2I)
     if use_fused(gate_up_T2I):
         from handoff.rollout.kernels.fused import silu_mul as fused
 
-        return fused(gate_up_T2I, delta)
-    gate_up_T2I = gate_up_T2I if delta is None else delta.add_to(gate_up_T2I)
+        return fused(gate_up_T2I)
     gate_TI, up_TI = gate_up_T2I.chunk(2, dim=-1)
     return F.silu(gate_TI) * up_TI
 
@@ -169,8 +135,7 @@ def apply_rope(x_THD: torch.Tensor, cos_T1D2: torch.Tensor, sin_T1D2: torch.Tens
     return torch.cat([x1 * cos_T1D2 - x2 * sin_T1D2, x2 * cos_T1D2 + x1 * sin_T1D2], dim=-1)
 
 
-def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       head_dim: int,
+def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                        positions_T: torch.Tensor, rope_LD: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        meta: AttnMeta, layer: int

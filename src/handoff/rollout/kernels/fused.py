@@ -10,12 +10,6 @@ than the GEMMs (docs/PERF.md). These three replace them with 3 launches per laye
   paged cache at their slots (fp8 caches: divided by the layer's scale, clamped, cast);
 * silu_mul: SiLU(gate) * up of the fused gate_up projection output.
 
-add_rms_norm and silu_mul also take the LoRA term of the product they read (`delta`,
-rollout.lora.Delta: y + t B^T left to them at decode batch, ops.Deferred), added as y is read
-and rounded where the reference's addmm_ rounds: o's, gate/up's and down's expand cost no
-launch of their own. Not q/k/v's: qk_norm_rope_store runs one program per token, which would
-read all of that B (590 KB a layer on the 1.7B) on one SM; its expand stays a GEMM.
-
 Numbers: each kernel rounds to the model dtype exactly where the plain-torch reference
 (handoff.rollout.ops) does, so bf16 results match it bit for bit but for the order of the
 fp32 sums inside a norm. Grids depend on shapes only, so the launches capture in CUDA graphs.
@@ -37,42 +31,14 @@ FP8_MAX_F = tl.constexpr(FP8_MAX)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
-def _lora_delta(t_row_ptr, b_ptr, stride_b, rows, col0, mask, RANK: tl.constexpr,
-                RANK_PAD: tl.constexpr):
-    """sum_r t[col0 + r] * B[rows, col0 + r] in fp32 over a 1-D tile of output rows of B: the
-    adapter term (x A^T) B^T of one token, for the part whose block of B starts at col0. One
-    [rows, rank] load: a row's rank columns of B are contiguous (a load per rank, strided by
-    B's row, made the reader 2x slower than the expand's own GEMM on an H100)."""
-    r = tl.arange(0, RANK_PAD)
-    r_ok = r < RANK
-    t = tl.load(t_row_ptr + col0 + r, mask=r_ok, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + rows[:, None] * stride_b + col0 + r[None, :],
-                mask=mask[:, None] & r_ok[None, :], other=0.0)
-    return tl.sum(b.to(tl.float32) * t[None, :], axis=1)
-
-
-@triton.jit
-def _plus_delta(y, t_row_ptr, b_ptr, stride_b, rows, col0, mask, dtype, RANK: tl.constexpr,
-                RANK_PAD: tl.constexpr):
-    """y + its adapter term, rounded to the model dtype where the product's epilogue rounds
-    (the reference adds it with addmm_ into the base GEMM's output); fp32 out."""
-    d = _lora_delta(t_row_ptr, b_ptr, stride_b, rows, col0, mask, RANK, RANK_PAD)
-    return (y.to(tl.float32) + d).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, t_ptr, b_ptr, n_cols, eps,
-                         stride_x, stride_res, stride_out, stride_res_out, stride_t, stride_b,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr,
-                         RANK_PAD: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                         stride_x, stride_res, stride_out, stride_res_out,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if RANK > 0:   # x is a linear's output whose adapter term is added here
-        x = _plus_delta(x, t_ptr + row * stride_t, b_ptr, stride_b, cols, 0, mask, dtype, RANK,
-                        RANK_PAD)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(dtype)  # the residual stream is kept in the model dtype
@@ -84,28 +50,19 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, t_ptr, b_p
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(dtype), mask=mask)
 
 
-def _rank_args(delta) -> dict:
-    """The kernels' RANK (0: no adapter term) and its power-of-two padding."""
-    rank = delta.rank if delta is not None else 0
-    return {"RANK": rank, "RANK_PAD": max(triton.next_power_of_2(rank), 2)}
-
-
 def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E: torch.Tensor,
-                 eps: float, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * rms_norm(x + residual), x + residual); without a residual the sum is x.
-    `delta` (rollout.lora.Delta, with a residual): x's adapter term, added first."""
-    assert delta is None or residual_TE is not None, "the stream would lack x's term"
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_norm(x + residual), x + residual); without a residual the sum is x."""
     rows, n = x_TE.shape
-    out = torch.empty(rows, n, dtype=x_TE.dtype, device=x_TE.device)
-    res_out = torch.empty_like(out) if residual_TE is not None else x_TE
+    out = torch.empty_like(x_TE)
+    res_out = torch.empty_like(x_TE) if residual_TE is not None else x_TE
     res_in = residual_TE if residual_TE is not None else x_TE
     block = triton.next_power_of_2(n)
-    t, b = (delta.t_TR, delta.B_FR) if delta is not None else (x_TE, x_TE)
     _add_rms_norm_kernel[(rows,)](
-        x_TE, res_in, weight_E, out, res_out, t, b, n, eps,
-        x_TE.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0), t.stride(0),
-        b.stride(0), HAS_RESIDUAL=residual_TE is not None, BLOCK=block,
-        **_rank_args(delta), num_warps=min(max(block // 512, 1), 16))
+        x_TE, res_in, weight_E, out, res_out, n, eps,
+        x_TE.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
+        HAS_RESIDUAL=residual_TE is not None, BLOCK=block,
+        num_warps=min(max(block // 512, 1), 16))
     return out, res_out
 
 
@@ -119,34 +76,24 @@ def silu_times(gate, up, dtype):
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, t_ptr, b_ptr, n_cols, stride_x, stride_out, stride_t,
-                     stride_b, BLOCK: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    if RANK > 0:   # the gate_up product's adapter term: gate's block of B, then up's
-        t_row = t_ptr + row * stride_t
-        gate = _plus_delta(gate, t_row, b_ptr, stride_b, cols, 0, mask, dtype, RANK,
-                           RANK_PAD).to(dtype)
-        up = _plus_delta(up, t_row, b_ptr, stride_b, n_cols + cols, RANK, mask, dtype, RANK,
-                         RANK_PAD).to(dtype)
-    tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up, dtype), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up, out_ptr.dtype.element_ty),
+             mask=mask)
 
 
-def silu_mul(gate_up_T2I: torch.Tensor, delta=None) -> torch.Tensor:
-    """SiLU(first half) * second half of the last dim -> [T, I]; `delta`
-    (rollout.lora.Delta): the input's adapter term, added first."""
+def silu_mul(gate_up_T2I: torch.Tensor) -> torch.Tensor:
+    """SiLU(first half) * second half of the last dim -> [T, I]."""
     rows, width = gate_up_T2I.shape
     inter = width // 2
     out = gate_up_T2I.new_empty(rows, inter)
     block = 1024
-    t, b = (delta.t_TR, delta.B_FR) if delta is not None else (gate_up_T2I, gate_up_T2I)
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-        gate_up_T2I, out, t, b, inter, gate_up_T2I.stride(0), out.stride(0), t.stride(0),
-        b.stride(0), BLOCK=block, **_rank_args(delta), num_warps=4)
+        gate_up_T2I, out, inter, gate_up_T2I.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
 
 
@@ -250,8 +197,8 @@ def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int, 
         qkv_TX, positions_T, rope_LD, q_weight if has_norm else dummy,
         k_weight if has_norm else dummy, k_cache if store else qkv_TX,
         v_cache if store else qkv_TX, slot_mapping_T if store else dummy,
-        k_scale if fp8 else dummy, v_scale if fp8 else dummy,
-        eps, qkv_TX.stride(0), rope_LD.stride(0),
+        k_scale if fp8 else dummy, v_scale if fp8 else dummy, eps,
+        qkv_TX.stride(0), rope_LD.stride(0),
         k_cache.stride(1) if store else 0, v_cache.stride(1) if store else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads),

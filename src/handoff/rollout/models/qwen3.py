@@ -85,9 +85,8 @@ class Attention(nn.Module):
         self.head_dim = d
         q_part = (spec.num_heads * d, head_start * d, self.num_heads * d)
         kv_part = (spec.num_kv_heads * d, kv_start * d, self.num_kv_heads * d)
-        # q/k/v's LoRA expand stays a GEMM: its reader runs one program per token (fused.py)
         self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [q_part, kv_part, kv_part],
-                                             bias=spec.qkv_bias, defer_term=False, **kw)
+                                             bias=spec.qkv_bias, **kw)
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, bias=spec.o_bias,
                                         tp=tp, **kw)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps, **kw) if spec.qk_norm else None
