@@ -7,11 +7,13 @@
 # owner and every switch action against the ledger are in the run's summary.md.
 #   bash scripts/device/3-largest-lora.sh          (repo root, on the GPU machine; logs in $OUT)
 #   STEPS=2 RUN_TIMEOUT=280 bash scripts/device/3-largest-lora.sh      (a shorter call)
+#   PRESET=qwen3-14b bash scripts/device/3-largest-lora.sh             (the 14B on any card)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/device-env.sh || exit 1
 shm_free=$(df --output=avail -B1 /dev/shm | tail -1)
-if [ "$HW" = h200 ] && [ "$shm_free" -gt 72000000000 ]; then preset=qwen3-32b; dir=/dev/shm/qwen3-32b
+if [ "${PRESET:-auto}" = auto ] && [ "$HW" = h200 ] && [ "$shm_free" -gt 72000000000 ]; then
+    preset=qwen3-32b; dir=/dev/shm/qwen3-32b
 else preset=qwen3-14b; dir=/tmp/qwen3-14b; fi
 echo "largest shape: $preset in $dir (/dev/shm free: $shm_free B)"
 STEPS=${STEPS:-3}; RUN_TIMEOUT=${RUN_TIMEOUT:-330}
