@@ -41,7 +41,9 @@ def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
     rows, lens = [5, 0, 3], [9, 1, 17]
     width = _fill(inputs, tables, rows, lens, padded=8)
     assert width == 5  # 17 tokens in blocks of 4
-    staged_rows, pos, tab, ctx, slots = inputs.views(8, width)
+    staged_rows, pos, tab, ctx, slots, order = inputs.views(8, width)
+    # Attention starts the longest row first, padding (context 0) last, ties in row order.
+    assert order.dtype == torch.int32 and order.tolist() == [2, 0, 1, 3, 4, 5, 6, 7]
     # Padding rows name the spare token row (max_rows), which only padding rows read.
     assert staged_rows.tolist() == rows + [max_rows] * 5 and pos.tolist() == [8, 0, 16] + [0] * 5
     assert ctx.dtype == torch.int32 and ctx.tolist() == lens + [0] * 5
@@ -53,8 +55,9 @@ def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
     assert tab.shape == (8, width) and tab.stride(0) == max_blocks
     # A smaller next step overwrites the rows that were real before with padding.
     _fill(inputs, tables, [2], [4], padded=2)
-    staged_rows, pos, _, ctx, slots = inputs.views(4, 1)
+    staged_rows, pos, _, ctx, slots, order = inputs.views(4, 1)
     assert staged_rows.tolist()[:2] == [2, max_rows] and ctx.tolist()[:2] == [4, 0]
+    assert order.tolist()[:2] == [0, 1]
     assert slots.tolist()[:2] == [tables[2, 0] * bs + 3, -1] and pos.tolist()[:2] == [3, 0]
     with pytest.raises(AssertionError):
         _fill(inputs, tables, [0, 1], [1, 1], padded=1)

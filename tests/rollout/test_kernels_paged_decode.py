@@ -31,6 +31,10 @@ INTERP_CASES = {
     "block64_larger_than_tile": (2, 2, 1, 32, 64, [100, 64], {"config": {"tile": 32}}, False),
     "head_dim24_padded": (1, 2, 2, 24, 16, [20], {"num_splits": 2}, False),
     "fp8_scales_split": (2, 2, 4, 32, 16, [30, 47], {"num_splits": 2}, True),
+    # rows' programs started longest first (the engine's order); a wrong row mapping mixes rows
+    "longest_first": (3, 2, 4, 32, 16, [1, 17, 50], {"num_splits": 1, "order": [2, 1, 0]}, False),
+    "longest_first_split_empty_row": (3, 1, 2, 32, 16, [0, 45, 33],
+                                      {"num_splits": 3, "order": [1, 2, 0]}, False),
 }
 
 
@@ -40,8 +44,16 @@ def _interpreter_main() -> None:
     results = {}
     for i, (name, (B, K, G, D, bs, ctx, kw, fp8)) in enumerate(INTERP_CASES.items()):
         kw = {"config": {"tile": 16}, **kw}
+        if "order" in kw:
+            kw["order"] = torch.tensor(kw["order"], dtype=torch.int32)
         case = make_case(100 + i, B, K, G, D, bs, ctx, torch.float16, "cpu", fp8=fp8)
         results[name] = check(case, run_kernel(case, **kw))
+    # Row slots follow `order`: with row 1 left out of it, row 1 keeps its NaN poison.
+    case = make_case(200, 3, 2, 4, 32, 16, [1, 17, 50], torch.float16, "cpu")
+    out = run_kernel(case, config={"tile": 16}, num_splits=1,
+                     order=torch.tensor([2, 2, 0], dtype=torch.int32))
+    results["order_followed"] = {"left_out_unwritten": bool(out[1].isnan().all()),
+                                 "others_written": bool(torch.isfinite(out[[0, 2]]).all())}
     results["bench"] = _bench_smoke()
     print("RESULTS " + json.dumps(results))
 
@@ -80,6 +92,11 @@ def _bench_smoke() -> dict:
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
     return results_under_interpreter(__file__)
+
+
+def test_the_kernel_starts_row_slots_in_the_order_given(interpreter_results):
+    assert interpreter_results["order_followed"] == {"left_out_unwritten": True,
+                                                     "others_written": True}
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))
@@ -134,6 +151,7 @@ def test_split_count_uses_shapes_and_fills_the_gpu():
     ({"out": torch.zeros(2, 8, 32, dtype=torch.float32)}, ["must match q"]),
     ({"num_splits": 0}, ["num_splits=0"]),
     ({"config": {"tile": 24}}, ["power of two"]),
+    ({"order": torch.zeros(2, dtype=torch.int64)}, ["order must be", "int32 [2]"]),
 ])
 def test_bad_inputs_raise_clear_errors(change, words):
     pytest.importorskip("triton")
@@ -148,7 +166,7 @@ def test_bad_inputs_raise_clear_errors(change, words):
     args.update(change)
     if change.get("k_cache") is not None:
         args["v_cache"] = change["k_cache"]
-    kw = {k: args.pop(k) for k in ("out", "num_splits", "config") if k in args}
+    kw = {k: args.pop(k) for k in ("out", "num_splits", "config", "order") if k in args}
     with pytest.raises(HandoffError) as e:
         paged_decode_attention(*args.values(), scale=0.1, **kw)
     for w in words:

@@ -61,6 +61,7 @@ class AttnMeta:
     query_lens: list[int] = field(default_factory=list)     # prefill, on the host
     context_lens: list[int] = field(default_factory=list)   # prefill, on the host
     decode_fn: Callable | None = None
+    order_B: torch.Tensor | None = None   # decode: the rows longest first (graphs.DecodeInputs)
     packed: "PackedPrefill | None" = None                    # prefill through varlen_attn
 
 
@@ -118,8 +119,10 @@ def paged_decode_attention_torch(q_BHD: torch.Tensor, k_cache: torch.Tensor,
                                  context_lens: torch.Tensor, *, scale: float,
                                  k_scale: torch.Tensor | None = None,
                                  v_scale: torch.Tensor | None = None,
-                                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence against its first context_lens[b] cached tokens."""
+                                 out: torch.Tensor | None = None,
+                                 order: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence against its first context_lens[b] cached tokens. (`order`,
+    the order the Triton kernel starts rows in, changes nothing here.)"""
     block_ids_BM = block_tables.long()
     k_BLKD = _gather(k_cache, block_ids_BM, k_scale, q_BHD.dtype)
     v_BLKD = _gather(v_cache, block_ids_BM, v_scale, q_BHD.dtype)
@@ -216,7 +219,8 @@ def attend(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, meta: 
         return prefill_attention_torch(q_THD, kv.k[layer], kv.v[layer], meta, scale=scale,
                                        k_scale=k_scale, v_scale=v_scale)
     return meta.decode_fn(q_THD, kv.k[layer], kv.v[layer], meta.block_tables_BM,
-                          meta.context_lens_B, scale=scale, k_scale=k_scale, v_scale=v_scale)
+                          meta.context_lens_B, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                          order=meta.order_B)
 
 
 def select_decode_backend(device: torch.device, dtype: torch.dtype,

@@ -58,7 +58,8 @@ class DecodeInputs:
     """Static decode inputs: a pinned host staging buffer and its device twin, one copy a step.
 
     Layout (bytes, each field 256-aligned): rows, positions, slot_mapping (int64 [R]),
-    context_lens (int32 [R]), the sampler's temperature, top_p (float32 [R]), top_k (int64
+    context_lens and order (int32 [R]: the rows longest context first, the order attention
+    starts their programs in), the sampler's temperature, top_p (float32 [R]), top_k (int64
     [R]) and uniform (float64 [R]), block_tables (int32 [R, M]) last, so a step of B rows moves one
     contiguous prefix: the small fields whole and B table rows. Columns of a block-table row past what its context needs
     keep stale values: the kernel reads only blocks below context_len, so they are never used.
@@ -69,7 +70,7 @@ class DecodeInputs:
         self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
         self.device = device
         fields = [("rows", 8, max_rows), ("pos", 8, max_rows), ("slots", 8, max_rows),
-                  ("ctx", 4, max_rows), ("temp", 4, max_rows), ("top_p", 4, max_rows),
+                  ("ctx", 4, max_rows), ("order", 4, max_rows), ("temp", 4, max_rows), ("top_p", 4, max_rows),
                   ("top_k", 8, max_rows), ("uniform", 8, max_rows),
                   ("tables", 4, max_rows * max_blocks)]
         offsets, end = {}, 0
@@ -83,6 +84,7 @@ class DecodeInputs:
         self.dev = torch.zeros(end, dtype=torch.uint8, device=device) if on_cuda else self.host
         raw = self.host.numpy()
         np_types = {"rows": np.int64, "pos": np.int64, "slots": np.int64, "ctx": np.int32,
+                    "order": np.int32,
                     "temp": np.float32, "top_p": np.float32, "top_k": np.int64,
                     "uniform": np.float64, "tables": np.int32}
         torch_types = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32,
@@ -121,6 +123,9 @@ class DecodeInputs:
         h["pos"][n:padded_rows] = 0
         h["ctx"][n:padded_rows] = 0
         h["slots"][n:padded_rows] = -1
+        # Attention starts long rows first, so their tails overlap the short ones
+        # (kernels/paged_decode.py); padding (context 0) last.
+        h["order"][:padded_rows] = np.argsort(-h["ctx"][:padded_rows], kind="stable")
         return width
 
     def fill_sampling(self, batch: SamplingBatch, padded_rows: int) -> None:
@@ -152,10 +157,10 @@ class DecodeInputs:
 
     def views(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
         """(block-table rows, positions, block_tables [rows, width], context_lens,
-        slot_mapping)."""
+        slot_mapping, order)."""
         d = self.d
         return (d["rows"][:rows], d["pos"][:rows], d["tables"][:rows, :width], d["ctx"][:rows],
-                d["slots"][:rows])
+                d["slots"][:rows], d["order"][:rows])
 
 
 class DecodeGraphs:

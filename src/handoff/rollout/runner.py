@@ -21,6 +21,7 @@ V = vocabulary, E = hidden size.
 from __future__ import annotations
 
 import functools
+import os
 import time
 import warnings
 
@@ -63,6 +64,10 @@ class ModelRunner:
         # table width for every padded row.
         self.pad_decode = device.type == "cuda" and self.backend == "triton"
         self.use_graphs = bool(cuda_graphs) and self.pad_decode
+        # Decode attention starts the rows' programs longest context first, so a long row's
+        # tail overlaps the short ones (kernels/paged_decode.py); HANDOFF_LONGEST_FIRST=0: in
+        # row order (A/B benches).
+        self.longest_first = os.environ.get("HANDOFF_LONGEST_FIRST", "1") != "0"
         if cuda_graphs and device.type == "cuda" and not self.pad_decode:
             warnings.warn(f"rollout.cuda_graphs is ignored with the {self.backend!r} attention "
                           "backend (decode runs eagerly): use a bf16/fp16 model and the triton "
@@ -378,11 +383,13 @@ class ModelRunner:
 
     def _forward_decode(self, rows: int, width: int) -> torch.Tensor:
         """The model over the first `rows` staged decode rows -> hidden states [rows, E]."""
-        rows_B, positions_B, tables_BM, context_lens_B, slots_B = self.inputs.views(rows, width)
+        rows_B, positions_B, tables_BM, context_lens_B, slots_B, order_B = \
+            self.inputs.views(rows, width)
         ids_B = self.next_ids[rows_B]
         meta = AttnMeta(is_prefill=False, kv=self.kv, slot_mapping_T=slots_B,
                         block_tables_BM=tables_BM, context_lens_B=context_lens_B,
-                        decode_fn=self.decode_fn)
+                        decode_fn=self.decode_fn,
+                        order_B=order_B if self.longest_first else None)
         return self.model(ids_B, positions_B, meta)
 
     @staticmethod

@@ -5,6 +5,8 @@ Layout (the contract with the engine): per layer
                     float8_e4m3fn with float32 scalar scales (real = stored * scale)
   block_tables      int32 [batch, max_blocks_per_seq]: logical block -> physical block
   context_lens      int32 [batch]: valid tokens, the current token's K/V included
+  order             int32 [batch], optional: a permutation of the rows, the order their
+                    programs are launched in (longest context first: see below)
 Shape legend: B batch, H query heads, K kv heads, G query heads per kv head (padded: GP),
 D head_dim (padded: DP), S splits (padded: SP), T tokens of one tile.
 
@@ -16,6 +18,13 @@ a constant) and a tile may span several blocks or part of one. With S > 1 each s
 normalised partial output and its log-sum-exp, and a second kernel merges them. The grid is
 (K, B, S) with S chosen from shapes only, never from context_lens values, so a launch can be
 captured in a CUDA graph and replayed with new lengths. Rows with context_len 0 write zeros.
+
+With `order` the program for row slot i works on row order[i]. The GPU starts programs roughly
+in grid order and keeps few resident per SM, so when contexts differ a long row started last
+runs on after the others are done; started first (order = rows by length, longest first:
+longest-processing-time scheduling) its tail overlaps the short ones. A simulation of 256
+rows with contexts uniform in [100, 2048] on 264 program slots: 1.12x the balanced time in
+row order, 1.02x longest first.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ MAX_SPLITS = 64
 # split count never compiles a new kernel (which must not happen inside a graph capture).
 @triton.jit(do_not_specialize=["max_blocks", "num_splits", "stride_btb"])
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale_log2, max_blocks, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -44,9 +53,12 @@ def _paged_decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, SPLIT: tl.constexpr, HAS_SCALES: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
+    if HAS_ORDER:
+        b = tl.load(order_ptr + b)
     split = tl.program_id(2)
 
     # Clamp so a bad length can never index past the block-table row.
@@ -212,16 +224,23 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                            scale: float, k_scale=None, v_scale=None,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                           config: dict | None = None) -> torch.Tensor:
+                           config: dict | None = None,
+                           order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V; returns out [B, H, D].
 
     scale is the softmax scale (usually head_dim ** -0.5). For a float8_e4m3fn cache pass
     k_scale and v_scale (float32 scalar tensors, or floats; tensors when capturing a graph,
     since a float becomes a host-to-device copy). num_splits=None picks the split count from
-    shapes and the SM count; config overrides {"tile", "num_warps", "num_stages"}.
+    shapes and the SM count; config overrides {"tile", "num_warps", "num_stages"}. `order`
+    (int32 [batch], a permutation of the rows): the order the rows' programs start in.
     """
     _check(q_BHD, k_cache, v_cache, block_tables, context_lens)
     B, H, D = q_BHD.shape
+    if order is not None and (order.dtype != torch.int32 or order.shape != (B,)
+                              or order.device != q_BHD.device or not order.is_contiguous()):
+        raise HandoffError(f"paged_decode_attention: order must be a contiguous int32 [{B}] "
+                           f"permutation of the rows on q's device, got {order.dtype} "
+                           f"{tuple(order.shape)} on {order.device}")
     _, block_size, K, _ = k_cache.shape
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 and (k_scale is None or v_scale is None):
@@ -258,13 +277,14 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # kv heads vary fastest so that programs launched together read neighbouring head slices
     # of the same token rows ([block, slot, kv_head, :] is one 2 KiB row at Qwen3 shapes).
     _paged_decode_kernel[(K, B, num_splits)](
-        q_BHD, k_cache, v_cache, block_tables, context_lens, ks, vs, out, part_o, part_lse,
+        q_BHD, k_cache, v_cache, block_tables, context_lens,
+        order if order is not None else context_lens, ks, vs, out, part_o, part_lse,
         scale * LOG2E, max_blocks, num_splits,
         q_BHD.stride(0), q_BHD.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_Q_HEADS=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=D, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE=tile,
-        SPLIT=num_splits > 1, HAS_SCALES=fp8,
+        SPLIT=num_splits > 1, HAS_SCALES=fp8, HAS_ORDER=order is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
