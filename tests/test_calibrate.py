@@ -266,3 +266,25 @@ def test_a_shared_base_maps_its_kv_beside_the_base_with_nothing_replayed(model_d
     twice = _cfg(model_dir, tmp_path, "actor.lora.rank=4", "actor.lora.share_base=false")
     _, weights, freed = calibrate_module._switch_sizes(twice, RunPlan.build(twice), pool)
     assert weights > 0 and freed   # the engine's own copy, and the adapters' Adam state
+
+
+def test_the_adapter_sync_is_timed_over_a_steps_loads_not_the_first(model_dir, tmp_path):
+    """The first load of a layout zeroes the engine's buffers, a step's does not: the price
+    per tensor is the median of the loads after the first, and the engine holds the
+    actor's adapters after it."""
+    import handoff.calibrate as calibrate_module
+
+    cfg = _cfg(model_dir, tmp_path, "actor.lora.rank=4")
+    run = Run(cfg)
+    actor, engine = run.worker.actor, run.worker.engine
+    loads = []
+    real = engine.lora.load
+    engine.lora.load = lambda *a, **kw: loads.append(1) or real(*a, **kw)
+    per_tensor = calibrate_module.measure_adapter_tensor_seconds(
+        actor, engine, repeats=3, d2h_in_flight_bytes=1 << 20)
+    assert per_tensor > 0 and len(loads) == 1 + 3
+    name, a = next(t for t in actor.adapter_tensors(engine.dtype) if ".q_proj.lora_A" in t[0])
+    layer = int(name.split(".layers.")[1].split(".")[0])
+    slot = engine.lora.linears[f"model.layers.{layer}.self_attn.qkv_proj"].lora
+    torch.testing.assert_close(slot.A[:a.shape[0]],
+                               a * (cfg.actor.lora.alpha / cfg.actor.lora.rank))

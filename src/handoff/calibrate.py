@@ -357,40 +357,55 @@ def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module
     def one_sync() -> None:
         sync_weights(walk(), load, bucket_bytes=per_bucket * 64 * 4, device=device)
 
-    if not d2h_in_flight_bytes or device.type != "cuda":
-        return _timed(one_sync, device, repeats) / tensors
+    return _timed_beside_d2h(one_sync, device, repeats, d2h_in_flight_bytes,
+                             chunk_bytes) / tensors
+
+
+def _timed_beside_d2h(fn: Callable[[], None], device: torch.device, repeats: int,
+                      d2h_bytes: int, chunk_bytes: int = 64 << 20) -> float:
+    """Median wall seconds of `fn` (after one warm-up) while a D2H of `d2h_bytes` is queued
+    on another stream, as the switch's sync runs beside the optimizer's offload; without
+    one (or off CUDA), _timed."""
+    if not d2h_bytes or device.type != "cuda":
+        return _timed(fn, device, repeats)
     chunk = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
     host = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
     copies = torch.cuda.Stream(device)
-    one_sync()
+    fn()
     wait_for_device(device)
     with torch.cuda.stream(copies):
-        for _ in range(-(-d2h_in_flight_bytes // chunk_bytes)):
+        for _ in range(-(-d2h_bytes // chunk_bytes)):
             host.copy_(chunk, non_blocking=True)
     compute = torch.cuda.current_stream(device)
     times = []
     for _ in range(repeats):   # all of them while the copies are still queued
         t0 = time.perf_counter()
-        one_sync()
+        fn()
         compute.synchronize()
         times.append(time.perf_counter() - t0)
     wait_for_device(device)
-    return sorted(times)[len(times) // 2] / tensors
+    return sorted(times)[len(times) // 2]
 
 
-def measure_adapter_tensor_seconds(actor, engine, *, repeats: int = 3) -> float:
-    """Median wall seconds per tensor of the LoRA sync (the switch's engine_weights_sync under
-    LoRA, priced per tensor): the actor's adapters loaded into the engine's buffers as they
-    are now, which the first step's sync loads again. The first load zeroes the buffers (a
-    new layout), the later ones do not, as in the steps: the median is a step's."""
+def measure_adapter_tensor_seconds(actor, engine, *, repeats: int = 3,
+                                   d2h_in_flight_bytes: int = 0) -> float:
+    """Wall seconds per tensor of the LoRA sync (the switch's engine_weights_sync under LoRA,
+    priced per tensor): the actor's adapters loaded into the engine's buffers as they are
+    now, which the first step's sync loads again; the median of `repeats` loads after the
+    first, which zeroes the buffers (a new layout; the later ones, as in the steps, do not).
+    d2h_in_flight_bytes: timed while a D2H of that many bytes is queued (the switch syncs
+    while the adapters' Adam state goes to the host)."""
     lora = actor.lora
-    times = []
-    for _ in range(repeats):
+    num = []
+
+    def one_load() -> None:
         stats = sync_adapters(actor.adapter_tensors(engine.dtype), engine.lora.load,
                               alpha=lora.alpha, rank=lora.rank, device=engine.device)
-        times.append(stats.seconds / max(stats.num_tensors, 1))
+        num.append(stats.num_tensors)
+
+    seconds = _timed_beside_d2h(one_load, engine.device, repeats, d2h_in_flight_bytes)
     engine.reset_prefix_cache()   # loaded beside load_adapter: no KV of other adapters kept
-    return statistics.median(times)
+    return seconds / max(num[-1], 1)
 
 
 def measure_decode_rates(engine, *, batch: int, steps: int = 32) -> dict:

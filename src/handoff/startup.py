@@ -76,8 +76,9 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
                        **measure_decode_rates(engine, batch=cfg.rollout.max_num_seqs)})
     if cfg.actor.lora.rank and not cfg.memory.param_offload and not cfg.run.rates_file:
         # the adapters are on the card (a shared base keeps them there): time their sync
-        rates = Rates({**rates.values,
-                       "adapter_tensor_s": measure_adapter_tensor_seconds(actor, engine)})
+        in_flight = actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload else 0
+        rates = Rates({**rates.values, "adapter_tensor_s": measure_adapter_tensor_seconds(
+            actor, engine, d2h_in_flight_bytes=in_flight)})
     return HybridWorker(cfg, actor=actor, ref=ref, engine=engine, pool=pool, meter=meter), rates
 
 
