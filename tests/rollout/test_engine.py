@@ -304,3 +304,20 @@ def test_the_decode_counts_what_it_reads_at_the_least(qwen3_dir, ref):
     assert read == 5 * engine.decode_weight_bytes + 41 * kv_token
     params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     assert 0 < engine.decode_weight_bytes <= params
+
+
+def test_longest_first_stages_an_order_and_changes_no_token(qwen3_dir, ref, monkeypatch):
+    """HANDOFF_LONGEST_FIRST=1: each decode step stages its rows longest context first for
+    the attention kernel (an order of launch, not of results)."""
+    prompts = [[1, 2, 3], list(range(10, 30)), [9]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = Engine(str(qwen3_dir), ref.cfg()).generate(prompts, params)
+    monkeypatch.setenv("HANDOFF_LONGEST_FIRST", "1")
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    seen = []
+    decode = engine.runner.decode_fn
+    engine.runner.decode_fn = lambda *a, order=None, **kw: (seen.append(order.tolist())
+                                                            or decode(*a, order=order, **kw))
+    ordered = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ordered] == [o.outputs[0].token_ids for o in plain]
+    assert seen and seen[0][:3] == [1, 0, 2]   # 21, 4 and 2 tokens of context

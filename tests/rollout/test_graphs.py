@@ -37,7 +37,7 @@ def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
     rng = np.random.default_rng(0)
     bs, max_rows, max_blocks = 4, 8, 6
     tables = rng.integers(1, 100, (max_rows, max_blocks)).astype(np.int32)
-    inputs = DecodeInputs(max_rows, max_blocks, bs, torch.device("cpu"))
+    inputs = DecodeInputs(max_rows, max_blocks, bs, torch.device("cpu"), longest_first=True)
     rows, lens = [5, 0, 3], [9, 1, 17]
     width = _fill(inputs, tables, rows, lens, padded=8)
     assert width == 5  # 17 tokens in blocks of 4
@@ -61,6 +61,10 @@ def test_decode_inputs_stage_rows_and_pad_to_the_bucket():
     assert slots.tolist()[:2] == [tables[2, 0] * bs + 3, -1] and pos.tolist()[:2] == [3, 0]
     with pytest.raises(AssertionError):
         _fill(inputs, tables, [0, 1], [1, 1], padded=1)
+    # Without longest_first nothing is ordered: attention starts the rows in row order.
+    plain = DecodeInputs(max_rows, max_blocks, bs, torch.device("cpu"))
+    _fill(plain, tables, rows, lens, padded=8)
+    assert plain.views(8, width)[-1] is None
 
 
 def test_sampling_inputs_are_staged_with_greedy_padding():

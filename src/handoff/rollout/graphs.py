@@ -58,17 +58,19 @@ class DecodeInputs:
     """Static decode inputs: a pinned host staging buffer and its device twin, one copy a step.
 
     Layout (bytes, each field 256-aligned): rows, positions, slot_mapping (int64 [R]),
-    context_lens and order (int32 [R]: the rows longest context first, the order attention
-    starts their programs in), the sampler's temperature, top_p (float32 [R]), top_k (int64
+    context_lens and order (int32 [R]: with `longest_first`, the rows longest context first,
+    the order attention starts their programs in), the sampler's temperature, top_p (float32 [R]), top_k (int64
     [R]) and uniform (float64 [R]), block_tables (int32 [R, M]) last, so a step of B rows moves one
     contiguous prefix: the small fields whole and B table rows. Columns of a block-table row past what its context needs
     keep stale values: the kernel reads only blocks below context_len, so they are never used.
     On CPU the host buffer is the device buffer and `upload` copies nothing.
     """
 
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device,
+                 *, longest_first: bool = False):
         self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
         self.device = device
+        self.longest_first = longest_first   # stage `order` (else views give None)
         fields = [("rows", 8, max_rows), ("pos", 8, max_rows), ("slots", 8, max_rows),
                   ("ctx", 4, max_rows), ("order", 4, max_rows), ("temp", 4, max_rows), ("top_p", 4, max_rows),
                   ("top_k", 8, max_rows), ("uniform", 8, max_rows),
@@ -123,9 +125,9 @@ class DecodeInputs:
         h["pos"][n:padded_rows] = 0
         h["ctx"][n:padded_rows] = 0
         h["slots"][n:padded_rows] = -1
-        # Attention starts long rows first, so their tails overlap the short ones
-        # (kernels/paged_decode.py); padding (context 0) last.
-        h["order"][:padded_rows] = np.argsort(-h["ctx"][:padded_rows], kind="stable")
+        if self.longest_first:   # attention starts long rows first, so their tails overlap
+            # the short ones (kernels/paged_decode.py); padding (context 0) last
+            h["order"][:padded_rows] = np.argsort(-h["ctx"][:padded_rows], kind="stable")
         return width
 
     def fill_sampling(self, batch: SamplingBatch, padded_rows: int) -> None:
@@ -157,10 +159,10 @@ class DecodeInputs:
 
     def views(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
         """(block-table rows, positions, block_tables [rows, width], context_lens,
-        slot_mapping, order)."""
+        slot_mapping, order or None)."""
         d = self.d
         return (d["rows"][:rows], d["pos"][:rows], d["tables"][:rows, :width], d["ctx"][:rows],
-                d["slots"][:rows], d["order"][:rows])
+                d["slots"][:rows], d["order"][:rows] if self.longest_first else None)
 
 
 class DecodeGraphs:

@@ -64,10 +64,10 @@ class ModelRunner:
         # table width for every padded row.
         self.pad_decode = device.type == "cuda" and self.backend == "triton"
         self.use_graphs = bool(cuda_graphs) and self.pad_decode
-        # Decode attention starts the rows' programs longest context first, so a long row's
-        # tail overlaps the short ones (kernels/paged_decode.py); HANDOFF_LONGEST_FIRST=0: in
-        # row order (A/B benches).
-        self.longest_first = os.environ.get("HANDOFF_LONGEST_FIRST", "1") != "0"
+        # HANDOFF_LONGEST_FIRST=1: decode attention starts the rows' programs longest context
+        # first, so a long row's tail overlaps the short ones (kernels/paged_decode.py). Off
+        # until measured on a card (scripts/device/10-longest-first.sh).
+        self.longest_first = os.environ.get("HANDOFF_LONGEST_FIRST", "0") == "1"
         if cuda_graphs and device.type == "cuda" and not self.pad_decode:
             warnings.warn(f"rollout.cuda_graphs is ignored with the {self.backend!r} attention "
                           "backend (decode runs eagerly): use a bf16/fp16 model and the triton "
@@ -174,7 +174,8 @@ class ModelRunner:
         """
         self.tables = tables
         max_rows, max_blocks = tables.shape
-        self.inputs = DecodeInputs(max_rows, max_blocks, self.block_size, self.device)
+        self.inputs = DecodeInputs(max_rows, max_blocks, self.block_size, self.device,
+                                   longest_first=self.longest_first)
         self.sizes = graph_batch_sizes(max_rows) if self.pad_decode else []
         # Row max_rows is the padding rows' token (their own greedy draws land there, any id
         # in the vocabulary). Allocated outside every region.
@@ -388,8 +389,7 @@ class ModelRunner:
         ids_B = self.next_ids[rows_B]
         meta = AttnMeta(is_prefill=False, kv=self.kv, slot_mapping_T=slots_B,
                         block_tables_BM=tables_BM, context_lens_B=context_lens_B,
-                        decode_fn=self.decode_fn,
-                        order_B=order_B if self.longest_first else None)
+                        decode_fn=self.decode_fn, order_B=order_B)
         return self.model(ids_B, positions_B, meta)
 
     @staticmethod
