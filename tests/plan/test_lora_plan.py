@@ -289,3 +289,25 @@ def test_a_rank_above_the_hidden_size_is_refused_by_plan_and_train(tmp_path):
                                 terminal_width=300)
     assert result.exit_code == 2 and "is above the model's hidden size" in result.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("share_base", [True, False])
+def test_the_engines_adapters_are_counted_as_the_engine_sizes_them(share_base):
+    """The engine keeps a slot (A and B at the rank) for all seven projections whatever the
+    targets; held twice, the A rows beside its weights count with the weights, once."""
+    from handoff.plan.lora import engine_adapter_rows
+
+    shape = load_shape("qwen3-8b")
+    bases = BaseCopies.of(shape, shares_base=share_base, shard=1, tp=1, param_offload=False,
+                          rank=16)
+    slots = 2 * adapter_params(shape, 16, LORA_TARGETS)
+    rows = 2 * engine_adapter_rows(shape, 16, tp=1)
+    assert bases.engine_adapters == (slots if share_base else slots - rows)
+    from handoff.plan.kvpool import engine_weight_bytes
+    assert bases.engine == (2 * shape.num_params if share_base
+                            else engine_weight_bytes(shape, 1, 2) + rows)
+    cfg = _cfg("qwen3-8b", "actor.lora.target_modules=[q_proj,v_proj]",
+               f"actor.lora.share_base={str(share_base).lower()}")
+    gen = build_lora_plan(cfg, advise=False)["memory"]["generate"]
+    assert gen["engine_adapters"] == bases.engine_adapters   # not the two targets' adapters
+    assert gen["engine_adapters"] > 2 * adapter_params(shape, 16, ["q_proj", "v_proj"])

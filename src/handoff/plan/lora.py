@@ -1,7 +1,8 @@
 """LoRA on one copy of the base, in bytes: the adapters' size, memory by owner, the switch.
 
     n = adapter_params(shape, rank=16, targets=cfg.actor.lora.target_modules)
-    owners = lora_memory_by_owner(shape, memory, hw, adapters=n, kv_pool_bytes=pool)
+    bases = BaseCopies.of_run(shape, cfg.actor.lora, memory, cfg.parallel)
+    owners = lora_memory_by_owner(shape, memory, hw, adapters=n, kv_pool_bytes=pool, bases=bases)
     actions = lora_switch_actions(shape, memory, hw, rank=16, targets=..., kv_pool_bytes=pool)
 
 Under LoRA the base never changes, so one set of tensors per card is the engine's weights, the
@@ -31,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from handoff.config import LoraConfig, MemoryConfig, ParallelConfig
+from handoff.config import LORA_TARGETS, LoraConfig, MemoryConfig, ParallelConfig
 from handoff.errors import HandoffError
 from handoff.plan.hardware import GB, HardwareProfile
 from handoff.plan.kvpool import engine_weight_bytes
@@ -78,6 +79,17 @@ def engine_adapter_rows(shape: ModelShape, rank: int, tp: int) -> int:
     return shape.num_layers * rank * sum(shapes[n][0] for n in names)
 
 
+def engine_adapter_bytes(shape: ModelShape, rank: int, tp: int, dtypes: Dtypes, *,
+                         beside_counted: bool) -> int:
+    """The engine's adapter buffers: A and B of all seven projections at `rank` (the engine
+    sizes a slot for every decoder linear, whatever the targets: rollout/lora.py), less the
+    A rows beside its weights when those are counted with the weights (`beside_counted`:
+    held twice, BaseCopies.engine)."""
+    slots = adapter_params(shape, rank, LORA_TARGETS) * dtypes.engine_bytes
+    return slots - (engine_adapter_rows(shape, rank, tp) * dtypes.engine_bytes
+                    if beside_counted else 0)
+
+
 def base_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """The base on each card, whole: the engine's weights and the trainer's frozen base."""
     return shape.num_params * dtypes.engine_bytes
@@ -91,20 +103,24 @@ class BaseCopies:
     trainer: int            # the trainer's base through the update
     engine: int             # the engine's weights (held twice: with the adapters' A rows)
     kept_generating: int    # the trainer's own base left on the card while the engine runs
+    engine_adapters: int = 0   # the engine's adapter buffers not counted in `engine`
 
     @classmethod
     def of(cls, shape: ModelShape, *, shares_base: bool, shard: int, tp: int,
            param_offload: bool, dtypes: Dtypes = Dtypes(), rank: int = 0) -> "BaseCopies":
         """`rank`: the engine's adapter rank; held twice, the engine's sleep moves its A rows
-        with its weights (one region)."""
+        with its weights (one region), so they count with them."""
+        adapters = (engine_adapter_bytes(shape, rank, tp, dtypes, beside_counted=not shares_base)
+                    if rank else 0)
         if shares_base:
             whole = base_bytes(shape, dtypes)
-            return cls(shared=True, trainer=whole, engine=whole, kept_generating=0)
+            return cls(shared=True, trainer=whole, engine=whole, kept_generating=0,
+                       engine_adapters=adapters)
         trainer = math.ceil(shape.num_params * dtypes.param_bytes / shard)
         rows = engine_adapter_rows(shape, rank, tp) * dtypes.engine_bytes if rank else 0
         return cls(shared=False, trainer=trainer,
                    engine=engine_weight_bytes(shape, tp, dtypes.engine_bytes) + rows,
-                   kept_generating=0 if param_offload else trainer)
+                   kept_generating=0 if param_offload else trainer, engine_adapters=adapters)
 
     @classmethod
     def of_run(cls, shape: ModelShape, lora: LoraConfig, memory: MemoryConfig,
@@ -148,7 +164,7 @@ def lora_memory_by_owner(shape: ModelShape, memory: MemoryConfig, hw: HardwarePr
         "train": {"base": bases.trainer, **adapter_state_bytes(adapters, dtypes),
                   "activations": int(hw.train_activation_bytes),
                   "cuda_graph_pool": int(hw.graph_pool_bytes), "resident": int(hw.resident_bytes)},
-        "generate": {"base": bases.engine, "engine_adapters": adapters * dtypes.engine_bytes,
+        "generate": {"base": bases.engine, "engine_adapters": bases.engine_adapters,
                      "kv_pool": int(kv_pool_bytes),
                      "activation_peak": int(hw.activation_peak_bytes),
                      "cuda_graph_pool": int(hw.graph_pool_bytes),

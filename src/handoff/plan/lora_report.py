@@ -88,7 +88,7 @@ def build_lora_plan(cfg: Config, *, ref: bool | None = None, grad_offload: bool 
     util = (round(lora_elastic_utilization(adapters, memory, hw, dtypes, bases), 4) if elastic
             else cfg.rollout.gpu_memory_utilization)
     workload, assumed = plan_workload(cfg, parallel.gpus, hw)
-    engine_adapters = adapters * dtypes.engine_bytes
+    engine_adapters = bases.engine_adapters
     weights = bases.engine + engine_adapters
     pool = kv_pool_bytes(util, hw, weights)
     actions = lora_switch_actions(shape, memory, hw, rank=lora.rank, targets=lora.target_modules,

@@ -109,7 +109,7 @@ def decide_lora(shape: ModelShape, parallel: ParallelConfig, memory: MemoryConfi
                        f"of {_gb(hw.host_ram_bytes)}")
         fixes.append("pinned host RAM")
     max_util = lora_max_safe_utilization(adapters, memory, hw, dtypes, bases)
-    weights = bases.engine + adapters * dtypes.engine_bytes
+    weights = bases.engine + bases.engine_adapters
     seq = workload.mean_context * kv_bytes_per_token_per_card(shape, parallel.tp,
                                                               dtypes.kv_bytes)
     if max_util <= 0 or kv_pool_bytes(max_util, hw, weights) < seq:
