@@ -21,60 +21,12 @@ import argparse
 import time
 
 import torch
+from map_probe import Arena, Saver, _sync   # the same regions as map_probe.py (beside this)
 
 from handoff.memory.allocator import aggressive_empty_cache
-from handoff.memory.elastic import ElasticArena
-from handoff.memory.regions import RegionPool
 
 GIB = 1 << 30
 CHUNK = 512 << 20
-
-
-def _sync() -> None:
-    torch.cuda.synchronize()
-
-
-class Saver:
-    name = "tms"
-
-    def __init__(self, nbytes: int):
-        self.pool = RegionPool(torch.device("cuda"))
-        with self.pool.region("probe"):
-            self.block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        self.block.fill_(1)
-        self.pool.track("probe", self.block)
-        self.bytes = self.pool.region_bytes("probe")
-
-    def sleep(self) -> None:
-        _sync()
-        self.pool.sleep(["probe"], level=2)
-        _sync()
-
-    def wake(self) -> None:
-        self.pool.wake_up(["probe"])
-        _sync()
-
-
-class Arena:
-    name = "elastic"
-
-    def __init__(self, nbytes: int):
-        granule = ElasticArena.granule_bytes("cuda")
-        slabs = 72
-        slab = -(-nbytes // slabs // granule) * granule
-        self.arena = ElasticArena("cuda", slabs=slabs, slab_bytes=slab)
-        self.bytes = slabs * slab
-        self.wake()
-        self.arena.view(torch.uint8, (self.bytes,)).fill_(1)
-
-    def sleep(self) -> None:
-        _sync()
-        self.arena.release()
-        _sync()
-
-    def wake(self) -> None:
-        self.arena.grow_to(self.arena.slab_bytes)
-        _sync()
 
 
 def timed_wake(region, *, replay: int = 0, chunked: bool = False, hold: float = 0.0) -> float:
@@ -104,7 +56,8 @@ def main() -> None:
     conditions = [("rested", {})]
     for a in (float(x) for x in args.replay_gib.split(",")):
         n = int(a * GIB)
-        conditions += [(f"replay:{a:g}", {"replay": n}), (f"chunks:{a:g}", {"replay": n, "chunked": True}),
+        conditions += [(f"replay:{a:g}", {"replay": n}),
+                       (f"chunks:{a:g}", {"replay": n, "chunked": True}),
                        (f"trained:{a:g}", {"replay": n, "chunked": True, "hold": 3.0})]
     rows = []
     for cls in (Saver, Arena):

@@ -104,8 +104,8 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     if borrow:
         actor.to("host", params=True).wait()
         aggressive_empty_cache()
-    on_cuda = device.type == "cuda"
     kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool)
+    on_cuda = device.type == "cuda"
     # Four pairs: one pair's times vary by a quarter from step to step.
     values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
                                       held_during_wake=weight_bytes, freed_before_wake=freed,

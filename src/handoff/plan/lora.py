@@ -79,17 +79,6 @@ def engine_adapter_rows(shape: ModelShape, rank: int, tp: int) -> int:
     return shape.num_layers * rank * sum(shapes[n][0] for n in names)
 
 
-def engine_adapter_bytes(shape: ModelShape, rank: int, tp: int, dtypes: Dtypes, *,
-                         beside_counted: bool) -> int:
-    """The engine's adapter buffers: A and B of all seven projections at `rank` (the engine
-    sizes a slot for every decoder linear, whatever the targets: rollout/lora.py), less the
-    A rows beside its weights when those are counted with the weights (`beside_counted`:
-    held twice, BaseCopies.engine)."""
-    slots = adapter_params(shape, rank, LORA_TARGETS) * dtypes.engine_bytes
-    return slots - (engine_adapter_rows(shape, rank, tp) * dtypes.engine_bytes
-                    if beside_counted else 0)
-
-
 def base_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """The base on each card, whole: the engine's weights and the trainer's frozen base."""
     return shape.num_params * dtypes.engine_bytes
@@ -108,19 +97,21 @@ class BaseCopies:
     @classmethod
     def of(cls, shape: ModelShape, *, shares_base: bool, shard: int, tp: int,
            param_offload: bool, dtypes: Dtypes = Dtypes(), rank: int = 0) -> "BaseCopies":
-        """`rank`: the engine's adapter rank; held twice, the engine's sleep moves its A rows
-        with its weights (one region), so they count with them."""
-        adapters = (engine_adapter_bytes(shape, rank, tp, dtypes, beside_counted=not shares_base)
-                    if rank else 0)
+        """`rank`: the engine's adapter rank. Its buffers are A and B of all seven projections
+        (the engine sizes a slot for every decoder linear, whatever the targets:
+        rollout/lora.py); held twice, the engine's sleep moves the A rows beside its weights
+        with them (one region), so they count with the weights, not the adapters."""
+        slots = adapter_params(shape, rank, LORA_TARGETS) * dtypes.engine_bytes if rank else 0
         if shares_base:
             whole = base_bytes(shape, dtypes)
             return cls(shared=True, trainer=whole, engine=whole, kept_generating=0,
-                       engine_adapters=adapters)
+                       engine_adapters=slots)
         trainer = math.ceil(shape.num_params * dtypes.param_bytes / shard)
         rows = engine_adapter_rows(shape, rank, tp) * dtypes.engine_bytes if rank else 0
         return cls(shared=False, trainer=trainer,
                    engine=engine_weight_bytes(shape, tp, dtypes.engine_bytes) + rows,
-                   kept_generating=0 if param_offload else trainer, engine_adapters=adapters)
+                   kept_generating=0 if param_offload else trainer,
+                   engine_adapters=slots - rows)
 
     @classmethod
     def of_run(cls, shape: ModelShape, lora: LoraConfig, memory: MemoryConfig,
@@ -154,12 +145,11 @@ def lora_trainer_left_bytes(adapters: int, memory: MemoryConfig, dtypes: Dtypes,
 
 
 def lora_memory_by_owner(shape: ModelShape, memory: MemoryConfig, hw: HardwareProfile, *,
-                         adapters: int, kv_pool_bytes: float, dtypes: Dtypes = Dtypes(),
-                         bases: BaseCopies | None = None) -> dict:
+                         adapters: int, kv_pool_bytes: float, bases: BaseCopies,
+                         dtypes: Dtypes = Dtypes()) -> dict:
     """Bytes per card per owner in both phases: the base (shared: once, no reference, no
     trainer copy; held twice: the trainer's through the update, the engine's while it runs,
     the trainer's too unless offloaded), the adapters' state, the engine's adapters."""
-    bases = bases or BaseCopies.shared_of(shape, dtypes)
     return {
         "train": {"base": bases.trainer, **adapter_state_bytes(adapters, dtypes),
                   "activations": int(hw.train_activation_bytes),

@@ -59,10 +59,11 @@ class DecodeInputs:
 
     Layout (bytes, each field 256-aligned): rows, positions, slot_mapping (int64 [R]),
     context_lens and order (int32 [R]: with `longest_first`, the rows longest context first,
-    the order attention starts their programs in), the sampler's temperature, top_p (float32 [R]), top_k (int64
-    [R]) and uniform (float64 [R]), block_tables (int32 [R, M]) last, so a step of B rows moves one
-    contiguous prefix: the small fields whole and B table rows. Columns of a block-table row past what its context needs
-    keep stale values: the kernel reads only blocks below context_len, so they are never used.
+    the order attention starts their programs in), the sampler's temperature, top_p (float32
+    [R]), top_k (int64 [R]) and uniform (float64 [R]), block_tables (int32 [R, M]) last, so a
+    step of B rows moves one contiguous prefix: the small fields whole and B table rows.
+    Columns of a block-table row past what its context needs keep stale values: the kernel
+    reads only blocks below context_len, so they are never used.
     On CPU the host buffer is the device buffer and `upload` copies nothing.
     """
 
@@ -72,8 +73,8 @@ class DecodeInputs:
         self.device = device
         self.longest_first = longest_first   # stage `order` (else views give None)
         fields = [("rows", 8, max_rows), ("pos", 8, max_rows), ("slots", 8, max_rows),
-                  ("ctx", 4, max_rows), ("order", 4, max_rows), ("temp", 4, max_rows), ("top_p", 4, max_rows),
-                  ("top_k", 8, max_rows), ("uniform", 8, max_rows),
+                  ("ctx", 4, max_rows), ("order", 4, max_rows), ("temp", 4, max_rows),
+                  ("top_p", 4, max_rows), ("top_k", 8, max_rows), ("uniform", 8, max_rows),
                   ("tables", 4, max_rows * max_blocks)]
         offsets, end = {}, 0
         for name, size, count in fields:
