@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Device (one `run` call, ~6 min): the engine's two unmeasured switches, each off and on in the
+# Device (one `run` call, ~5 min): the engine's two unmeasured switches, each off and on in the
 # same call, plus cuBLAS's split-K reduce at decode sizes.
 # 1. HANDOFF_LONGEST_FIRST (decode attention starts rows longest context first): the public
 #    workload (Qwen3-0.6B shape, 256 sequences, lengths uniform in [100, 1024]), 0/1/0/1.
 # 2. HANDOFF_FUSED_MERGE (the last split merges; no merge kernel): the 1.7B at batch 1 / 32,
-#    where decode attention splits the context, 0/1/0/1.
+#    where decode attention splits the context, 0/1.
 # 3. The paged-decode and graph CUDA tests with both on; gemm_reduction_probe.py.
 # Logs and JSON in $OUT/logs.tgz; a table printed last.
 #   bash scripts/device/12-engine-checks.sh        (repo root, on the GPU machine)
@@ -19,7 +19,7 @@ for lf in 0 1 0 1; do
         --models "" --out "$L/$name.json" > "$L/$name.log" 2>&1
     echo "$name: rc=$?"
 done
-for fm in 0 1 0 1; do
+for fm in 0 1; do
     i=$((i + 1)); name=qwen-$i-fused-merge-$fm
     HANDOFF_FUSED_MERGE=$fm timeout 100 python3 -m handoff bench engine --skip-hf --no-public \
         --models qwen3-1.7b --batches 1,32 --out "$L/$name.json" > "$L/$name.log" 2>&1
