@@ -307,12 +307,19 @@ def test_the_decode_counts_what_it_reads_at_the_least(qwen3_dir, ref):
 
 
 def test_longest_first_stages_an_order_and_changes_no_token(qwen3_dir, ref, monkeypatch):
-    """HANDOFF_LONGEST_FIRST=1: each decode step stages its rows longest context first for
-    the attention kernel (an order of launch, not of results)."""
+    """By default each decode step stages its rows longest context first for the attention
+    kernel (an order of launch, not of results); HANDOFF_LONGEST_FIRST=0 stages none."""
     prompts = [[1, 2, 3], list(range(10, 30)), [9]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    plain = Engine(str(qwen3_dir), ref.cfg()).generate(prompts, params)
-    monkeypatch.setenv("HANDOFF_LONGEST_FIRST", "1")
+    monkeypatch.setenv("HANDOFF_LONGEST_FIRST", "0")
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    unordered = []
+    decode = engine.runner.decode_fn
+    engine.runner.decode_fn = lambda *a, order=None, **kw: (unordered.append(order)
+                                                            or decode(*a, order=order, **kw))
+    plain = engine.generate(prompts, params)
+    assert unordered and all(o is None for o in unordered)
+    monkeypatch.delenv("HANDOFF_LONGEST_FIRST")
     engine = Engine(str(qwen3_dir), ref.cfg())
     seen = []
     decode = engine.runner.decode_fn

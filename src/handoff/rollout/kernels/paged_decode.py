@@ -15,11 +15,7 @@ form one [GP, DP] tile (GP >= 16) so both products go through tl.dot on the tens
 program walks its share of the context in tiles of T tokens; a token's physical row comes from
 the block table with block_size a compile-time constant, so any block size works (division by
 a constant) and a tile may span several blocks or part of one. With S > 1 each split writes a
-normalised partial output and its log-sum-exp, merged into the output either by a second
-kernel or, with `fused_merge`, by the last split of each (sequence, kv head) to finish: each
-split counts itself in on an int32 counter after its partial is stored, the one that finds
-every other split already in merges and sets the counter back to 0 for the next launch (one
-launch a layer fewer; at batch 1 the merge kernel is ~1 of 11 launches a layer). The grid is
+normalised partial output and its log-sum-exp, and a second kernel merges them. The grid is
 (K, B, S) with S chosen from shapes only, never from context_lens values, so a launch can be
 captured in a CUDA graph and replayed with new lengths. Rows with context_len 0 write zeros.
 
@@ -34,7 +30,6 @@ row order, 1.02x longest first.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -44,8 +39,6 @@ from handoff.errors import HandoffError
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-# HANDOFF_FUSED_MERGE=1: the last split merges (see above) instead of a second kernel.
-FUSED_MERGE = os.environ.get("HANDOFF_FUSED_MERGE", "0") == "1"
 
 
 # Integers that vary at run time are not specialized, so a new batch size, block-table width or
@@ -53,14 +46,14 @@ FUSED_MERGE = os.environ.get("HANDOFF_FUSED_MERGE", "0") == "1"
 @triton.jit(do_not_specialize=["max_blocks", "num_splits", "stride_btb"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr, count_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale_log2, max_blocks, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_ob, stride_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, SPLIT: tl.constexpr, HAS_SCALES: tl.constexpr,
-    HAS_ORDER: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -131,41 +124,6 @@ def _paged_decode_kernel(
         tl.store(part_o_ptr + row_GP[:, None] * HEAD_DIM_PAD + d_DP[None, :], o_GPDP, mask=o_mask)
         lse_GP = tl.where(has_GP, m_GP + tl.log2(tl.where(has_GP, l_GP, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row_GP, lse_GP, mask=g_ok_GP)
-        if FUSED_MERGE:
-            count = count_ptr + b * tl.num_programs(0) + kvh
-            tl.debug_barrier()   # every thread's partial is stored before the release below
-            if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
-                _merge_group(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
-                             (b * NUM_Q_HEADS + head_GP) * num_splits, head_GP, g_ok_GP, o_mask,
-                             num_splits, GROUP_PAD, HEAD_DIM_PAD)
-                tl.store(count, 0)   # ready for the next launch (a graph replays the same one)
-
-
-@triton.jit
-def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, stride_oh, row0_GP, head_GP, g_ok_GP,
-                 o_mask, num_splits, GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """out[head] = the splits' partials weighted by exp(lse), one split at a time. The loads
-    skip L1 (.cg): other SMs wrote the partials during this launch."""
-    d_DP = tl.arange(0, HEAD_DIM_PAD)
-    m_GP = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    w_GP = tl.zeros([GROUP_PAD], tl.float32)
-    acc_GPDP = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for s in range(num_splits):
-        lse_GP = tl.load(part_lse_ptr + row0_GP + s, mask=g_ok_GP, other=float("-inf"),
-                         cache_modifier=".cg")
-        o_GPDP = tl.load(part_o_ptr + (row0_GP + s)[:, None] * HEAD_DIM_PAD + d_DP[None, :],
-                         mask=o_mask, other=0.0, cache_modifier=".cg")
-        m_new_GP = tl.maximum(m_GP, lse_GP)
-        # every split so far empty: m stays -inf, so shift by 0 to keep the weights 0, not NaN
-        shift_GP = tl.where(m_new_GP == float("-inf"), 0.0, m_new_GP)
-        alpha_GP = tl.exp2(m_GP - shift_GP)
-        p_GP = tl.exp2(lse_GP - shift_GP)
-        w_GP = w_GP * alpha_GP + p_GP
-        acc_GPDP = acc_GPDP * alpha_GP[:, None] + p_GP[:, None] * o_GPDP
-        m_GP = m_new_GP
-    o_GPDP = acc_GPDP / tl.where(w_GP > 0.0, w_GP, 1.0)[:, None]
-    tl.store(out_ptr + head_GP[:, None] * stride_oh + d_DP[None, :],
-             o_GPDP.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -218,24 +176,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, tile: int
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The fused merge's per-(sequence, kv head) arrival counters on `device`: zeros, kept by
-    the process, which every launch leaves at zero. One buffer serves every layer and every
-    captured batch size, since launches on the engine's stream run one after another; it is
-    sized before a capture (the warm-up run) because a capture must not allocate it."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise HandoffError(f"paged_decode_attention: the fused merge needs {n} split "
-                               "counters first sized during a graph capture: run the batch "
-                               "once before capturing it")
-        have = _COUNTERS[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
-    return have
-
-
 def _check(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
     if q_BHD.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -285,8 +225,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            scale: float, k_scale=None, v_scale=None,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            config: dict | None = None,
-                           order: torch.Tensor | None = None,
-                           fused_merge: bool | None = None) -> torch.Tensor:
+                           order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V; returns out [B, H, D].
 
     scale is the softmax scale (usually head_dim ** -0.5). For a float8_e4m3fn cache pass
@@ -294,7 +233,6 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     since a float becomes a host-to-device copy). num_splits=None picks the split count from
     shapes and the SM count; config overrides {"tile", "num_warps", "num_stages"}. `order`
     (int32 [batch], a permutation of the rows): the order the rows' programs start in.
-    fused_merge (None: HANDOFF_FUSED_MERGE) merges the splits in the last one to finish.
     """
     _check(q_BHD, k_cache, v_cache, block_tables, context_lens)
     B, H, D = q_BHD.shape
@@ -331,30 +269,25 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ks, vs = _scale_tensor(k_scale, q_BHD.device), _scale_tensor(v_scale, q_BHD.device)
     else:
         ks = vs = context_lens  # unused pointers (HAS_SCALES is False)
-    fused_merge = FUSED_MERGE if fused_merge is None else fused_merge
-    counts = context_lens  # unused pointer unless the splits merge themselves
     if num_splits > 1:
         part_o = torch.empty(B * H * num_splits * dpad, device=q_BHD.device, dtype=torch.float32)
         part_lse = torch.empty(B * H * num_splits, device=q_BHD.device, dtype=torch.float32)
-        if fused_merge:
-            counts = split_counters(q_BHD.device, B * K)
     else:
         part_o = part_lse = out
     # kv heads vary fastest so that programs launched together read neighbouring head slices
     # of the same token rows ([block, slot, kv_head, :] is one 2 KiB row at Qwen3 shapes).
     _paged_decode_kernel[(K, B, num_splits)](
         q_BHD, k_cache, v_cache, block_tables, context_lens,
-        order if order is not None else context_lens, ks, vs, out, part_o, part_lse, counts,
+        order if order is not None else context_lens, ks, vs, out, part_o, part_lse,
         scale * LOG2E, max_blocks, num_splits,
         q_BHD.stride(0), q_BHD.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_Q_HEADS=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=D, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=num_splits > 1, HAS_SCALES=fp8, HAS_ORDER=order is not None,
-        FUSED_MERGE=fused_merge and num_splits > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if num_splits > 1 and not fused_merge:
+    if num_splits > 1:
         _merge_splits_kernel[(B, H)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=H, HEAD_DIM=D, HEAD_DIM_PAD=dpad,
