@@ -11,7 +11,7 @@ source scripts/device-env.sh > /dev/null || exit 1
 timeout 60 python3 -m handoff init-model --preset qwen3-1.7b --out /tmp/qwen3-1.7b --device cuda \
     > "$L/init.log" 2>&1 || { echo "init-model failed"; tail -5 "$L/init.log"; exit 1; }
 for lf in 0 1; do
-    HANDOFF_LONGEST_FIRST=$lf timeout 200 python3 -m handoff train examples/h200-reasoning.yaml \
+    HANDOFF_LONGEST_FIRST=$lf timeout 150 python3 -m handoff train examples/h200-reasoning.yaml \
         run.steps=2 rollout.kv_pool=elastic run.checkpoint=false hardware.name=$HW \
         run.out_dir=/tmp/reasoning-lf$lf > "$L/train-lf$lf.log" 2>&1
     echo "longest first=$lf: train rc=$?"
