@@ -21,7 +21,7 @@ import argparse
 import time
 
 import torch
-from map_probe import Arena, Saver, _sync   # the same regions as map_probe.py (beside this)
+from map_probe import Arena, Saver, _sync, print_table, sweep   # map_probe.py, beside this
 
 from handoff.memory.allocator import aggressive_empty_cache
 
@@ -59,24 +59,9 @@ def main() -> None:
         conditions += [(f"replay:{a:g}", {"replay": n}),
                        (f"chunks:{a:g}", {"replay": n, "chunked": True}),
                        (f"trained:{a:g}", {"replay": n, "chunked": True, "hold": 3.0})]
-    rows = []
-    for cls in (Saver, Arena):
-        region = cls(int(args.gib * GIB))
-        timed_wake(region)  # warm-up
-        for label, kw in conditions:
-            secs = [timed_wake(region, **kw) for _ in range(args.repeats)]
-            rows.append((region.name, label, secs, [region.bytes / s / 1e12 for s in secs]))
-            print(f"{region.name:8s} {label:11s} "
-                  + "  ".join(f"{s * 1e3:7.1f} ms" for s in secs), flush=True)
-        region.sleep()
-        del region
-        aggressive_empty_cache()
+    rows = sweep((Saver, Arena), int(args.gib * GIB), conditions, timed_wake, args.repeats)
     del held
-    print(f"\n| pool | condition | wake ms | TB/s |  ({args.gib:g} GiB region, {args.held_gib:g}"
-          f" GiB held, {torch.cuda.get_device_name()})\n|---|---|---|---|")
-    for name, label, secs, rate in rows:
-        print(f"| {name} | {label} | {' / '.join(f'{s * 1e3:.1f}' for s in secs)} | "
-              f"{' / '.join(f'{r:.2f}' for r in rate)} |")
+    print_table(rows, f"{args.gib:g} GiB region, {args.held_gib:g} GiB held")
 
 
 if __name__ == "__main__":

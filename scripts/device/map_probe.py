@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from handoff.memory.allocator import aggressive_empty_cache
 from handoff.memory.elastic import ElasticArena
 from handoff.memory.regions import RegionPool
 
@@ -89,6 +90,35 @@ def timed_wake(region, *, settle: float = 0.0, hold: float | None = None,
     return time.perf_counter() - t0
 
 
+def sweep(classes, nbytes: int, conditions: list[tuple[str, dict]], timed, repeats: int, *,
+          warm_up: dict | None = None) -> list[tuple]:
+    """For each region class: one region of `nbytes`, a warm-up wake, then `repeats` timed
+    wakes (`timed(region, **kw)`) per (label, kw) condition, each line printed as it lands.
+    Returns rows (pool, condition, seconds, TB/s)."""
+    rows = []
+    for cls in classes:
+        region = cls(nbytes)
+        timed(region, **(warm_up or {}))
+        for label, kw in conditions:
+            secs = [timed(region, **kw) for _ in range(repeats)]
+            rate = [region.bytes / s / 1e12 for s in secs]
+            rows.append((region.name, label, secs, rate))
+            print(f"{region.name:8s} {label:11s} " + "  ".join(
+                f"{s * 1e3:7.1f} ms {r:5.2f} TB/s" for s, r in zip(secs, rate)), flush=True)
+        region.sleep()
+        del region
+        aggressive_empty_cache()
+    return rows
+
+
+def print_table(rows: list[tuple], setting: str) -> None:
+    print(f"\n| pool | condition | wake ms | TB/s |  ({setting}, {torch.cuda.get_device_name()})"
+          "\n|---|---|---|---|")
+    for name, label, secs, rate in rows:
+        print(f"| {name} | {label} | {' / '.join(f'{s * 1e3:.1f}' for s in secs)} | "
+              f"{' / '.join(f'{r:.2f}' for r in rate)} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--gib", type=float, default=40.0)
@@ -98,24 +128,9 @@ def main() -> None:
     conditions = [("own:0", {}), ("own:2", {"settle": 2.0}), ("own:16", {"settle": 16.0}),
                   ("train:1", {"hold": 1.0}), ("train:12", {"hold": 12.0}),
                   ("train:12+2", {"hold": 12.0, "after_free": 2.0})]
-    rows = []
-    for cls in (Arena, Saver):
-        region = cls(nbytes)
-        timed_wake(region, settle=1.0)  # warm-up
-        for label, kw in conditions:
-            secs = [timed_wake(region, **kw) for _ in range(args.repeats)]
-            rate = [region.bytes / s / 1e12 for s in secs]
-            rows.append((region.name, label, secs, rate))
-            print(f"{region.name:8s} {label:11s} " + "  ".join(
-                f"{s * 1e3:7.1f} ms {r:5.2f} TB/s" for s, r in zip(secs, rate)), flush=True)
-        region.sleep()
-        del region
-        torch.cuda.empty_cache()
-    print(f"\n| pool | condition | wake ms | TB/s |  ({args.gib:g} GiB, "
-          f"{torch.cuda.get_device_name()})\n|---|---|---|---|")
-    for name, label, secs, rate in rows:
-        print(f"| {name} | {label} | {' / '.join(f'{s * 1e3:.1f}' for s in secs)} | "
-              f"{' / '.join(f'{r:.2f}' for r in rate)} |")
+    rows = sweep((Arena, Saver), nbytes, conditions, timed_wake, args.repeats,
+                 warm_up={"settle": 1.0})
+    print_table(rows, f"{args.gib:g} GiB")
 
 
 if __name__ == "__main__":

@@ -114,10 +114,14 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
         weights = measure_remap_rates(device, weight_bytes, pool=pool, tag="calibrate_weights")
         values.update(weights_map_bps=weights["map_bps"],
                       weights_remap_bytes=weights["remap_bytes"])
-    in_flight = actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload else 0
-    values["tensor_host_s"] = measure_tensor_host_seconds(device, module=actor.module,
-                                                          d2h_in_flight_bytes=in_flight)
+    values["tensor_host_s"] = measure_tensor_host_seconds(
+        device, module=actor.module, d2h_in_flight_bytes=optimizer_d2h_bytes(cfg, actor))
     return Rates(values)
+
+
+def optimizer_d2h_bytes(cfg: Config, actor) -> int:
+    """What the switch's optimizer offload has in flight while the sync runs (0 without it)."""
+    return actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload else 0
 
 
 def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, int, list]:
@@ -378,7 +382,7 @@ def _timed_beside_d2h(fn: Callable[[], None], device: torch.device, repeats: int
             host.copy_(chunk, non_blocking=True)
     compute = torch.cuda.current_stream(device)
     times = []
-    for _ in range(repeats):   # all of them while the copies are still queued
+    for _ in range(repeats):   # the copies queued before the first; a long fn outlasts them
         t0 = time.perf_counter()
         fn()
         compute.synchronize()

@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from handoff.calibrate import (Rates, calibrate, measure_adapter_tensor_seconds,
-                               measure_decode_rates)
+                               measure_decode_rates, optimizer_d2h_bytes)
 from handoff.config import Config
 from handoff.dist import check_world_size, init_process_group, resolve_device
 from handoff.memory.allocator import aggressive_empty_cache
@@ -76,9 +76,8 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
                        **measure_decode_rates(engine, batch=cfg.rollout.max_num_seqs)})
     if cfg.actor.lora.rank and not cfg.memory.param_offload and not cfg.run.rates_file:
         # the adapters are on the card (a shared base keeps them there): time their sync
-        in_flight = actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload else 0
         rates = Rates({**rates.values, "adapter_tensor_s": measure_adapter_tensor_seconds(
-            actor, engine, d2h_in_flight_bytes=in_flight)})
+            actor, engine, d2h_in_flight_bytes=optimizer_d2h_bytes(cfg, actor))})
     return HybridWorker(cfg, actor=actor, ref=ref, engine=engine, pool=pool, meter=meter), rates
 
 

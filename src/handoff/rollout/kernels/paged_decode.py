@@ -22,9 +22,8 @@ captured in a CUDA graph and replayed with new lengths. Rows with context_len 0 
 With `order` the program for row slot i works on row order[i]. The GPU starts programs roughly
 in grid order and keeps few resident per SM, so when contexts differ a long row started last
 runs on after the others are done; started first (order = rows by length, longest first:
-longest-processing-time scheduling) its tail overlaps the short ones. A simulation of 256
-rows with contexts uniform in [100, 2048] on 264 program slots: 1.12x the balanced time in
-row order, 1.02x longest first.
+longest-processing-time scheduling) its tail overlaps the short ones: the public workload's
+decode step (256 rows, lengths in [100, 1024]) 2.9% faster on an H100 (docs/PERF.md).
 """
 
 from __future__ import annotations
