@@ -151,6 +151,41 @@ def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monke
     assert len(calls) == 2 * 4 * layers  # prefill + one decode step, 4 engine linears a layer
 
 
+def test_q_k_v_and_gate_up_leave_their_term_to_the_reader_in_a_decode_step(qwen3_dir, ref,
+                                                                           monkeypatch):
+    """ops.PendingTerm's path, taken on CPU by letting the fold's rule skip its device check
+    (the readers then take the reference, which adds the term first): every layer's q/k/v
+    and gate/up products of a forward of few rows come back pending, the tokens are the
+    expand's; HANDOFF_LORA_FOLD=0 turns it off."""
+    from handoff.rollout import ops
+    from handoff.rollout.models.qwen3 import CausalLM
+
+    engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=RANK)   # A joined: strided y
+    engine.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
+    expanded = _tokens(engine)
+    pending, forwards = [], []
+
+    class Counted(ops.PendingTerm):
+        def __init__(self, *args):
+            super().__init__(*args)
+            pending.append(self.y_TF.shape[0])
+
+    forward = CausalLM.forward
+    monkeypatch.setattr(CausalLM, "forward", lambda self, ids, *a: forwards.append(
+        ids.shape[0]) or forward(self, ids, *a))
+    monkeypatch.setattr(ops, "PendingTerm", Counted)
+    monkeypatch.setattr(ops, "_fold_term", lambda x: ops.term_fold_allowed(x.shape[0]))
+    monkeypatch.setattr(ops, "FOLD_MAX_ROWS", 8)   # the prefill's 45 rows expand as before
+    engine.reset_prefix_cache()
+    assert _tokens(engine) == expanded
+    folded = [rows for rows in forwards if rows <= 8]
+    assert 0 < len(folded) < len(forwards)
+    assert len(pending) == 2 * engine.spec.num_layers * len(folded)
+    monkeypatch.setenv("HANDOFF_LORA_FOLD", "0")
+    pending.clear()
+    assert _tokens(engine) == expanded and pending == []
+
+
 def test_a_bad_adapter_is_refused_in_one_line_and_the_loaded_one_kept(qwen3_dir, ref):
     engine = Engine(str(qwen3_dir), ref.cfg())
     good = _adapter(qwen3_dir)

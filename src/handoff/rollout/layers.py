@@ -142,8 +142,10 @@ class ColumnParallelLinear(nn.Module):
         self.shard_sizes = tuple(length for _, _, length in parts)
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
-    def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor:
-        return ops.linear(x_TE, self.weight, self.bias, self.lora)
+    def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor | ops.PendingTerm:
+        """The fused projections' readers (qk_norm_rope_store, silu_mul) take a pending
+        adapter term (ops.PendingTerm)."""
+        return ops.linear(x_TE, self.weight, self.bias, self.lora, fold_term=True)
 
 
 class RowParallelLinear(nn.Module):

@@ -74,19 +74,24 @@ class LoraSlot:
         self.B = torch.zeros(out_features, num_parts * max_rank, **kw)
         self.rank = max_rank   # columns of B per part
 
-    def linear(self, x_TE: torch.Tensor, weight_FE: torch.Tensor,
-               bias_F: torch.Tensor | None) -> torch.Tensor:
-        """x W^T + b + (x A^T) B^T. With A joined to the weight, one GEMM gives x W^T and
-        x A^T side by side (y is a view of rows F + P*R apart) and the second adds the term
-        in its epilogue; else three ops. At decode batch a launch costs about what these
-        small products do. (Leaving the term to the fused kernel that reads y, a launch
-        fewer, was slower on an H100: 1.31x / 1.22x the base at batch 1 / 32 against 1.17x /
-        1.13x; docs/PERF.md.)"""
+    def product(self, x_TE: torch.Tensor, weight_FE: torch.Tensor,
+                bias_F: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x W^T + b, x A^T). With A joined to the weight, one GEMM gives both side by side
+        (views of rows F + P*R apart); else two."""
         if self.joined is None:
-            return self.expand_into(F.linear(x_TE, weight_FE, bias_F), F.linear(x_TE, self.A))
+            return F.linear(x_TE, weight_FE, bias_F), F.linear(x_TE, self.A)
         out = F.linear(x_TE, self.joined)
         width = weight_FE.shape[0]
-        return self.expand_into(out[..., :width], out[..., width:])
+        return out[..., :width], out[..., width:]
+
+    def linear(self, x_TE: torch.Tensor, weight_FE: torch.Tensor,
+               bias_F: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b + (x A^T) B^T: the product, then the expand as a GEMM that adds in its
+        epilogue. A decode step's q/k/v and gate/up leave the expand to the fused kernel that
+        reads them instead (ops.PendingTerm): at decode batch a launch costs about what these
+        small products do. (Leaving o's and down's to the next norm, one program per row, was
+        slower on an H100: 1.31x / 1.22x the base at batch 1 / 32; docs/log/2026-12-07-1.)"""
+        return self.expand_into(*self.product(x_TE, weight_FE, bias_F))
 
     def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:
         """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows)."""

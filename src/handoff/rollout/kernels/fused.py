@@ -10,6 +10,11 @@ than the GEMMs (docs/PERF.md). These three replace them with 3 launches per laye
   paged cache at their slots (fp8 caches: divided by the layer's scale, clamped, cast);
 * silu_mul: SiLU(gate) * up of the fused gate_up projection output.
 
+With a LoRA adapter (rollout/lora.py) the last two also add the fused projection's adapter
+term t B^T to what they read (`term`), so the expand needs no launch of its own: at decode
+batch a launch costs about what that small product does. Their grids then tile rows and
+heads (or column blocks), so each program reads a few KB of B and the card shares the read.
+
 Numbers: each kernel rounds to the model dtype exactly where the plain-torch reference
 (handoff.rollout.ops) does, so bf16 results match it bit for bit but for the order of the
 fp32 sums inside a norm. Grids depend on shapes only, so the launches capture in CUDA graphs.
@@ -86,11 +91,61 @@ def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.con
              mask=mask)
 
 
-def silu_mul(gate_up_T2I: torch.Tensor) -> torch.Tensor:
-    """SiLU(first half) * second half of the last dim -> [T, I]."""
+@triton.jit
+def _term_tile(t_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_t, stride_b, t_col0,
+               b_row0, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
+    """fp32 [rows, cols] tile of t[rows, t_col0 + r] @ B[b_row0 + cols, t_col0 + r]^T over the
+    part's RANK columns (B is block-diagonal: the part's other columns are zero)."""
+    ranks = tl.arange(0, RANK_PAD)
+    rank_mask = ranks < RANK
+    t = tl.load(t_ptr + rows[:, None] * stride_t + t_col0 + ranks[None, :],
+                mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
+    b = tl.load(b_ptr + (b_row0 + cols)[None, :] * stride_b + t_col0 + ranks[:, None],
+                mask=rank_mask[:, None] & col_mask[None, :], other=0.0)
+    return tl.dot(t, b)
+
+
+@triton.jit
+def _silu_mul_term_kernel(x_ptr, t_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_x, stride_t,
+                          stride_b, stride_out, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    dtype = out_ptr.dtype.element_ty
+    at = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    # y + t B^T rounded once, where the expand's GEMM (addmm) rounds
+    gate = tl.load(at, mask=mask, other=0.0).to(tl.float32) + _term_tile(
+        t_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_t, stride_b, 0, 0, RANK, RANK_PAD)
+    up = tl.load(at + n_cols, mask=mask, other=0.0).to(tl.float32) + _term_tile(
+        t_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_t, stride_b, RANK, n_cols, RANK,
+        RANK_PAD)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+             silu_times(gate.to(dtype), up.to(dtype), dtype), mask=mask)
+
+
+TERM_ROWS = 16   # rows a term kernel's program takes: tl.dot wants each dimension >= 16
+
+
+def _pad16(n: int) -> int:
+    return max(triton.next_power_of_2(n), 16)
+
+
+def silu_mul(gate_up_T2I: torch.Tensor, term=None) -> torch.Tensor:
+    """SiLU(first half) * second half of the last dim -> [T, I]; `term` (t [T, 2R], B [2I, 2R]
+    block-diagonal, R): the adapter's t B^T added to gate_up first."""
     rows, width = gate_up_T2I.shape
     inter = width // 2
     out = gate_up_T2I.new_empty(rows, inter)
+    if term is not None:
+        t_TR, b_FR, rank = term
+        block = 128   # 48 programs at one row on the 1.7B: each reads 8 KB of B (rank 16)
+        _silu_mul_term_kernel[(triton.cdiv(rows, TERM_ROWS), triton.cdiv(inter, block))](
+            gate_up_T2I, t_TR, b_FR, out, rows, inter, gate_up_T2I.stride(0), t_TR.stride(0),
+            b_FR.stride(0), out.stride(0), RANK=rank, RANK_PAD=_pad16(rank), ROWS=TERM_ROWS,
+            BLOCK=block, num_warps=4)
+        return out
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
         gate_up_T2I, out, inter, gate_up_T2I.stride(0), out.stride(0), BLOCK=block, num_warps=4)
@@ -177,15 +232,78 @@ def _qk_norm_rope_store_kernel(
                      v_scale_ptr, HALF, HEAD_DIM, HAS_SCALES)
 
 
+@triton.jit
+def _qk_norm_rope_store_term_kernel(
+    qkv_ptr, t_ptr, b_ptr, pos_ptr, table_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr,
+    slot_ptr, k_scale_ptr, v_scale_ptr, n_rows, eps, stride_x, stride_t, stride_b,
+    stride_table, stride_k_slot, stride_v_slot,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
+    ROWS: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, HAS_SCALES: tl.constexpr,
+):
+    """qk_norm_rope_store with the adapter's term, one program per (row tile, head): q heads,
+    then k heads, then v heads, as the fused qkv output lays them out."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    head = tl.program_id(1)
+    dtype = qkv_ptr.dtype.element_ty
+    halves = tl.arange(0, HALF_PAD)
+    row_mask, hmask = rows < n_rows, halves < HALF
+    mask = row_mask[:, None] & hmask[None, :]
+    part = (head >= NUM_HEADS).to(tl.int32) + (head >= NUM_HEADS + NUM_KV_HEADS).to(tl.int32)
+    col0 = head * HEAD_DIM
+    ptrs = qkv_ptr + rows[:, None] * stride_x + col0 + halves[None, :]
+    # y + t B^T rounded once, where the expand's GEMM (addmm) rounds
+    x1 = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + _term_tile(
+        t_ptr, b_ptr, rows, row_mask, halves, hmask, stride_t, stride_b, part * RANK, col0,
+        RANK, RANK_PAD)).to(dtype)
+    x2 = (tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32) + _term_tile(
+        t_ptr, b_ptr, rows, row_mask, halves, hmask, stride_t, stride_b, part * RANK,
+        col0 + HALF, RANK, RANK_PAD)).to(dtype)
+    if STORE:
+        slot = tl.load(slot_ptr + rows, mask=row_mask, other=-1)[:, None]
+    else:
+        slot = rows[:, None]
+    keep = mask & (slot >= 0)  # padded rows (slot -1) write nothing
+    if part == 2:
+        tl.store(ptrs, x1, mask=mask)
+        tl.store(ptrs + HALF, x2, mask=mask)
+        if STORE:
+            kv_head = tl.zeros([1], tl.int32) + head - NUM_HEADS - NUM_KV_HEADS
+            _store_cache(v_cache_ptr, slot, stride_v_slot, kv_head, halves, keep, x1, x2,
+                         v_scale_ptr, HALF, HEAD_DIM, HAS_SCALES)
+    else:
+        pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)[:, None]
+        cos = tl.load(table_ptr + pos * stride_table + halves[None, :], mask=mask, other=0.0)
+        sin = tl.load(table_ptr + pos * stride_table + HALF + halves[None, :], mask=mask,
+                      other=0.0)
+        cos = cos.to(dtype).to(tl.float32)
+        sin = sin.to(dtype).to(tl.float32)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        if part == 0:
+            o1, o2 = _norm_rope(f1, f2, q_w_ptr, cos, sin, halves, eps, HEAD_DIM, HALF,
+                                HAS_NORM, dtype)
+        else:
+            o1, o2 = _norm_rope(f1, f2, k_w_ptr, cos, sin, halves, eps, HEAD_DIM, HALF,
+                                HAS_NORM, dtype)
+        tl.store(ptrs, o1, mask=mask)
+        tl.store(ptrs + HALF, o2, mask=mask)
+        if STORE and part == 1:
+            kv_head = tl.zeros([1], tl.int32) + head - NUM_HEADS
+            _store_cache(k_cache_ptr, slot, stride_k_slot, kv_head, halves, keep, o1, o2,
+                         k_scale_ptr, HALF, HEAD_DIM, HAS_SCALES)
+
+
 def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                        positions_T: torch.Tensor, rope_LD: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                        slot_mapping_T: torch.Tensor | None = None,
                        k_scale: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None) -> None:
+                       v_scale: torch.Tensor | None = None, term=None) -> None:
     """In place on qkv [T, (H + 2K) * D]: q and k normed (when weights are given) and rotated;
-    with caches, the new K/V are written at their slots (caches [N, S, K, D], contiguous)."""
+    with caches, the new K/V are written at their slots (caches [N, S, K, D], contiguous).
+    `term` (t [T, 3R], B [(H + 2K) * D, 3R] block-diagonal, R): the adapter's t B^T added to
+    q, k and v first."""
     tokens = qkv_TX.shape[0]
     assert qkv_TX.stride(-1) == 1 and head_dim % 2 == 0, (qkv_TX.stride(), head_dim)
     store = k_cache is not None
@@ -193,15 +311,25 @@ def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int, 
     fp8 = store and k_scale is not None
     dummy = positions_T
     half = head_dim // 2
+    pointers = (positions_T, rope_LD, q_weight if has_norm else dummy,
+                k_weight if has_norm else dummy, k_cache if store else qkv_TX,
+                v_cache if store else qkv_TX, slot_mapping_T if store else dummy,
+                k_scale if fp8 else dummy, v_scale if fp8 else dummy)
+    strides = (rope_LD.stride(0), k_cache.stride(1) if store else 0,
+               v_cache.stride(1) if store else 0)
+    flags = {"HAS_NORM": has_norm, "STORE": store, "HAS_SCALES": fp8}
+    if term is not None:
+        t_TR, b_FR, rank = term
+        grid = (triton.cdiv(tokens, TERM_ROWS), num_heads + 2 * num_kv_heads)
+        _qk_norm_rope_store_term_kernel[grid](
+            qkv_TX, t_TR, b_FR, *pointers, tokens, eps, qkv_TX.stride(0), t_TR.stride(0),
+            b_FR.stride(0), *strides, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim, HALF=half, HALF_PAD=_pad16(half), RANK=rank,
+            RANK_PAD=_pad16(rank), ROWS=TERM_ROWS, **flags, num_warps=4)
+        return
     _qk_norm_rope_store_kernel[(tokens,)](
-        qkv_TX, positions_T, rope_LD, q_weight if has_norm else dummy,
-        k_weight if has_norm else dummy, k_cache if store else qkv_TX,
-        v_cache if store else qkv_TX, slot_mapping_T if store else dummy,
-        k_scale if fp8 else dummy, v_scale if fp8 else dummy, eps,
-        qkv_TX.stride(0), rope_LD.stride(0),
-        k_cache.stride(1) if store else 0, v_cache.stride(1) if store else 0,
+        qkv_TX, *pointers, eps, qkv_TX.stride(0), *strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, HALF=half,
-        HALF_PAD=triton.next_power_of_2(half), HAS_NORM=has_norm, STORE=store,
-        HAS_SCALES=fp8, num_warps=4)
+        HALF_PAD=triton.next_power_of_2(half), **flags, num_warps=4)
