@@ -151,12 +151,11 @@ def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monke
     assert len(calls) == 2 * 4 * layers  # prefill + one decode step, 4 engine linears a layer
 
 
-def test_q_k_v_and_gate_up_leave_their_term_to_the_reader_in_a_decode_step(qwen3_dir, ref,
-                                                                           monkeypatch):
+def test_a_decode_steps_projections_leave_their_term_to_the_reader(qwen3_dir, ref, monkeypatch):
     """ops.PendingTerm's path, taken on CPU by letting the fold's rule skip its device check
-    (the readers then take the reference, which adds the term first): every layer's q/k/v
-    and gate/up products of a forward of few rows come back pending, the tokens are the
-    expand's; HANDOFF_LORA_FOLD=0 turns it off."""
+    (the readers then take the reference, which adds the term first): every layer's q/k/v,
+    o, gate/up and down products of a forward of few rows come back pending, the tokens are
+    the expand's; HANDOFF_LORA_FOLD=0 turns it off."""
     from handoff.rollout import ops
     from handoff.rollout.models.qwen3 import CausalLM
 
@@ -180,7 +179,7 @@ def test_q_k_v_and_gate_up_leave_their_term_to_the_reader_in_a_decode_step(qwen3
     assert _tokens(engine) == expanded
     folded = [rows for rows in forwards if rows <= 8]
     assert 0 < len(folded) < len(forwards)
-    assert len(pending) == 2 * engine.spec.num_layers * len(folded)
+    assert len(pending) == 4 * engine.spec.num_layers * len(folded)
     monkeypatch.setenv("HANDOFF_LORA_FOLD", "0")
     pending.clear()
     assert _tokens(engine) == expanded and pending == []

@@ -162,10 +162,16 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
-    def forward(self, x_TE: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
+    def forward(self, x_TE: torch.Tensor | ops.PendingTerm, *, gated: bool = False
+                ) -> torch.Tensor | ops.PendingTerm:
         """`gated`: x is the MLP's [gate | up], the input SiLU(gate) * up (ops.linear)."""
-        # With an adapter, this rank's partial delta: the all-reduce sums them.
-        y_TF = self.tp.all_reduce_(ops.linear(x_TE, self.weight, None, self.lora, gated=gated))
+        # With an adapter, this rank's partial delta: the all-reduce sums them. On one rank
+        # without a bias the next add_rms_norm adds the term (ops.PendingTerm).
+        alone = self.tp.size == 1 and self.bias is None
+        y_TF = ops.linear(x_TE, self.weight, None, self.lora, gated=gated, fold_term=alone)
+        if alone:
+            return y_TF
+        y_TF = self.tp.all_reduce_(y_TF)
         return y_TF if self.bias is None else y_TF + self.bias
 
 

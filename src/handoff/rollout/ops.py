@@ -6,9 +6,10 @@ rounds. A linear is cuBLAS's, or under rollout.decode_gemm's "triton" (gemm_choi
 decode step's skinny product in the Triton kernel (kernels/skinny.py). HANDOFF_FUSED=0 in the
 environment forces the reference everywhere (A/B benches).
 
-With a LoRA adapter, a fused column-parallel projection (q/k/v, gate/up) of a decode step
-returns its product with the adapter's term still apart (PendingTerm): the fused kernel that
-reads it next adds the term, so the term's product needs no launch of its own.
+With a LoRA adapter, a decode step's projections return their product with the adapter's
+term still apart (PendingTerm): the fused kernel that reads it next (qk_norm_rope_store for
+q/k/v, silu_mul for gate/up, the next add_rms_norm for o and down) adds the term, so the
+term's product needs no launch of its own.
 HANDOFF_LORA_FOLD=0 adds it with a GEMM of its own instead (A/B benches).
 
 Shape legend: T = tokens, E = hidden size, H = query heads, K = KV heads, D = head dim,
@@ -77,8 +78,8 @@ FOLD_MAX_ROWS = 128
 @dataclass
 class PendingTerm:
     """A LoRA linear's product y = x W^T (+ b) and its shrink t = x A^T, the term t B^T not
-    added yet: qk_norm_rope_store and silu_mul add it as they read y; any other reader
-    calls materialize()."""
+    added yet: qk_norm_rope_store, silu_mul and add_rms_norm add it as they read y; any
+    other reader calls materialize()."""
 
     y_TF: torch.Tensor
     t_TR: torch.Tensor
@@ -119,11 +120,16 @@ def linear(x_TE: torch.Tensor | NormInput | PendingTerm, weight_FE: torch.Tensor
     `fold_term`: the reader is a fused kernel that can add the slot's term (a PendingTerm
     comes back where _fold_term says so)."""
     if isinstance(x_TE, PendingTerm):   # gate/up's product: silu_mul adds its term as it
-        if not _skinny(x_TE.y_TF, weight_FE, lora):   # reads, the skinny kernel's SiLU cannot
-            return _plain_linear(silu_mul(x_TE), weight_FE, bias_F, lora)
-        x_TE = x_TE.materialize()
+        if _skinny(x_TE.y_TF, weight_FE, lora):   # reads, the skinny kernel's SiLU cannot
+            x_TE = x_TE.materialize()
+        else:
+            x_TE, gated = silu_mul(x_TE), False
     pending = x_TE if isinstance(x_TE, NormInput) else None
     x = x_TE if pending is None else pending.x_TE
+    if isinstance(x, PendingTerm):   # o's or down's product: add_rms_norm adds its term as
+        x = x.y_TF                   # it reads, the skinny kernel's norm cannot
+        if _skinny(x, weight_FE, lora):
+            x = pending.x_TE = pending.x_TE.materialize()
     fold = lora is not None and fold_term and _fold_term(x)
     if _skinny(x, weight_FE, lora):
         from handoff.rollout.kernels.skinny import skinny_linear
@@ -173,13 +179,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E: torch.Tensor,
+def add_rms_norm(x_TE: torch.Tensor | PendingTerm, residual_TE: torch.Tensor | None, weight_E: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * RMSNorm(x + residual), x + residual); without a residual the sum is x."""
+    """(weight * RMSNorm(x + residual), x + residual); without a residual the sum is x (with
+    its LoRA term added first where it is still pending)."""
+    x_TE, term = _split_term(x_TE)
     if use_fused(x_TE):
         from handoff.rollout.kernels.fused import add_rms_norm as fused
 
-        return fused(x_TE, residual_TE, weight_E, eps)
+        return fused(x_TE, residual_TE, weight_E, eps, term)
     summed = x_TE if residual_TE is None else x_TE + residual_TE
     return rms_norm(summed, weight_E, eps), summed
 
