@@ -173,16 +173,24 @@ def test_a_decode_steps_projections_leave_their_term_to_the_reader(qwen3_dir, re
     monkeypatch.setattr(CausalLM, "forward", lambda self, ids, *a: forwards.append(
         ids.shape[0]) or forward(self, ids, *a))
     monkeypatch.setattr(ops, "PendingTerm", Counted)
-    monkeypatch.setattr(ops, "_fold_term", lambda x: ops.term_fold_allowed(x.shape[0]))
+    monkeypatch.setattr(ops, "_fold_term", lambda x, reader: ops.term_fold_allowed(
+        x.shape[0], reader))
     monkeypatch.setattr(ops, "FOLD_MAX_ROWS", 8)   # the prefill's 45 rows expand as before
-    engine.reset_prefix_cache()
-    assert _tokens(engine) == expanded
-    folded = [rows for rows in forwards if rows <= 8]
-    assert 0 < len(folded) < len(forwards)
-    assert len(pending) == 4 * engine.spec.num_layers * len(folded)
+
+    def pending_per_folded_forward() -> float:
+        engine.reset_prefix_cache()
+        pending.clear()
+        forwards.clear()
+        assert _tokens(engine) == expanded
+        folded = [rows for rows in forwards if rows <= 8]
+        assert 0 < len(folded) < len(forwards)
+        return len(pending) / len(folded) / engine.spec.num_layers
+
+    assert pending_per_folded_forward() == 4   # q/k/v, o, gate/up, down
+    monkeypatch.setenv("HANDOFF_LORA_FOLD", "columns")
+    assert pending_per_folded_forward() == 2   # q/k/v and gate/up only
     monkeypatch.setenv("HANDOFF_LORA_FOLD", "0")
-    pending.clear()
-    assert _tokens(engine) == expanded and pending == []
+    assert pending_per_folded_forward() == 0
 
 
 def test_a_bad_adapter_is_refused_in_one_line_and_the_loaded_one_kept(qwen3_dir, ref):

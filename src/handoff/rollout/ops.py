@@ -98,27 +98,30 @@ class PendingTerm:
         return self.slot.expand_into(self.y_TF, self.t_TR)
 
 
-def _fold_term(x: torch.Tensor) -> bool:
-    """Whether a fused projection's term waits for the kernel that reads it (module doc)."""
-    return use_fused(x) and term_fold_allowed(x.shape[0])
+def _fold_term(x: torch.Tensor, reader: str) -> bool:
+    """Whether a projection's term waits for the kernel that reads it (module doc)."""
+    return use_fused(x) and term_fold_allowed(x.shape[0], reader)
 
 
-def term_fold_allowed(rows: int) -> bool:
-    """The fold's rule but for the kernels' device: few rows, HANDOFF_LORA_FOLD not 0."""
-    return rows <= FOLD_MAX_ROWS and os.environ.get("HANDOFF_LORA_FOLD", "1") != "0"
+def term_fold_allowed(rows: int, reader: str) -> bool:
+    """The fold's rule but for the kernels' device: few rows, and HANDOFF_LORA_FOLD not 0
+    (nor "columns" for a row-parallel projection's, which the norm would add: an A/B of the
+    two kinds of reader)."""
+    mode = os.environ.get("HANDOFF_LORA_FOLD", "1")
+    return rows <= FOLD_MAX_ROWS and mode != "0" and not (mode == "columns" and reader == "row")
 
 
 def linear(x_TE: torch.Tensor | NormInput | PendingTerm, weight_FE: torch.Tensor,
            bias_F: torch.Tensor | None = None, lora=None, *, gated: bool = False,
-           fold_term: bool = False) -> torch.Tensor | PendingTerm:
+           fold_term: str | None = None) -> torch.Tensor | PendingTerm:
     """x W^T + b, plus a LoRA slot's term (rollout/lora.py); `gated`: x is the MLP's
     [gate | up] and the input is silu_mul(x); a NormInput: the input is its norm. Under
     gemm_backend("triton") a product of <= SKINNY_MAX_ROWS rows (CUDA, half precision) is
     the Triton skinny kernel: the slot's shrink x A^T as more rows of the same launch, the
     SiLU or the norm made as x is read (HANDOFF_FUSED=0 turns it off: cuBLAS, as for a
     weight that is not row-major or not in x's dtype, or a slot past the kernel's extra rows).
-    `fold_term`: the reader is a fused kernel that can add the slot's term (a PendingTerm
-    comes back where _fold_term says so)."""
+    `fold_term` ("column", "row": the projection's kind): its reader is a fused kernel that
+    can add the slot's term (a PendingTerm comes back where _fold_term says so)."""
     if isinstance(x_TE, PendingTerm):   # gate/up's product: silu_mul adds its term as it
         if _skinny(x_TE.y_TF, weight_FE, lora):   # reads, the skinny kernel's SiLU cannot
             x_TE = x_TE.materialize()
@@ -130,7 +133,7 @@ def linear(x_TE: torch.Tensor | NormInput | PendingTerm, weight_FE: torch.Tensor
         x = x.y_TF                   # it reads, the skinny kernel's norm cannot
         if _skinny(x, weight_FE, lora):
             x = pending.x_TE = pending.x_TE.materialize()
-    fold = lora is not None and fold_term and _fold_term(x)
+    fold = lora is not None and fold_term is not None and _fold_term(x, fold_term)
     if _skinny(x, weight_FE, lora):
         from handoff.rollout.kernels.skinny import skinny_linear
 
@@ -187,7 +190,7 @@ def add_rms_norm(x_TE: torch.Tensor | PendingTerm, residual_TE: torch.Tensor | N
     if use_fused(x_TE):
         from handoff.rollout.kernels.fused import add_rms_norm as fused
 
-        return fused(x_TE, residual_TE, weight_E, eps, term)
+        return fused(x_TE, residual_TE, weight_E, eps, term=term)
     summed = x_TE if residual_TE is None else x_TE + residual_TE
     return rms_norm(summed, weight_E, eps), summed
 
@@ -199,7 +202,7 @@ def silu_mul(gate_up_T2I: torch.Tensor | PendingTerm) -> torch.Tensor:
     if use_fused(gate_up_T2I):
         from handoff.rollout.kernels.fused import silu_mul as fused
 
-        return fused(gate_up_T2I, term)
+        return fused(gate_up_T2I, term=term)
     gate_TI, up_TI = gate_up_T2I.chunk(2, dim=-1)
     return F.silu(gate_TI) * up_TI
 
