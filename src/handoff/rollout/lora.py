@@ -19,10 +19,12 @@ its input columns of A and all of B, and adds its partial delta before the all-r
 
 With `lora_max_rank` the engine builds each decoder linear with its A rows right after its
 weight rows in the weights' buffer (models.build_model), and one GEMM gives x W^T and x A^T
-side by side: an adapter adds one launch per linear, the expand, not two (at decode batch a
-launch costs about what these small products do). Not where the GEMM adds a bias, or for a
-row-parallel linear under TP (its output is the all-reduce's dense buffer): there A is a
-buffer of its own and the shrink a GEMM of its own. The zero buffers exist from the start, so
+side by side (at decode batch a launch costs about what these small products do). Not where
+the GEMM adds a bias, or for a row-parallel linear under TP (its output is the all-reduce's
+dense buffer): there A is a buffer of its own and the shrink a GEMM of its own. The expand
+t B^T: in a forward of few rows (a decode step) the fused kernel that reads the product adds
+it (ops.PendingTerm: the q/k/v rope, the SiLU, the next norm): no launch of its own;
+in a longer one (a prefill) a GEMM adds it in place. The zero buffers exist from the start, so
 the decode graphs capture them (and the adapter's GEMMs run even while they are zero). A
 sleep of level 1 keeps the adapter (A is backed up with the weights, B lives outside the
 regions: megabytes); level 2 drops it with the weights.
