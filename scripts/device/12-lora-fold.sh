@@ -15,7 +15,7 @@ echo "fused-kernel and engine cuda tests: rc=$?"; tail -1 "$L/tests.log"
 grep -E "^(FAILED|ERROR)" "$L/tests.log" | cut -c1-200 | head -8
 i=0
 for fold in 0 columns 1 0 columns 1; do
-    [ $SECONDS -gt 470 ] && break   # the call's 600 s
+    [ $SECONDS -gt ${STOP_AFTER:-470} ] && break   # within the call's 600 s
     i=$((i + 1)); name=lora-$i-fold-$fold
     HANDOFF_LORA_FOLD=$fold timeout 75 python3 -m handoff bench engine --skip-hf --no-public \
         --models qwen3-1.7b --batches 1,32,128 --lora-rank 16 --out "$L/$name.json" \
