@@ -26,8 +26,14 @@ def _log(report, first_step, rewards):
     report._loggers.close()
 
 
-def test_resumed_steps_replace_the_crashed_runs_events(tmp_path):
+def test_resumed_steps_replace_the_crashed_runs_events(tmp_path, monkeypatch):
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from tensorboard.summary.writer import event_file_writer
+
+    # TensorBoard reads a directory's event files in name order: time (s), host, pid, then a
+    # per-process counter. Two writers of one process in one second sort by that counter as
+    # text, so "10" before "9" (a resume is a new process in a later second: no such tie).
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
 
     _log(_report(tmp_path), 0, [0.1, 0.2, 0.3])   # steps 1-3; say step 1's checkpoint survived
     _log(_report(tmp_path), 1, [0.5, 0.6])        # the resume repeats steps 2 and 3
