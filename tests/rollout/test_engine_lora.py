@@ -151,11 +151,12 @@ def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monke
     assert len(calls) == 2 * 4 * layers  # prefill + one decode step, 4 engine linears a layer
 
 
-def test_a_decode_steps_projections_leave_their_term_to_the_reader(qwen3_dir, ref, monkeypatch):
+def test_q_k_v_and_gate_up_leave_their_term_to_the_reader_in_a_decode_step(qwen3_dir, ref,
+                                                                           monkeypatch):
     """ops.PendingTerm's path, taken on CPU by letting the fold's rule skip its device check
-    (the readers then take the reference, which adds the term first): every layer's q/k/v,
-    o, gate/up and down products of a forward of few rows come back pending, the tokens are
-    the expand's; HANDOFF_LORA_FOLD=0 turns it off."""
+    (the readers then take the reference, which adds the term first): every layer's q/k/v
+    and gate/up products of a forward of few rows come back pending, the tokens are the
+    expand's; HANDOFF_LORA_FOLD=0 turns it off."""
     from handoff.rollout import ops
     from handoff.rollout.models.qwen3 import CausalLM
 
@@ -173,8 +174,7 @@ def test_a_decode_steps_projections_leave_their_term_to_the_reader(qwen3_dir, re
     monkeypatch.setattr(CausalLM, "forward", lambda self, ids, *a: forwards.append(
         ids.shape[0]) or forward(self, ids, *a))
     monkeypatch.setattr(ops, "PendingTerm", Counted)
-    monkeypatch.setattr(ops, "_fold_term", lambda x, reader: ops.term_fold_allowed(
-        x.shape[0], reader))
+    monkeypatch.setattr(ops, "_fold_term", lambda x: ops.term_fold_allowed(x.shape[0]))
     monkeypatch.setattr(ops, "FOLD_MAX_ROWS", 8)   # the prefill's 45 rows expand as before
 
     def pending_per_folded_forward() -> float:
@@ -186,9 +186,7 @@ def test_a_decode_steps_projections_leave_their_term_to_the_reader(qwen3_dir, re
         assert 0 < len(folded) < len(forwards)
         return len(pending) / len(folded) / engine.spec.num_layers
 
-    assert pending_per_folded_forward() == 4   # q/k/v, o, gate/up, down
-    monkeypatch.setenv("HANDOFF_LORA_FOLD", "columns")
-    assert pending_per_folded_forward() == 2   # q/k/v and gate/up only
+    assert pending_per_folded_forward() == 2   # q/k/v and gate/up
     monkeypatch.setenv("HANDOFF_LORA_FOLD", "0")
     assert pending_per_folded_forward() == 0
 

@@ -70,28 +70,32 @@ def test_graphs_with_an_adapter_equal_eager_and_are_not_recaptured(qwen3_dir, re
 
 
 def test_the_term_left_to_its_reader_gives_the_expands_tokens(qwen3_dir, ref, monkeypatch):
-    """A decode step's terms added by the fused kernels that read the products (ops.
-    PendingTerm: qk_norm_rope_store, silu_mul, add_rms_norm; the default) against their own
-    expand GEMMs (HANDOFF_LORA_FOLD=0), in captured graphs and in eager prefill."""
+    """A decode step's q/k/v and gate/up terms added by qk_norm_rope_store and silu_mul
+    (ops.PendingTerm, the default) against their own expand GEMMs (HANDOFF_LORA_FOLD=0), in
+    captured graphs and eager prefill. B's entries are +-2^-k: each product t_r B_r is exact
+    and so is their sum, so both ways round y + t B^T once from the same fp32 value and the
+    tokens must be equal (random B's sums differ in the order of their roundings, an ulp,
+    which can flip a greedy token of a random model)."""
     from handoff.rollout.kernels import fused
 
     terms = []
-    for name in ("silu_mul", "qk_norm_rope_store", "add_rms_norm"):
+    for name in ("silu_mul", "qk_norm_rope_store"):
         kernel = getattr(fused, name)
-        monkeypatch.setattr(fused, name, lambda *a, _k=kernel, _n=name, **kw: terms.append(
-            (_n, kw.get("term") is not None)) or _k(*a, **kw))
+        monkeypatch.setattr(fused, name, lambda *a, _k=kernel, **kw: terms.append(
+            kw.get("term") is not None) or _k(*a, **kw))
+    gen = torch.Generator().manual_seed(5)
+    adapter = {name: (torch.randint(0, 2, value.shape, generator=gen) * 2 - 1)
+               * 2.0 ** -torch.randint(1, 4, value.shape, generator=gen).float()
+               if ".lora_B." in name else value
+               for name, value in _random_adapter(qwen3_dir).items()}
     cfg = ref.cfg(num_blocks=1024, block_size=16, max_num_seqs=64)
-    adapter = _random_adapter(qwen3_dir)
     tokens = {}
-    for fold in ("0", "columns", "1"):
+    for fold in ("0", "1"):
         monkeypatch.setenv("HANDOFF_LORA_FOLD", fold)
         terms.clear()
         engine = Engine(str(qwen3_dir), cfg, dtype="bfloat16", lora_max_rank=8)
         engine.load_adapter(adapter, alpha=ALPHA, rank=RANK)
         tokens[fold] = _tokens(engine)
-        folded = {name for name, term in terms if term}
-        assert folded == {"0": set(), "columns": {"silu_mul", "qk_norm_rope_store"},
-                          "1": {"silu_mul", "qk_norm_rope_store", "add_rms_norm"}}[fold]
-        assert not all(term for _, term in terms)   # long prefills expand
+        assert any(terms) == (fold == "1") and not all(terms)   # long prefills expand
         engine.sleep(2)
-    assert tokens["1"] == tokens["columns"] == tokens["0"]
+    assert tokens["1"] == tokens["0"]

@@ -145,7 +145,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x_TE: torch.Tensor | ops.NormInput) -> torch.Tensor | ops.PendingTerm:
         """The fused projections' readers (qk_norm_rope_store, silu_mul) take a pending
         adapter term (ops.PendingTerm)."""
-        return ops.linear(x_TE, self.weight, self.bias, self.lora, fold_term="column")
+        return ops.linear(x_TE, self.weight, self.bias, self.lora, fold_term=True)
 
 
 class RowParallelLinear(nn.Module):
@@ -162,17 +162,10 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.lora = None  # a rollout.lora.LoraSlot once an adapter is attached
 
-    def forward(self, x_TE: torch.Tensor | ops.PendingTerm, *, gated: bool = False
-                ) -> torch.Tensor | ops.PendingTerm:
+    def forward(self, x_TE: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
         """`gated`: x is the MLP's [gate | up], the input SiLU(gate) * up (ops.linear)."""
-        # With an adapter, this rank's partial delta: the all-reduce sums them. On one rank
-        # without a bias the next add_rms_norm adds the term (ops.PendingTerm).
-        alone = self.tp.size == 1 and self.bias is None
-        y_TF = ops.linear(x_TE, self.weight, None, self.lora, gated=gated,
-                          fold_term="row" if alone else None)
-        if alone:
-            return y_TF
-        y_TF = self.tp.all_reduce_(y_TF)
+        # With an adapter, this rank's partial delta: the all-reduce sums them.
+        y_TF = self.tp.all_reduce_(ops.linear(x_TE, self.weight, None, self.lora, gated=gated))
         return y_TF if self.bias is None else y_TF + self.bias
 
 

@@ -22,9 +22,9 @@ weight rows in the weights' buffer (models.build_model), and one GEMM gives x W^
 side by side (at decode batch a launch costs about what these small products do). Not where
 the GEMM adds a bias, or for a row-parallel linear under TP (its output is the all-reduce's
 dense buffer): there A is a buffer of its own and the shrink a GEMM of its own. The expand
-t B^T: in a forward of few rows (a decode step) the fused kernel that reads the product adds
-it (ops.PendingTerm: the q/k/v rope, the SiLU, the next norm): no launch of its own;
-in a longer one (a prefill) a GEMM adds it in place. The zero buffers exist from the start, so
+t B^T: in a forward of few rows (a decode step) the fused kernel that reads q/k/v's or
+gate/up's product adds it (ops.PendingTerm: the rope, the SiLU), no launch of its own; o's
+and down's, and a longer forward's (a prefill), a GEMM adds in place. The zero buffers exist from the start, so
 the decode graphs capture them (and the adapter's GEMMs run even while they are zero). A
 sleep of level 1 keeps the adapter (A is backed up with the weights, B lives outside the
 regions: megabytes); level 2 drops it with the weights.
@@ -91,8 +91,8 @@ class LoraSlot:
         """x W^T + b + (x A^T) B^T: the product, then the expand as a GEMM that adds in its
         epilogue. A decode step's q/k/v and gate/up leave the expand to the fused kernel that
         reads them instead (ops.PendingTerm): at decode batch a launch costs about what these
-        small products do. (Leaving o's and down's to the next norm, one program per row, was
-        slower on an H100: 1.31x / 1.22x the base at batch 1 / 32; docs/log/2026-12-07-1.)"""
+        small products do. (Leaving o's and down's to the next norm was slower on an H100,
+        one program a row or the row normed by its last column block; docs/PERF.md.)"""
         return self.expand_into(*self.product(x_TE, weight_FE, bias_F))
 
     def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,12 @@ rounds. A linear is cuBLAS's, or under rollout.decode_gemm's "triton" (gemm_choi
 decode step's skinny product in the Triton kernel (kernels/skinny.py). HANDOFF_FUSED=0 in the
 environment forces the reference everywhere (A/B benches).
 
-With a LoRA adapter, a decode step's projections return their product with the adapter's
-term still apart (PendingTerm): the fused kernel that reads it next (qk_norm_rope_store for
-q/k/v, silu_mul for gate/up, the next add_rms_norm for o and down) adds the term, so the
-term's product needs no launch of its own.
-HANDOFF_LORA_FOLD=0 adds it with a GEMM of its own instead (A/B benches).
+With a LoRA adapter, a fused column-parallel projection (q/k/v, gate/up) of a decode step
+returns its product with the adapter's term still apart (PendingTerm): the fused kernel that
+reads it next adds the term, so the term's product needs no launch of its own (o's and
+down's terms stay GEMMs: their reader, the next norm, needs the whole row, and a norm kernel
+whose last column block norms the row was slower; docs/PERF.md). HANDOFF_LORA_FOLD=0 adds
+every term with a GEMM of its own (A/B benches).
 
 Shape legend: T = tokens, E = hidden size, H = query heads, K = KV heads, D = head dim,
 I = intermediate size, L = RoPE table positions.
@@ -78,8 +79,8 @@ FOLD_MAX_ROWS = 128
 @dataclass
 class PendingTerm:
     """A LoRA linear's product y = x W^T (+ b) and its shrink t = x A^T, the term t B^T not
-    added yet: qk_norm_rope_store, silu_mul and add_rms_norm add it as they read y; any
-    other reader calls materialize()."""
+    added yet: qk_norm_rope_store and silu_mul add it as they read y; any other reader
+    calls materialize()."""
 
     y_TF: torch.Tensor
     t_TR: torch.Tensor
@@ -98,30 +99,27 @@ class PendingTerm:
         return self.slot.expand_into(self.y_TF, self.t_TR)
 
 
-def _fold_term(x: torch.Tensor, reader: str) -> bool:
-    """Whether a projection's term waits for the kernel that reads it (module doc)."""
-    return use_fused(x) and term_fold_allowed(x.shape[0], reader)
+def _fold_term(x: torch.Tensor) -> bool:
+    """Whether a fused projection's term waits for the kernel that reads it (module doc)."""
+    return use_fused(x) and term_fold_allowed(x.shape[0])
 
 
-def term_fold_allowed(rows: int, reader: str) -> bool:
-    """The fold's rule but for the kernels' device: few rows, and HANDOFF_LORA_FOLD not 0
-    (nor "columns" for a row-parallel projection's, which the norm would add: an A/B of the
-    two kinds of reader)."""
-    mode = os.environ.get("HANDOFF_LORA_FOLD", "1")
-    return rows <= FOLD_MAX_ROWS and mode != "0" and not (mode == "columns" and reader == "row")
+def term_fold_allowed(rows: int) -> bool:
+    """The fold's rule but for the kernels' device: few rows, HANDOFF_LORA_FOLD not 0."""
+    return rows <= FOLD_MAX_ROWS and os.environ.get("HANDOFF_LORA_FOLD", "1") != "0"
 
 
 def linear(x_TE: torch.Tensor | NormInput | PendingTerm, weight_FE: torch.Tensor,
            bias_F: torch.Tensor | None = None, lora=None, *, gated: bool = False,
-           fold_term: str | None = None) -> torch.Tensor | PendingTerm:
+           fold_term: bool = False) -> torch.Tensor | PendingTerm:
     """x W^T + b, plus a LoRA slot's term (rollout/lora.py); `gated`: x is the MLP's
     [gate | up] and the input is silu_mul(x); a NormInput: the input is its norm. Under
     gemm_backend("triton") a product of <= SKINNY_MAX_ROWS rows (CUDA, half precision) is
     the Triton skinny kernel: the slot's shrink x A^T as more rows of the same launch, the
     SiLU or the norm made as x is read (HANDOFF_FUSED=0 turns it off: cuBLAS, as for a
     weight that is not row-major or not in x's dtype, or a slot past the kernel's extra rows).
-    `fold_term` ("column", "row": the projection's kind): its reader is a fused kernel that
-    can add the slot's term (a PendingTerm comes back where _fold_term says so)."""
+    `fold_term`: the reader is a fused kernel that can add the slot's term (a PendingTerm
+    comes back where _fold_term says so)."""
     if isinstance(x_TE, PendingTerm):   # gate/up's product: silu_mul adds its term as it
         if _skinny(x_TE.y_TF, weight_FE, lora):   # reads, the skinny kernel's SiLU cannot
             x_TE = x_TE.materialize()
@@ -129,11 +127,7 @@ def linear(x_TE: torch.Tensor | NormInput | PendingTerm, weight_FE: torch.Tensor
             x_TE, gated = silu_mul(x_TE), False
     pending = x_TE if isinstance(x_TE, NormInput) else None
     x = x_TE if pending is None else pending.x_TE
-    if isinstance(x, PendingTerm):   # o's or down's product: add_rms_norm adds its term as
-        x = x.y_TF                   # it reads, the skinny kernel's norm cannot
-        if _skinny(x, weight_FE, lora):
-            x = pending.x_TE = pending.x_TE.materialize()
-    fold = lora is not None and fold_term is not None and _fold_term(x, fold_term)
+    fold = lora is not None and fold_term and _fold_term(x)
     if _skinny(x, weight_FE, lora):
         from handoff.rollout.kernels.skinny import skinny_linear
 
@@ -182,15 +176,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def add_rms_norm(x_TE: torch.Tensor | PendingTerm, residual_TE: torch.Tensor | None, weight_E: torch.Tensor,
+def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * RMSNorm(x + residual), x + residual); without a residual the sum is x (with
-    its LoRA term added first where it is still pending)."""
-    x_TE, term = _split_term(x_TE)
+    """(weight * RMSNorm(x + residual), x + residual); without a residual the sum is x."""
     if use_fused(x_TE):
         from handoff.rollout.kernels.fused import add_rms_norm as fused
 
-        return fused(x_TE, residual_TE, weight_E, eps, term=term)
+        return fused(x_TE, residual_TE, weight_E, eps)
     summed = x_TE if residual_TE is None else x_TE + residual_TE
     return rms_norm(summed, weight_E, eps), summed
 

@@ -35,27 +35,6 @@ from handoff.rollout.attention import FP8_MAX
 FP8_MAX_F = tl.constexpr(FP8_MAX)  # a global a kernel reads must be a constexpr
 
 
-TERM_ROWS = 16   # rows a term kernel's program takes: tl.dot wants each dimension >= 16
-
-
-def _pad16(n: int) -> int:
-    return max(triton.next_power_of_2(n), 16)
-
-
-@triton.jit
-def _term_tile(t_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_t, stride_b, t_col0,
-               b_row0, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
-    """fp32 [rows, cols] tile of t[rows, t_col0 + r] @ B[b_row0 + cols, t_col0 + r]^T over the
-    part's RANK columns (B is block-diagonal: the part's other columns are zero)."""
-    ranks = tl.arange(0, RANK_PAD)
-    rank_mask = ranks < RANK
-    t = tl.load(t_ptr + rows[:, None] * stride_t + t_col0 + ranks[None, :],
-                mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
-    b = tl.load(b_ptr + (b_row0 + cols)[None, :] * stride_b + t_col0 + ranks[:, None],
-                mask=rank_mask[:, None] & col_mask[None, :], other=0.0)
-    return tl.dot(t, b)
-
-
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                          stride_x, stride_res, stride_out, stride_res_out,
@@ -76,95 +55,11 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, ep
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(dtype), mask=mask)
 
 
-@triton.jit
-def _add_rms_norm_term_kernel(x_ptr, t_ptr, b_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                              part_ptr, cnt_ptr, n_rows, n_cols, eps, stride_x, stride_t,
-                              stride_b, stride_res, stride_out, stride_res_out,
-                              HAS_RESIDUAL: tl.constexpr, RANK: tl.constexpr,
-                              RANK_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                              BLOCKS_PAD: tl.constexpr):
-    """add_rms_norm with the adapter's term, one program per (row tile, column block): each
-    adds its block's term and residual, stores the stream and its rows' partial sums of
-    squares; the block that counts in last on the tile's counter norms the tile's rows
-    (partials summed in block order: the same bits at every run) and zeroes the counter."""
-    tile, block = tl.program_id(0), tl.program_id(1)
-    n_blocks = tl.num_programs(1)
-    rows = tile * ROWS + tl.arange(0, ROWS)
-    cols = block * BLOCK + tl.arange(0, BLOCK)
-    row_mask, col_mask = rows < n_rows, cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-    dtype = out_ptr.dtype.element_ty
-    # y + t B^T rounded once, where the expand's GEMM (addmm) rounds
-    s = (tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-         .to(tl.float32) + _term_tile(t_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_t,
-                                      stride_b, 0, 0, RANK, RANK_PAD)).to(dtype)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-        s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)
-    tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], s, mask=mask)
-    sf = s.to(tl.float32)
-    tl.store(part_ptr + rows * BLOCKS_PAD + block, tl.sum(sf * sf, axis=1), mask=row_mask)
-    tl.debug_barrier()   # every thread's stores made before the count releases them
-    if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == n_blocks - 1:
-        blocks = tl.arange(0, BLOCKS_PAD)
-        partials = tl.load(part_ptr + rows[:, None] * BLOCKS_PAD + blocks[None, :],
-                           mask=row_mask[:, None] & (blocks < n_blocks)[None, :], other=0.0,
-                           cache_modifier=".cg")
-        rstd = tl.rsqrt(tl.sum(partials, axis=1) / n_cols + eps)[:, None]
-        for b in range(0, n_blocks):
-            c = b * BLOCK + tl.arange(0, BLOCK)
-            m = row_mask[:, None] & (c < n_cols)[None, :]
-            v = tl.load(res_out_ptr + rows[:, None] * stride_res_out + c[None, :], mask=m,
-                        other=0.0, cache_modifier=".cg").to(tl.float32)
-            normed = (v * rstd).to(dtype).to(tl.float32)
-            w = tl.load(w_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows[:, None] * stride_out + c[None, :], (normed * w).to(dtype),
-                     mask=m)
-        tl.atomic_xchg(cnt_ptr + tile, 0)   # zero for the next launch
-
-
-NORM_TERM_BLOCK = 128   # columns a program of the norm's term kernel takes
-_norm_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def norm_scratch(device: torch.device, tiles: int, blocks_pad: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials fp32, counters int32 at zero) for the norm's term kernel: one pair per
-    device, grown outside graph capture only (a decode graph's eager warm-up runs first), and
-    shared by every launch since they run one after another on one stream and each leaves
-    its counters at zero."""
-    have = _norm_scratch.get(device)
-    if have is None or have[1].numel() < tiles or have[0].numel() < tiles * TERM_ROWS * blocks_pad:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
-            "the norm's term scratch is made before a graph is captured (its eager warm-up)"
-        tiles = max(tiles, 8)
-        _norm_scratch[device] = (
-            torch.empty(tiles * TERM_ROWS * max(blocks_pad, 64), dtype=torch.float32,
-                        device=device),
-            torch.zeros(tiles, dtype=torch.int32, device=device))
-    return _norm_scratch[device]
-
-
 def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E: torch.Tensor,
-                 eps: float, term=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * rms_norm(x + residual), x + residual); without a residual the sum is x.
-    `term` (t [T, R], B [E, R], R): the adapter's t B^T added to x first."""
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_norm(x + residual), x + residual); without a residual the sum is x."""
     rows, n = x_TE.shape
     out = torch.empty_like(x_TE)
-    if term is not None:
-        t_TR, b_ER, rank = term
-        res_out = torch.empty_like(x_TE)
-        res_in = residual_TE if residual_TE is not None else x_TE
-        tiles, blocks = triton.cdiv(rows, TERM_ROWS), triton.cdiv(n, NORM_TERM_BLOCK)
-        blocks_pad = triton.next_power_of_2(blocks)
-        partials, counters = norm_scratch(x_TE.device, tiles, blocks_pad)
-        _add_rms_norm_term_kernel[(tiles, blocks)](
-            x_TE, t_TR, b_ER, res_in, weight_E, out, res_out, partials, counters, rows, n, eps,
-            x_TE.stride(0), t_TR.stride(0), b_ER.stride(0), res_in.stride(0), out.stride(0),
-            res_out.stride(0), HAS_RESIDUAL=residual_TE is not None, RANK=rank,
-            RANK_PAD=_pad16(rank), ROWS=TERM_ROWS, BLOCK=NORM_TERM_BLOCK,
-            BLOCKS_PAD=blocks_pad, num_warps=4)
-        return out, res_out
     res_out = torch.empty_like(x_TE) if residual_TE is not None else x_TE
     res_in = residual_TE if residual_TE is not None else x_TE
     block = triton.next_power_of_2(n)
@@ -197,6 +92,20 @@ def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.con
 
 
 @triton.jit
+def _term_tile(t_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_t, stride_b, t_col0,
+               b_row0, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
+    """fp32 [rows, cols] tile of t[rows, t_col0 + r] @ B[b_row0 + cols, t_col0 + r]^T over the
+    part's RANK columns (B is block-diagonal: the part's other columns are zero)."""
+    ranks = tl.arange(0, RANK_PAD)
+    rank_mask = ranks < RANK
+    t = tl.load(t_ptr + rows[:, None] * stride_t + t_col0 + ranks[None, :],
+                mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
+    b = tl.load(b_ptr + (b_row0 + cols)[None, :] * stride_b + t_col0 + ranks[:, None],
+                mask=rank_mask[:, None] & col_mask[None, :], other=0.0)
+    return tl.dot(t, b)
+
+
+@triton.jit
 def _silu_mul_term_kernel(x_ptr, t_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_x, stride_t,
                           stride_b, stride_out, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -214,6 +123,13 @@ def _silu_mul_term_kernel(x_ptr, t_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_x
         RANK_PAD)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
              silu_times(gate.to(dtype), up.to(dtype), dtype), mask=mask)
+
+
+TERM_ROWS = 16   # rows a term kernel's program takes: tl.dot wants each dimension >= 16
+
+
+def _pad16(n: int) -> int:
+    return max(triton.next_power_of_2(n), 16)
 
 
 def silu_mul(gate_up_T2I: torch.Tensor, term=None) -> torch.Tensor:
