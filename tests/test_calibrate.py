@@ -288,3 +288,21 @@ def test_the_adapter_sync_is_timed_over_a_steps_loads_not_the_first(model_dir, t
     slot = engine.lora.linears[f"model.layers.{layer}.self_attn.qkv_proj"].lora
     torch.testing.assert_close(slot.A[:a.shape[0]],
                                a * (cfg.actor.lora.alpha / cfg.actor.lora.rank))
+
+
+@pytest.mark.parametrize("copies_outlast_a_call", [True, False])
+def test_every_timed_call_starts_with_the_copies_in_flight(copies_outlast_a_call):
+    """The sync's price beside the optimizer's copy-out: copies queued before the first timed
+    call, and queued again before any call that would find them done (a load longer than
+    the copies, the 14B's adapters, ran beside them only the first time)."""
+    from handoff import calibrate
+
+    events = []
+    calibrate._timed_while(lambda: events.append("call"), 3,
+                           start_beside=lambda: events.append("copies"),
+                           beside_done=lambda: not copies_outlast_a_call,
+                           wait=lambda: events.append("wait"))
+    if copies_outlast_a_call:
+        assert events == ["copies"] + ["call", "wait"] * 3
+    else:
+        assert events == ["copies", "call", "wait"] * 3

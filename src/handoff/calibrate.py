@@ -367,27 +367,44 @@ def measure_tensor_host_seconds(device: torch.device, *, module: torch.nn.Module
 
 def _timed_beside_d2h(fn: Callable[[], None], device: torch.device, repeats: int,
                       d2h_bytes: int, chunk_bytes: int = 64 << 20) -> float:
-    """Median wall seconds of `fn` (after one warm-up) while a D2H of `d2h_bytes` is queued
-    on another stream, as the switch's sync runs beside the optimizer's offload; without
-    one (or off CUDA), _timed."""
+    """Median wall seconds of `fn` (after one warm-up), each call started while a D2H of
+    `d2h_bytes` is in flight on another stream, as the switch's sync runs beside the
+    optimizer's offload; without one (or off CUDA), _timed."""
     if not d2h_bytes or device.type != "cuda":
         return _timed(fn, device, repeats)
     chunk = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
     host = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
     copies = torch.cuda.Stream(device)
+    copied = torch.cuda.Event()
+
+    def queue_copies() -> None:
+        with torch.cuda.stream(copies):
+            for _ in range(-(-d2h_bytes // chunk_bytes)):
+                host.copy_(chunk, non_blocking=True)
+        copied.record(copies)
+
     fn()
     wait_for_device(device)
-    with torch.cuda.stream(copies):
-        for _ in range(-(-d2h_bytes // chunk_bytes)):
-            host.copy_(chunk, non_blocking=True)
-    compute = torch.cuda.current_stream(device)
+    seconds = _timed_while(fn, repeats, start_beside=queue_copies, beside_done=copied.query,
+                           wait=torch.cuda.current_stream(device).synchronize)
+    wait_for_device(device)
+    return seconds
+
+
+def _timed_while(fn: Callable[[], None], repeats: int, *, start_beside: Callable[[], None],
+                 beside_done: Callable[[], bool], wait: Callable[[], None]) -> float:
+    """Median wall seconds of `fn` then `wait`, each call started with the work that
+    `start_beside` queues in flight: queued before the first call and again before any call
+    that would find it done (a call longer than the copies, the adapters' load of a large
+    model, would otherwise run beside them only the first time)."""
     times = []
-    for _ in range(repeats):   # the copies queued before the first; a long fn outlasts them
+    for i in range(repeats):
+        if i == 0 or beside_done():
+            start_beside()
         t0 = time.perf_counter()
         fn()
-        compute.synchronize()
+        wait()
         times.append(time.perf_counter() - t0)
-    wait_for_device(device)
     return sorted(times)[len(times) // 2]
 
 
