@@ -24,10 +24,10 @@ the GEMM adds a bias, or for a row-parallel linear under TP (its output is the a
 dense buffer): there A is a buffer of its own and the shrink a GEMM of its own. The expand
 t B^T: in a forward of few rows (a decode step) the fused kernel that reads q/k/v's or
 gate/up's product adds it (ops.PendingTerm: the rope, the SiLU), no launch of its own; o's
-and down's, and a longer forward's (a prefill), a GEMM adds in place. The zero buffers exist from the start, so
-the decode graphs capture them (and the adapter's GEMMs run even while they are zero). A
-sleep of level 1 keeps the adapter (A is backed up with the weights, B lives outside the
-regions: megabytes); level 2 drops it with the weights.
+and down's, and a longer forward's (a prefill), a GEMM adds in place. The zero buffers exist
+from the start, so the decode graphs capture them (and the adapter's GEMMs run even while
+they are zero). A sleep of level 1 keeps the adapter (A is backed up with the weights, B
+lives outside the regions: megabytes); level 2 drops it with the weights.
 
 Without `lora_max_rank` the engine has no slot until its first load_adapter (then sized for
 that adapter's rank, A apart; refused once decode graphs were captured without them): until
@@ -92,7 +92,8 @@ class LoraSlot:
         epilogue. A decode step's q/k/v and gate/up leave the expand to the fused kernel that
         reads them instead (ops.PendingTerm): at decode batch a launch costs about what these
         small products do. (Leaving o's and down's to the next norm was slower on an H100,
-        one program a row or the row normed by its last column block; docs/PERF.md.)"""
+        one program a row or the row normed by its last column block; docs/log/2026-12-07-1
+        and -3.)"""
         return self.expand_into(*self.product(x_TE, weight_FE, bias_F))
 
     def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:

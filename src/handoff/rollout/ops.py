@@ -10,8 +10,8 @@ With a LoRA adapter, a fused column-parallel projection (q/k/v, gate/up) of a de
 returns its product with the adapter's term still apart (PendingTerm): the fused kernel that
 reads it next adds the term, so the term's product needs no launch of its own (o's and
 down's terms stay GEMMs: their reader, the next norm, needs the whole row, and a norm kernel
-whose last column block norms the row was slower; docs/PERF.md). HANDOFF_LORA_FOLD=0 adds
-every term with a GEMM of its own (A/B benches).
+whose last column block norms the row was slower; docs/log/2026-12-07-3-lora-term-in-its-
+reader.md). HANDOFF_LORA_FOLD=0 adds every term with a GEMM of its own (A/B benches).
 
 Shape legend: T = tokens, E = hidden size, H = query heads, K = KV heads, D = head dim,
 I = intermediate size, L = RoPE table positions.
@@ -85,10 +85,6 @@ class PendingTerm:
     y_TF: torch.Tensor
     t_TR: torch.Tensor
     slot: object   # rollout.lora.LoraSlot
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.y_TF.shape
 
     @property
     def term(self) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -213,8 +209,8 @@ def _split_term(x: torch.Tensor | PendingTerm) -> tuple[torch.Tensor, tuple | No
     return (x.y_TF, x.term) if use_fused(x.y_TF) else (x.materialize(), None)
 
 
-def qk_norm_rope_store(qkv_TX: torch.Tensor | PendingTerm, num_heads: int, num_kv_heads: int, head_dim: int,
-                       positions_T: torch.Tensor, rope_LD: torch.Tensor,
+def qk_norm_rope_store(qkv_TX: torch.Tensor | PendingTerm, num_heads: int, num_kv_heads: int,
+                       head_dim: int, positions_T: torch.Tensor, rope_LD: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        meta: AttnMeta, layer: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
