@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Device (one `run` call, ~4 min): q/k/v's and gate/up's LoRA terms added by the fused
-# kernels that read the products (the default) against their own expand GEMMs
-# (HANDOFF_LORA_FOLD=0): the fused-kernel and LoRA CUDA tests, then the 1.7B's decode with and
+# Device (one `run` call, ~4 min): a decode step's LoRA terms in Triton (the default: q/k/v's
+# and gate/up's added by the fused kernels that read the products, o's and down's by
+# kernels/fused.add_term) against cuBLAS's expand GEMMs (HANDOFF_LORA_FOLD=0): the fused-kernel,
+# skinny and LoRA CUDA tests, then the 1.7B's decode with and
 # without a rank-16 adapter at batch 1 / 32 / 128, off / on / off / on on the same card
 # (issue 31: within 1.10x the base). Logs and JSON in $OUT/logs.tgz; a table printed last.
 #   bash scripts/device/12-lora-fold.sh            (repo root, on the GPU machine)
@@ -10,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"; L=$OUT/logs
 source scripts/device-env.sh > /dev/null || exit 1
 echo "card: $HW"
 timeout 150 python3 -m pytest -q -m cuda tests/rollout/test_kernels_fused.py \
-    tests/rollout/test_engine_lora_cuda.py > "$L/tests.log" 2>&1
+    tests/rollout/test_kernels_skinny.py tests/rollout/test_engine_lora_cuda.py > "$L/tests.log" 2>&1
 echo "fused-kernel and engine cuda tests: rc=$?"; tail -1 "$L/tests.log"
 grep -E "^(FAILED|ERROR)" "$L/tests.log" | cut -c1-200 | head -8
 i=0

@@ -151,44 +151,59 @@ def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monke
     assert len(calls) == 2 * 4 * layers  # prefill + one decode step, 4 engine linears a layer
 
 
-def test_q_k_v_and_gate_up_leave_their_term_to_the_reader_in_a_decode_step(qwen3_dir, ref,
-                                                                           monkeypatch):
+def test_a_decode_steps_terms_go_to_the_reader_or_the_term_kernel(qwen3_dir, ref, monkeypatch):
     """ops.PendingTerm's path, taken on CPU by letting the fold's rule skip its device check
     (the readers then take the reference, which adds the term first): every layer's q/k/v
-    and gate/up products of a forward of few rows come back pending, the tokens are the
-    expand's; HANDOFF_LORA_FOLD=0 turns it off."""
+    and gate/up products of a forward of few rows come back pending, and o's and down's
+    terms go to kernels/fused.add_term (here a counting addmm); the tokens are the
+    expand's; HANDOFF_LORA_FOLD=0 turns both off."""
+    pytest.importorskip("triton")
     from handoff.rollout import ops
+    from handoff.rollout.kernels import fused
     from handoff.rollout.models.qwen3 import CausalLM
 
     engine = Engine(str(qwen3_dir), ref.cfg(), lora_max_rank=RANK)   # A joined: strided y
     engine.load_adapter(_adapter(qwen3_dir), alpha=ALPHA, rank=RANK)
     expanded = _tokens(engine)
-    pending, forwards = [], []
+    pending, materialized, term_kernel, forwards = [], [], [], []
 
     class Counted(ops.PendingTerm):
         def __init__(self, *args):
             super().__init__(*args)
             pending.append(self.y_TF.shape[0])
 
+        def materialize(self):   # the CPU reference's reader adds the term first
+            materialized.append(self.y_TF.shape[0])
+            return super().materialize()
+
     forward = CausalLM.forward
     monkeypatch.setattr(CausalLM, "forward", lambda self, ids, *a: forwards.append(
         ids.shape[0]) or forward(self, ids, *a))
+
+    def add_term(y, t, b):   # the term kernel, as addmm on these CPU tensors
+        term_kernel.append(y.shape[0])
+        return y.addmm_(t, b.t())
+
     monkeypatch.setattr(ops, "PendingTerm", Counted)
+    monkeypatch.setattr(fused, "add_term", add_term)
     monkeypatch.setattr(ops, "_fold_term", lambda x: ops.term_fold_allowed(x.shape[0]))
     monkeypatch.setattr(ops, "FOLD_MAX_ROWS", 8)   # the prefill's 45 rows expand as before
 
-    def pending_per_folded_forward() -> float:
+    def terms_per_folded_forward() -> tuple[float, float]:
         engine.reset_prefix_cache()
-        pending.clear()
-        forwards.clear()
+        for seen in (pending, materialized, term_kernel, forwards):
+            seen.clear()
         assert _tokens(engine) == expanded
         folded = [rows for rows in forwards if rows <= 8]
         assert 0 < len(folded) < len(forwards)
-        return len(pending) / len(folded) / engine.spec.num_layers
+        per_layer = len(folded) * engine.spec.num_layers
+        # o's and down's: the kernel's calls but those of pending terms materialized
+        alone = len(term_kernel) - len(materialized)
+        return len(pending) / per_layer, alone / per_layer
 
-    assert pending_per_folded_forward() == 2   # q/k/v and gate/up
+    assert terms_per_folded_forward() == (2, 2)   # q/k/v and gate/up; o and down
     monkeypatch.setenv("HANDOFF_LORA_FOLD", "0")
-    assert pending_per_folded_forward() == 0
+    assert terms_per_folded_forward() == (0, 0)
 
 
 def test_a_bad_adapter_is_refused_in_one_line_and_the_loaded_one_kept(qwen3_dir, ref):

@@ -150,7 +150,8 @@ def _fused_qkv(*args):
     return q.reshape(-1, heads, d), k.reshape(-1, kv_heads, d), v.reshape(-1, kv_heads, d)
 
 
-def run_cases(device: str, dtype: torch.dtype, fused_qkv, fused_norm, fused_silu) -> dict:
+def run_cases(device: str, dtype: torch.dtype, fused_qkv, fused_norm, fused_silu,
+              fused_term) -> dict:
     from handoff.rollout import ops
 
     results = {}
@@ -178,6 +179,13 @@ def run_cases(device: str, dtype: torch.dtype, fused_qkv, fused_norm, fused_silu
         got = fused_silu(_pending(x.to(device), rank, [300, 300], rows)).float().cpu()
         want = ops.silu_mul(_pending(x.clone(), rank, [300, 300], rows))
         results[f"silu_mul_term_{rows}_rows"] = {"out": _rel(got, want)}
+    # A term added alone (o, down): y a view of a wider product (the A rows' columns beside
+    # it); one part of 300 columns, or two parts (block-diagonal B) past a row tile.
+    for rows, rank, parts in ((1, 16, [300]), (20, 4, [150, 150])):
+        wide = torch.randn(rows, 300 + rank * len(parts), generator=gen).to(dtype)
+        got = fused_term(_pending(wide.clone().to(device)[:, :300], rank, parts, rows))
+        want = _pending(wide.clone()[:, :300], rank, parts, rows).materialize()
+        results[f"add_term_{len(parts)}_parts"] = {"out": _rel(got, want)}
     return results
 
 
@@ -189,8 +197,11 @@ def _interpreter_main() -> None:
         return fused.silu_mul(x) if isinstance(x, torch.Tensor) else fused.silu_mul(x.y_TF,
                                                                                    x.term)
 
+    def fused_term(pending):
+        return fused.add_term(pending.y_TF, pending.t_TR, pending.slot.B)
+
     print("RESULTS " + json.dumps(run_cases("cpu", torch.float16, _fused_qkv,
-                                            fused.add_rms_norm, fused_silu)))
+                                            fused.add_rms_norm, fused_silu, fused_term)))
 
 
 def _check(results: dict, tol: float, fp8_halved: float) -> None:
@@ -216,7 +227,8 @@ def interpreter_results() -> dict:
 def test_fused_kernels_equal_reference_under_interpreter(interpreter_results):
     assert set(interpreter_results) == {*QKV_CASES, *TERM_CASES, "add_norm_residual",
                                         "norm_first_layer", "silu_mul",
-                                        "silu_mul_term_1_rows", "silu_mul_term_20_rows"}
+                                        "silu_mul_term_1_rows", "silu_mul_term_20_rows",
+                                        "add_term_1_parts", "add_term_2_parts"}
     # fp16 rounding points are the reference's; only fp32 sum order differs (an ulp or so).
     # Triton 3.6's interpreter gets some fp8 conversions at a binade edge wrong (a value torch
     # rounds to -32 came out -16): 1-4% of the values here; the CUDA test allows none.
@@ -233,7 +245,7 @@ def test_fused_kernels_equal_reference_on_cuda():
     assert ops.use_fused(torch.empty(1, device="cuda", dtype=torch.bfloat16))
     # bf16 on the GPU: ops dispatches to the kernels; the reference runs on CPU copies.
     results = run_cases("cuda", torch.bfloat16, ops.qk_norm_rope_store, ops.add_rms_norm,
-                        ops.silu_mul)
+                        ops.silu_mul, ops.PendingTerm.materialize)
     _check(results, tol=1e-2, fp8_halved=0.0)  # an ulp or so of bf16
 
 

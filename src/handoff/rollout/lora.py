@@ -24,9 +24,9 @@ the GEMM adds a bias, or for a row-parallel linear under TP (its output is the a
 dense buffer): there A is a buffer of its own and the shrink a GEMM of its own. The expand
 t B^T: in a forward of few rows (a decode step) the fused kernel that reads q/k/v's or
 gate/up's product adds it (ops.PendingTerm: the rope, the SiLU), no launch of its own; o's
-and down's, and a longer forward's (a prefill), a GEMM adds in place. The zero buffers exist
-from the start, so the decode graphs capture them (and the adapter's GEMMs run even while
-they are zero). A sleep of level 1 keeps the adapter (A is backed up with the weights, B
+and down's a small Triton kernel adds in place (kernels/fused.add_term); a longer forward's
+(a prefill) a GEMM. The zero buffers exist from the start, so the decode graphs capture
+them (and the adapter's products run even while they are zero). A sleep of level 1 keeps the adapter (A is backed up with the weights, B
 lives outside the regions: megabytes); level 2 drops it with the weights.
 
 Without `lora_max_rank` the engine has no slot until its first load_adapter (then sized for
@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from handoff.errors import HandoffError
+from handoff.rollout import ops
 from handoff.rollout.layers import ColumnParallelLinear, shard_rules
 from handoff.rollout.models.qwen3 import FUSED, CausalLM
 from handoff.rollout.weight_copy import copy_in_batches
@@ -97,7 +98,13 @@ class LoraSlot:
         return self.expand_into(*self.product(x_TE, weight_FE, bias_F))
 
     def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:
-        """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows)."""
+        """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows).
+        A decode step's rows on the fused path: the Triton kernel (kernels/fused.add_term),
+        which costs less than cuBLAS's GEMM at an inner size of the rank; else that GEMM."""
+        if ops._fold_term(y_TF) and y_TF.stride(-1) == 1 and t_TR.stride(-1) == 1:
+            from handoff.rollout.kernels.fused import add_term
+
+            return add_term(y_TF, t_TR, self.B)
         return y_TF.addmm_(t_TR, self.B.t())
 
 

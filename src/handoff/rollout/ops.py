@@ -8,10 +8,11 @@ environment forces the reference everywhere (A/B benches).
 
 With a LoRA adapter, a fused column-parallel projection (q/k/v, gate/up) of a decode step
 returns its product with the adapter's term still apart (PendingTerm): the fused kernel that
-reads it next adds the term, so the term's product needs no launch of its own (o's and
-down's terms stay GEMMs: their reader, the next norm, needs the whole row, and a norm kernel
-whose last column block norms the row was slower; docs/log/2026-12-07-3-lora-term-in-its-
-reader.md). HANDOFF_LORA_FOLD=0 adds every term with a GEMM of its own (A/B benches).
+reads it next adds the term, so the term's product needs no launch of its own. o's and
+down's reader, the next norm, needs the whole row (a norm kernel whose last column block
+norms the row was slower; docs/log/2026-12-07-3-lora-term-in-its-reader.md): their terms
+take a small Triton kernel of their own (LoraSlot.expand_into). HANDOFF_LORA_FOLD=0 adds
+every term with cuBLAS's GEMM (A/B benches).
 
 Shape legend: T = tokens, E = hidden size, H = query heads, K = KV heads, D = head dim,
 I = intermediate size, L = RoPE table positions.
@@ -96,12 +97,14 @@ class PendingTerm:
 
 
 def _fold_term(x: torch.Tensor) -> bool:
-    """Whether a fused projection's term waits for the kernel that reads it (module doc)."""
+    """Whether a LoRA term of these rows is the Triton kernels': a fused projection's waits
+    for the kernel that reads it, o's and down's take kernels/fused.add_term (module doc)."""
     return use_fused(x) and term_fold_allowed(x.shape[0])
 
 
 def term_fold_allowed(rows: int) -> bool:
-    """The fold's rule but for the kernels' device: few rows, HANDOFF_LORA_FOLD not 0."""
+    """Whether the LoRA term of a forward of `rows` rows is the Triton kernels' (folded into
+    its reader, or kernels/fused.add_term), device aside: few rows, HANDOFF_LORA_FOLD not 0."""
     return rows <= FOLD_MAX_ROWS and os.environ.get("HANDOFF_LORA_FOLD", "1") != "0"
 
 

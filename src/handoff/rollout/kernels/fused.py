@@ -14,6 +14,7 @@ With a LoRA adapter (rollout/lora.py) the last two also add the fused projection
 term t B^T to what they read (`term`), so the expand needs no launch of its own: at decode
 batch a launch costs about what that small product does. Their grids then tile rows and
 heads (or column blocks), so each program reads a few KB of B and the card shares the read.
+add_term adds a term alone, in the same tiles, where the reader needs whole rows (o, down).
 
 Numbers: each kernel rounds to the model dtype exactly where the plain-torch reference
 (handoff.rollout.ops) does, so bf16 results match it bit for bit but for the order of the
@@ -125,11 +126,40 @@ def _silu_mul_term_kernel(x_ptr, t_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_x
              silu_times(gate.to(dtype), up.to(dtype), dtype), mask=mask)
 
 
+@triton.jit
+def _add_term_kernel(y_ptr, t_ptr, b_ptr, n_rows, n_cols, stride_y, stride_t, stride_b,
+                     RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    at = y_ptr + rows[:, None] * stride_y + cols[None, :]
+    # y + t B^T rounded once, where the expand's GEMM (addmm) rounds
+    y = tl.load(at, mask=mask, other=0.0).to(tl.float32) + _term_tile(
+        t_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_t, stride_b, 0, 0, RANK, RANK_PAD)
+    tl.store(at, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 TERM_ROWS = 16   # rows a term kernel's program takes: tl.dot wants each dimension >= 16
 
 
 def _pad16(n: int) -> int:
     return max(triton.next_power_of_2(n), 16)
+
+
+def add_term(y_TF: torch.Tensor, t_TR: torch.Tensor, b_FR: torch.Tensor) -> torch.Tensor:
+    """y += t B^T in place: a LoRA expand of a few rows whose reader cannot add it (o, down,
+    the next norm needs the whole row). cuBLAS's GEMM for an inner size of the rank took
+    2.7-3.6 us a launch at 1-128 rows on an H100, about what a whole linear's product does
+    at batch 1; here each program reads 2 KB of B (64 columns, rank 16). Unit column strides."""
+    rows, cols = y_TF.shape
+    rank = t_TR.shape[1]
+    block = 64
+    _add_term_kernel[(triton.cdiv(rows, TERM_ROWS), triton.cdiv(cols, block))](
+        y_TF, t_TR, b_FR, rows, cols, y_TF.stride(0), t_TR.stride(0), b_FR.stride(0),
+        RANK=rank, RANK_PAD=_pad16(rank), ROWS=TERM_ROWS, BLOCK=block, num_warps=4)
+    return y_TF
 
 
 def silu_mul(gate_up_T2I: torch.Tensor, term=None) -> torch.Tensor:
