@@ -25,10 +25,14 @@ for fold in 0 1 0 1; do
 done
 python3 - "$L" <<'PY'
 import json, pathlib, sys
-print("| run | batch | base ms | LoRA r16 ms | LoRA x base |\n|---|---|---|---|---|")
+print("| run | batch | base ms | LoRA r16 ms | LoRA x base | LoRA graph: kernels, GEMM ms, "
+      "other ms |\n|---|---|---|---|---|---|")
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    for r in json.loads(f.read_text())["models"]["qwen3-1.7b"]["rows"]:
+    model = json.loads(f.read_text())["models"]["qwen3-1.7b"]
+    for r, lr in zip(model["rows"], model["lora"]["rows"]):
+        g = lr.get("graph_kernels", {})
         print(f"| {f.stem} | {r['batch']} | {r['ms_per_step']:.3f} | "
-              f"{r['lora_ms_per_step']:.3f} | {r['lora_over_base']:.3f} |")
+              f"{r['lora_ms_per_step']:.3f} | {r['lora_over_base']:.3f} | "
+              f"{g.get('kernels')}, {g.get('gemm_ms', 0):.3f}, {g.get('other_ms', 0):.3f} |")
 PY
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
