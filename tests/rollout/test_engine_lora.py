@@ -186,7 +186,7 @@ def test_a_decode_steps_terms_go_to_the_reader_or_the_term_kernel(qwen3_dir, ref
 
     monkeypatch.setattr(ops, "PendingTerm", Counted)
     monkeypatch.setattr(fused, "add_term", add_term)
-    monkeypatch.setattr(ops, "_fold_term", lambda x: ops.term_fold_allowed(x.shape[0]))
+    monkeypatch.setattr(ops, "term_in_triton", lambda x: ops.term_fold_allowed(x.shape[0]))
     monkeypatch.setattr(ops, "FOLD_MAX_ROWS", 8)   # the prefill's 45 rows expand as before
 
     def terms_per_folded_forward() -> tuple[float, float]:

@@ -101,7 +101,7 @@ class LoraSlot:
         """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows).
         A decode step's rows on the fused path: the Triton kernel (kernels/fused.add_term),
         which costs less than cuBLAS's GEMM at an inner size of the rank; else that GEMM."""
-        if ops._fold_term(y_TF) and y_TF.stride(-1) == 1 and t_TR.stride(-1) == 1:
+        if ops.term_in_triton(y_TF) and y_TF.stride(-1) == 1 and t_TR.stride(-1) == 1:
             from handoff.rollout.kernels.fused import add_term
 
             return add_term(y_TF, t_TR, self.B)

@@ -96,7 +96,7 @@ class PendingTerm:
         return self.slot.expand_into(self.y_TF, self.t_TR)
 
 
-def _fold_term(x: torch.Tensor) -> bool:
+def term_in_triton(x: torch.Tensor) -> bool:
     """Whether a LoRA term of these rows is the Triton kernels': a fused projection's waits
     for the kernel that reads it, o's and down's take kernels/fused.add_term (module doc)."""
     return use_fused(x) and term_fold_allowed(x.shape[0])
@@ -118,7 +118,7 @@ def linear(x_TE: torch.Tensor | NormInput | PendingTerm, weight_FE: torch.Tensor
     SiLU or the norm made as x is read (HANDOFF_FUSED=0 turns it off: cuBLAS, as for a
     weight that is not row-major or not in x's dtype, or a slot past the kernel's extra rows).
     `fold_term`: the reader is a fused kernel that can add the slot's term (a PendingTerm
-    comes back where _fold_term says so)."""
+    comes back where term_in_triton says so)."""
     if isinstance(x_TE, PendingTerm):   # gate/up's product: silu_mul adds its term as it
         if _skinny(x_TE.y_TF, weight_FE, lora):   # reads, the skinny kernel's SiLU cannot
             x_TE = x_TE.materialize()
@@ -126,7 +126,7 @@ def linear(x_TE: torch.Tensor | NormInput | PendingTerm, weight_FE: torch.Tensor
             x_TE, gated = silu_mul(x_TE), False
     pending = x_TE if isinstance(x_TE, NormInput) else None
     x = x_TE if pending is None else pending.x_TE
-    fold = lora is not None and fold_term and _fold_term(x)
+    fold = lora is not None and fold_term and term_in_triton(x)
     if _skinny(x, weight_FE, lora):
         from handoff.rollout.kernels.skinny import skinny_linear
 
