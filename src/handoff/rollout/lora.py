@@ -26,8 +26,9 @@ t B^T: in a forward of few rows (a decode step) the fused kernel that reads q/k/
 gate/up's product adds it (ops.PendingTerm: the rope, the SiLU), no launch of its own; o's
 and down's a small Triton kernel adds in place (kernels/fused.add_term); a longer forward's
 (a prefill) a GEMM. The zero buffers exist from the start, so the decode graphs capture
-them (and the adapter's products run even while they are zero). A sleep of level 1 keeps the adapter (A is backed up with the weights, B
-lives outside the regions: megabytes); level 2 drops it with the weights.
+them (and the adapter's products run even while they are zero). A sleep of level 1 keeps
+the adapter (A is backed up with the weights, B lives outside the regions: megabytes);
+level 2 drops it with the weights.
 
 Without `lora_max_rank` the engine has no slot until its first load_adapter (then sized for
 that adapter's rank, A apart; refused once decode graphs were captured without them): until
