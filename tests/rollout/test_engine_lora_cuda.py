@@ -76,6 +76,7 @@ def test_the_terms_in_triton_give_the_expand_gemms_logits(qwen3_dir, ref, monkey
     within bf16's rounding, far closer than the adapter moves them. (Greedy tokens are no
     test here: the two ways sum in other orders, and an ulp flips a token of a random
     model; the kernels' own sums: test_kernels_fused.py.)"""
+    from handoff.rollout import ops
     from handoff.rollout.attention import AttnMeta
     from handoff.rollout.kernels import fused
 
@@ -88,7 +89,7 @@ def test_the_terms_in_triton_give_the_expand_gemms_logits(qwen3_dir, ref, monkey
     ids = torch.tensor([t for p in prompts for t in p], device=engine.device)
     positions = torch.cat([torch.arange(len(p)) for p in prompts]).to(engine.device)
     meta = AttnMeta(is_prefill=True, kv=None, query_lens=[len(p) for p in prompts])
-    assert len(ids) <= 128   # the rows a decode step's terms are Triton's at most
+    assert len(ids) <= ops.FOLD_MAX_ROWS   # rows whose terms are Triton's
 
     def logits(fold: str) -> torch.Tensor:
         monkeypatch.setenv("HANDOFF_LORA_FOLD", fold)

@@ -100,8 +100,8 @@ class LoraSlot:
     def expand_into(self, y_TF: torch.Tensor, t_TR: torch.Tensor) -> torch.Tensor:
         """y += t B^T in place, t = x A^T already computed (the skinny kernel's extra rows).
         A decode step's rows on the fused path: the Triton kernel (kernels/fused.add_term,
-        1.7 us a launch at one row on an H100 against cuBLAS's 2.7); else cuBLAS's GEMM,
-        which adds in its epilogue."""
+        cheaper than cuBLAS's GEMM at this inner size); else cuBLAS's GEMM, which adds in
+        its epilogue."""
         if ops.term_in_triton(y_TF) and y_TF.stride(-1) == 1 and t_TR.stride(-1) == 1:
             from handoff.rollout.kernels.fused import add_term
 
