@@ -7,7 +7,7 @@ from handoff.calibrate import Rates
 from handoff.config import load_config
 from handoff.memory.meter import MemoryMeter, step_probes
 from handoff.plan.shapes import load_shape
-from handoff.run_report import RunReport, planned_actions
+from handoff.run_report import RunReport, map_priced_at_last_wake, planned_actions
 from handoff.runplan import RunPlan
 
 
@@ -196,3 +196,41 @@ def test_report_names_a_switch_field_of_the_wrong_type(tmp_path):
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert "metrics.jsonl (step 1): field 'switch/exposed_s' is 'x', not a whole number or " \
            "number" in lines[0]
+
+
+def _wake(step, seconds, nbytes):
+    return {"step": step, "switch/kv_cache_wake/seconds": seconds,
+            "switch/kv_cache_wake/bytes": nbytes}
+
+
+def test_the_kv_wake_is_priced_at_the_rate_of_the_wake_before():
+    planned = {"bytes": 100, "seconds": 4.0, "link": "map"}
+    # Step 1 maps at 10 B/s, step 2 at 20 B/s, step 3 at 50 B/s: step 2 is priced at step 1's
+    # rate, step 3 at step 2's; the summary's median covers steps 2-3, as the measured one.
+    rows = [_wake(1, 5.0, 50), _wake(2, 2.0, 40), _wake(3, 1.0, 50)]
+    priced = map_priced_at_last_wake(planned, rows)
+    assert priced["seconds"] == pytest.approx((100 / 10 + 100 / 20) / 2)
+    assert priced["start_seconds"] == 4.0
+    assert priced["bytes"] == 100 and priced["link"] == "map"
+    # A step after one that mapped nothing, and a run of one step: the start's price.
+    assert map_priced_at_last_wake(planned, [_wake(1, 0.0, 0), _wake(2, 1.0, 10)])["seconds"] == 4.0
+    assert map_priced_at_last_wake(planned, [_wake(1, 5.0, 50)])["seconds"] == 4.0
+    assert map_priced_at_last_wake(planned, [])["seconds"] == 4.0
+
+
+def test_the_summary_says_how_the_wake_was_priced(tmp_path):
+    cfg = _cfg("tiny-qwen3", tmp_path, "run.steps=2")
+    report = RunReport(RunPlan.build(cfg), tmp_path, rates=Rates({**RATES, "remap_bytes": 2 ** 30}),
+                       meter=MemoryMeter("cpu"), kv_pool_bytes=10 ** 9)
+    report.start(0)
+    for step, (secs, nbytes) in enumerate([(0.5, 10 ** 9), (0.25, 10 ** 9)], start=1):
+        report.log_step({"step": step, "reward_mean": 0.0, "reward_std": 0.0,
+                         "response_length": 1.0, "timing_s/gen": 0.0, "timing_s/step": 1.0,
+                         **_wake(step, secs, nbytes)})
+    summary = report.finish()
+    wake = summary["planned"]["kv_cache_wake"]
+    assert wake["seconds"] == pytest.approx(wake["bytes"] * 0.5 / 10 ** 9)
+    assert summary["measured"]["kv_cache_wake"]["seconds"] == 0.25
+    text = (tmp_path / "summary.md").read_text()
+    assert "planned at the rate of the run's wake before" in text
+    assert f"it was {wake['start_seconds']:.4f} s" in text

@@ -168,6 +168,8 @@ class RunReport:
                 self._loggers.close()
         measured = self._measured()
         rows = self.rows[1:] or self.rows
+        self.planned["kv_cache_wake"] = map_priced_at_last_wake(
+            self.planned["kv_cache_wake"], self.rows)
 
         def median(key: str) -> float:
             return statistics.median(r.get(key, 0.0) for r in rows) if rows else 0.0
@@ -211,6 +213,27 @@ class RunReport:
                 replace_file(self.out_dir / name, data, self.out_dir)
         console.print(summary_table(summary))
         return summary
+
+
+def map_priced_at_last_wake(planned: dict, rows: list[dict]) -> dict:
+    """The KV wake's ledger entry priced at the rate of the run's wake before each step's
+    (its first step's, and a step after one that mapped nothing: at the start's rate).
+
+    No rate measured at start predicts a wake's map: it depends on what the driver did with
+    the pages since they were last mapped (docs/PERF.md, "The elastic KV pool": pages the
+    trainer has just handed back map 2-3x faster than rested ones, and a large hand-back
+    makes a map 10x slower). The start maps rested pages; every wake of a run maps after
+    the same hand-back, so the last wake's rate is the one that predicts the next. The
+    start's price stays beside it, as `start_seconds`."""
+    start = planned["seconds"]
+    prices = []
+    for before, row in zip(rows, rows[1:]):
+        secs, nbytes = before.get("switch/kv_cache_wake/seconds", 0.0), \
+            before.get("switch/kv_cache_wake/bytes", 0)
+        prices.append(planned["bytes"] * secs / nbytes if secs > 0 and nbytes > 0 else start)
+    # prices[i] is row i + 1's: the same steps as the measured median's (rows[1:])
+    seconds = statistics.median(prices) if prices else start
+    return {**planned, "seconds": seconds, "start_seconds": start}
 
 
 def _median_of(rows: list[dict], key: str) -> float | None:
@@ -328,8 +351,8 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
     exposed = (f", {s['exposed_seconds']:.3f} s of it exposed (the step waits for it; "
                f"planned {s['planned_exposed_seconds']:.3f} s{host})"
                if "exposed_seconds" in s else "")
-    lines += ["", f"Switch: {s['switch_seconds']:.3f} s of a {s['step_seconds']:.3f} s step "
-                  f"({_share(s)}){exposed}.",
+    lines += ["", *_map_lines(s), f"Switch: {s['switch_seconds']:.3f} s of a "
+                  f"{s['step_seconds']:.3f} s step ({_share(s)}){exposed}.",
               *([f"Decode: {s['decode_seconds']:.3f} s a step, {s['decode_over_floor']:.2f}x its "
                  "HBM floor (the weights read once a decode step and every running sequence's "
                  "K/V once, at the device copy rate)."] if s.get("decode_over_floor") else []),
@@ -339,6 +362,19 @@ def summary_markdown(s: dict, model: str, device: str) -> str:
         on = "on" if s["compile"]["on"] else "off"
         lines[-1:] = [f"Compiled layers: {on} ({s['compile']['reason']}).", ""]
     return "\n".join(lines)
+
+
+def _map_lines(s: dict) -> list[str]:
+    """What the KV wake's planned seconds are (summaries before map_priced_at_last_wake lack
+    `start_seconds`)."""
+    p, m = s["planned"]["kv_cache_wake"], s["measured"]["kv_cache_wake"]
+    if "start_seconds" not in p:
+        return []
+    at_start = {"seconds": p["start_seconds"]}
+    return [f"kv_cache_wake is planned at the rate of the run's wake before (a map's rate "
+            f"depends on what the pages did since: docs/PERF.md, \"The elastic KV pool\"); at "
+            f"the rate mapped at start it was {p['start_seconds']:.4f} s, measured/planned "
+            f"{_ratio(at_start, m)}.", ""]
 
 
 def _remap_text(r: dict) -> str:
