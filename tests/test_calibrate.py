@@ -306,3 +306,30 @@ def test_every_timed_call_starts_with_the_copies_in_flight(copies_outlast_a_call
         assert events == ["copies"] + ["call", "wait"] * 3
     else:
         assert events == ["copies", "call", "wait"] * 3
+
+
+@pytest.mark.parametrize("overrides, beside", [
+    ([], False),                                    # streamed, elastic: the copy starts after
+    (["memory.overlap=false"], True),               # in turn: started before the sync
+    (["rollout.kv_pool=fixed"], True),              # a fixed pool: the same
+    (["memory.optimizer_offload=false"], False),    # nothing to copy
+    (["actor.lora.rank=4"], False),                 # LoRA's order, streamed
+    (["actor.lora.rank=4", "memory.overlap=false"], True),
+])
+def test_the_sync_is_timed_beside_the_optimizers_copy_only_where_the_order_starts_it_first(
+        tmp_path, overrides, beside):
+    from handoff.calibrate import optimizer_d2h_bytes
+
+    class Actor:   # the optimizer's bytes are all the function reads of an actor
+        def memory_parts(self):
+            return {"params": 10, "grads": 10, "optimizer": 123}
+
+    cfg = load_config("examples/cpu-tiny.yaml", ["model.path=tiny-qwen3", "rollout.kv_pool=elastic",
+                                                 "memory.optimizer_offload=true",
+                                                 f"run.out_dir={tmp_path}", *overrides])
+    order = RunPlan.build(cfg).order
+    move = order.get("optimizer_d2h")
+    assert optimizer_d2h_bytes(order, Actor()) == (123 if beside else 0)
+    if move is not None:   # where it is 0 with an offload, the copy is queued after the sync
+        actions = [m.action for m in order.moves]
+        assert (actions.index("optimizer_d2h") < actions.index("engine_weights_sync")) == beside

@@ -39,6 +39,7 @@ from handoff.plan.hardware import HardwareProfile
 from handoff.plan.kvpool import engine_weight_bytes, kv_bytes_per_token_per_card
 from handoff.plan.ledger import trainer_bytes
 from handoff.plan.lora import BaseCopies, adapter_params, adapter_state_bytes
+from handoff.plan.order import SwitchOrder
 from handoff.rollout.kv_sizing import kv_pool_blocks
 from handoff.rollout.weight_copy import copy_in_batches
 from handoff.runplan import RunPlan
@@ -115,13 +116,18 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
         values.update(weights_map_bps=weights["map_bps"],
                       weights_remap_bytes=weights["remap_bytes"])
     values["tensor_host_s"] = measure_tensor_host_seconds(
-        device, module=actor.module, d2h_in_flight_bytes=optimizer_d2h_bytes(cfg, actor))
+        device, module=actor.module, d2h_in_flight_bytes=optimizer_d2h_bytes(plan.order, actor))
     return Rates(values)
 
 
-def optimizer_d2h_bytes(cfg: Config, actor) -> int:
-    """What the switch's optimizer offload has in flight while the sync runs (0 without it)."""
-    return actor.memory_parts()["optimizer"] if cfg.memory.optimizer_offload else 0
+def optimizer_d2h_bytes(order: SwitchOrder, actor) -> int:
+    """What the switch's optimizer offload has in flight while the sync runs: all of it
+    where `order` starts the copy before the sync (in turn, and on a fixed pool), none where
+    it starts under the next generation (streamed on an elastic pool: after the sync) or
+    the optimizer stays on the card."""
+    move = order.get("optimizer_d2h")
+    return actor.memory_parts()["optimizer"] if move is not None and move.phase == "to_rollout" \
+        else 0
 
 
 def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, int, list]:

@@ -77,7 +77,7 @@ def start_worker(cfg: Config, plan: RunPlan, *, device: str | torch.device | Non
     if cfg.actor.lora.rank and not cfg.memory.param_offload and not cfg.run.rates_file:
         # the adapters are on the card (a shared base keeps them there): time their sync
         rates = Rates({**rates.values, "adapter_tensor_s": measure_adapter_tensor_seconds(
-            actor, engine, d2h_in_flight_bytes=optimizer_d2h_bytes(cfg, actor))})
+            actor, engine, d2h_in_flight_bytes=optimizer_d2h_bytes(plan.order, actor))})
     return HybridWorker(cfg, actor=actor, ref=ref, engine=engine, pool=pool, meter=meter), rates
 
 
