@@ -315,6 +315,8 @@ def test_every_timed_call_starts_with_the_copies_in_flight(copies_outlast_a_call
     (["memory.optimizer_offload=false"], False),    # nothing to copy
     (["actor.lora.rank=4"], False),                 # LoRA's order, streamed
     (["actor.lora.rank=4", "memory.overlap=false"], True),
+    (["actor.lora.rank=4", "actor.lora.share_base=false"], False),   # held twice: the
+    (["actor.lora.rank=4", "actor.lora.share_base=false", "rollout.kv_pool=fixed"], True),  # full order
 ])
 def test_the_sync_is_timed_beside_the_optimizers_copy_only_where_the_order_starts_it_first(
         tmp_path, overrides, beside):

@@ -212,8 +212,10 @@ def test_the_kv_wake_is_priced_at_the_rate_of_the_wake_before():
     assert priced["seconds"] == pytest.approx((100 / 10 + 100 / 20) / 2)
     assert priced["start_seconds"] == 4.0
     assert priced["bytes"] == 100 and priced["link"] == "map"
-    # A step after one that mapped nothing, and a run of one step: the start's price.
+    # A step after one that mapped nothing, or whose step before is missing (metrics.jsonl
+    # cut short by hand), and a run of one step: the start's price.
     assert map_priced_at_last_wake(planned, [_wake(1, 0.0, 0), _wake(2, 1.0, 10)])["seconds"] == 4.0
+    assert map_priced_at_last_wake(planned, [_wake(1, 5.0, 50), _wake(3, 1.0, 10)])["seconds"] == 4.0
     assert map_priced_at_last_wake(planned, [_wake(1, 5.0, 50)])["seconds"] == 4.0
     assert map_priced_at_last_wake(planned, [])["seconds"] == 4.0
 

@@ -124,7 +124,9 @@ def optimizer_d2h_bytes(order: SwitchOrder, actor) -> int:
     """What the switch's optimizer offload has in flight while the sync runs: all of it
     where `order` starts the copy before the sync (in turn, and on a fixed pool), none where
     it starts under the next generation (streamed on an elastic pool: after the sync) or
-    the optimizer stays on the card."""
+    the optimizer stays on the card. Where the engine's weights do not fit beside the copy,
+    the sync's wake lands it first (worker._wake_weights): then the sync runs alone after
+    all, and is priced as if beside it."""
     move = order.get("optimizer_d2h")
     return actor.memory_parts()["optimizer"] if move is not None and move.phase == "to_rollout" \
         else 0

@@ -8,7 +8,8 @@
 
 The planned column is the ledger (handoff.plan.ledger) for this model and these offloads,
 fed with the rates this run measured at its start (handoff.calibrate), so the gap between
-the columns is the runtime's own. Its exposed seconds (what of the switch the step waits
+the columns is the runtime's own; the KV wake alone is priced at the run's wake before
+(map_priced_at_last_wake), its start price beside it. Its exposed seconds (what of the switch the step waits
 for, memory.overlap) hide behind the trainer's compute the plan models for the tokens this
 run trained on, and behind the generation time this run measured; they stand beside the
 measured `switch/exposed_s`.
@@ -216,8 +217,10 @@ class RunReport:
 
 
 def map_priced_at_last_wake(planned: dict, rows: list[dict]) -> dict:
-    """The KV wake's ledger entry priced at the rate of the run's wake before each step's
-    (its first step's, and a step after one that mapped nothing: at the start's rate).
+    """The KV wake's ledger entry priced, for each step after the first, at the rate of the
+    wake of the step before (rows in step order; a step whose step before is missing or
+    mapped nothing, and a run of one step: at the start's rate). A resumed run's first step
+    is priced at the last wake before the resume.
 
     No rate measured at start predicts a wake's map: it depends on what the driver did with
     the pages since they were last mapped (docs/PERF.md, "The elastic KV pool": pages the
@@ -230,7 +233,8 @@ def map_priced_at_last_wake(planned: dict, rows: list[dict]) -> dict:
     for before, row in zip(rows, rows[1:]):
         secs, nbytes = before.get("switch/kv_cache_wake/seconds", 0.0), \
             before.get("switch/kv_cache_wake/bytes", 0)
-        prices.append(planned["bytes"] * secs / nbytes if secs > 0 and nbytes > 0 else start)
+        known = secs > 0 and nbytes > 0 and before.get("step", 0) + 1 == row.get("step", 0)
+        prices.append(planned["bytes"] * secs / nbytes if known else start)
     # prices[i] is row i + 1's: the same steps as the measured median's (rows[1:])
     seconds = statistics.median(prices) if prices else start
     return {**planned, "seconds": seconds, "start_seconds": start}
@@ -316,7 +320,10 @@ def summary_table(s: dict) -> Table:
                   f"{m['seconds']:.4f}", _ratio(p, m), _exposed_text(p))
     for name, p, m in _totals(s):
         t.add_row(name, "", "", f"{p['seconds']:.4f}", f"{m['seconds']:.4f}", _ratio(p, m), "")
-    t.caption = _caption(s)
+    wake = s["planned"]["kv_cache_wake"]
+    at_start = (f"; kv_cache_wake planned at the run's wake before (at the start's rate "
+                f"{wake['start_seconds']:.4f} s)" if "start_seconds" in wake else "")
+    t.caption = _caption(s) + at_start
     return t
 
 
