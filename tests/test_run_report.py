@@ -2,12 +2,13 @@
 with metrics.jsonl after a resume or a fresh start."""
 
 import pytest
+from rich.console import Console
 
 from handoff.calibrate import Rates
 from handoff.config import load_config
 from handoff.memory.meter import MemoryMeter, step_probes
 from handoff.plan.shapes import load_shape
-from handoff.run_report import RunReport, map_priced_at_last_wake, planned_actions
+from handoff.run_report import RunReport, map_priced_at_last_wake, planned_actions, summary_table
 from handoff.runplan import RunPlan
 
 
@@ -236,3 +237,7 @@ def test_the_summary_says_how_the_wake_was_priced(tmp_path):
     text = (tmp_path / "summary.md").read_text()
     assert "planned at the rate of the run's wake before" in text
     assert f"it was {wake['start_seconds']:.4f} s" in text
+    console = Console(width=400, record=True)
+    console.print(summary_table(summary))
+    assert (f"kv_cache_wake planned at the run's wake before (at the start's rate "
+            f"{wake['start_seconds']:.4f} s)") in console.export_text()
