@@ -9,10 +9,10 @@
 The planned column is the ledger (handoff.plan.ledger) for this model and these offloads,
 fed with the rates this run measured at its start (handoff.calibrate), so the gap between
 the columns is the runtime's own; the KV wake alone is priced at the run's wake before
-(map_priced_at_last_wake), its start price beside it. Its exposed seconds (what of the switch the step waits
-for, memory.overlap) hide behind the trainer's compute the plan models for the tokens this
-run trained on, and behind the generation time this run measured; they stand beside the
-measured `switch/exposed_s`.
+(map_priced_at_last_wake), its start price beside it. Its exposed seconds (what of the
+switch the step waits for, memory.overlap) hide behind the trainer's compute the plan
+models for the tokens this run trained on, and behind the generation time this run
+measured; they stand beside the measured `switch/exposed_s`.
 """
 
 from __future__ import annotations

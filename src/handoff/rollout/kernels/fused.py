@@ -150,9 +150,9 @@ def _pad16(n: int) -> int:
 
 def add_term(y_TF: torch.Tensor, t_TR: torch.Tensor, b_FR: torch.Tensor) -> torch.Tensor:
     """y += t B^T in place: a LoRA expand of a few rows whose reader cannot add it (o, down:
-    the next norm needs the whole row). cuBLAS's GEMM with an inner size of the rank took
-    2.5-3.6 us a launch at 1-128 rows on an H100, this kernel about 1.7 at one row
-    (docs/PERF.md); each program reads 2 KB of B (64 columns, rank 16). Unit column strides."""
+    the next norm needs the whole row), cheaper a launch than cuBLAS's GEMM with an inner
+    size of the rank (docs/PERF.md, "Decode with an adapter"); each program reads 2 KB of B
+    (64 columns, rank 16). Unit column strides."""
     rows, cols = y_TF.shape
     rank = t_TR.shape[1]
     block = 64
