@@ -26,6 +26,52 @@ def test_remap_rates_on_cpu_are_positive_and_leave_the_region_asleep():
     assert pool.region_bytes("calibrate") == nbytes
 
 
+@pytest.mark.parametrize("slabs", [1, 6])
+def test_remap_rates_of_an_elastic_pool_are_measured_on_an_arena_of_its_slabs(slabs,
+                                                                             monkeypatch):
+    """rollout.kv_pool=elastic maps one driver allocation per layer's K or V: the sleep
+    unmaps them all, the wake maps them all, each timed pair once per repeat."""
+    from handoff.memory.elastic import ElasticArena
+
+    calls = []
+    real_grow, real_release = ElasticArena.grow_to, ElasticArena.release
+    monkeypatch.setattr(ElasticArena, "grow_to", lambda self, per_slab: calls.append(
+        ("map", self.slabs, real_grow(self, per_slab))))   # what it mapped, per slab
+    monkeypatch.setattr(ElasticArena, "release", lambda self: calls.append(
+        ("unmap", self.slabs, self.mapped_per_slab)) or real_release(self))
+    pool = RegionPool("cpu")
+    nbytes = (3 << 20) + 5   # not a whole number of granules a slab
+    rates = measure_remap_rates(torch.device("cpu"), nbytes, pool=pool, repeats=2, slabs=slabs)
+    granule = ElasticArena.granule_bytes("cpu")
+    slab = -(-nbytes // slabs // granule) * granule
+    assert rates["remap_bytes"] == slabs * slab >= nbytes
+    assert rates["map_bps"] > 0 and rates["unmap_bps"] > 0
+    # Mapped whole at creation; then warm-up + 2 timed pairs, each a whole unmap and map;
+    # left asleep (the last unmap).
+    assert calls == [("map", slabs, slab)] + [("unmap", slabs, slab), ("map", slabs, slab)] * 3 \
+        + [("unmap", slabs, slab)]
+    assert pool.is_elastic("calibrate") and not pool.is_awake("calibrate")
+
+
+@pytest.mark.parametrize("kv_pool", ["fixed", "elastic"])
+def test_a_run_measures_its_pools_remaps_on_the_pools_own_kind(kv_pool, model_dir, tmp_path,
+                                                               monkeypatch):
+    import handoff.calibrate as calibrate_module
+
+    seen = []
+    real = calibrate_module.measure_remap_rates
+
+    def spy(device, nbytes, **kw):
+        seen.append((kw.get("tag", "calibrate"), kw.get("slabs", 0)))
+        return real(device, nbytes, **kw)
+
+    monkeypatch.setattr(calibrate_module, "measure_remap_rates", spy)
+    run = Run(_cfg(model_dir, tmp_path, f"rollout.kv_pool={kv_pool}"))
+    slabs = 2 * run.plan.shape.num_layers if kv_pool == "elastic" else 0
+    # The KV pool's, then the weights' (one allocation, as the engine holds them).
+    assert seen == [("calibrate", slabs), ("calibrate_weights", 0)]
+
+
 def test_remap_rates_without_a_pool_build_their_own():
     rates = measure_remap_rates(torch.device("cpu"), 1 << 20, repeats=1, tag="other")
     assert rates["remap_bytes"] == 1 << 20 and rates["map_bps"] > 0
@@ -105,15 +151,17 @@ def test_sync_copy_rate_on_cuda_is_of_the_order_of_one_large_copy():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_remap_rates_on_cuda_give_the_memory_back():
-    """On the device: both rates positive, the region left asleep, its pages back to the driver."""
+@pytest.mark.parametrize("slabs", [0, 16])
+def test_remap_rates_on_cuda_give_the_memory_back(slabs):
+    """On the device: both rates positive, the region left asleep, its pages back to the
+    driver; one torch_memory_saver allocation or an elastic arena's slabs."""
     from handoff.memory.allocator import aggressive_empty_cache
 
     aggressive_empty_cache()
     device = torch.device("cuda", torch.cuda.current_device())
     free_before = torch.cuda.mem_get_info(device)[0]
     pool = RegionPool(device)
-    rates = measure_remap_rates(device, 4 << 30, pool=pool)
+    rates = measure_remap_rates(device, 4 << 30, pool=pool, slabs=slabs)
     assert rates["remap_bytes"] >= 4 << 30
     assert rates["map_bps"] > 1e9 and rates["unmap_bps"] > 1e9
     assert not pool.is_awake("calibrate")

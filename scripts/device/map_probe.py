@@ -13,6 +13,10 @@ rollout.kv_pool=elastic maps) and torch_memory_saver (the fixed pool), after:
 * train:H+W   as train:H, the wake W seconds after the free.
 
     python3 scripts/device/map_probe.py --gib 40        (on the GPU machine; a table last)
+
+With --sleep it times the sleep (unmap) instead, the region written S seconds before
+(`written:S`): a generation writes its pool right up to the sleep, the start-up calibration
+2 s before. --slabs sets the arena's (2 x layers: 80 for the Qwen3-14B shape).
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ def _sync() -> None:
 
 class Arena:
     name = "elastic"
+    slabs = 72
 
     def __init__(self, nbytes: int):
         granule = ElasticArena.granule_bytes("cuda")
-        slabs = 72
+        slabs = self.slabs
         slab = -(-nbytes // slabs // granule) * granule
         self.arena = ElasticArena("cuda", slabs=slabs, slab_bytes=slab)
         self.bytes = slabs * slab
@@ -50,6 +55,9 @@ class Arena:
     def wake(self) -> None:
         self.arena.grow_to(self.arena.slab_bytes)
         _sync()
+
+    def write(self) -> None:
+        self.arena.view(torch.uint8, (self.bytes,)).fill_(3)
 
 
 class Saver:
@@ -71,6 +79,21 @@ class Saver:
     def wake(self) -> None:
         self.pool.wake_up(["probe"])
         _sync()
+
+    def write(self) -> None:
+        self.block.fill_(3)
+
+
+def timed_sleep(region, *, settle: float = 0.0) -> float:
+    """Map the region, write all of it, wait `settle` s, then time its sleep (unmap)."""
+    region.wake()
+    region.write()
+    _sync()
+    time.sleep(settle)
+    t0 = time.perf_counter()
+    region.sleep()
+    _sync()
+    return time.perf_counter() - t0
 
 
 def timed_wake(region, *, settle: float = 0.0, hold: float | None = None,
@@ -112,7 +135,7 @@ def sweep(classes, nbytes: int, conditions: list[tuple[str, dict]], timed, repea
 
 
 def print_table(rows: list[tuple], setting: str) -> None:
-    print(f"\n| pool | condition | wake ms | TB/s |  ({setting}, {torch.cuda.get_device_name()})"
+    print(f"\n| pool | condition | ms | TB/s |  ({setting}, {torch.cuda.get_device_name()})"
           "\n|---|---|---|---|")
     for name, label, secs, rate in rows:
         print(f"| {name} | {label} | {' / '.join(f'{s * 1e3:.1f}' for s in secs)} | "
@@ -123,8 +146,16 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--gib", type=float, default=40.0)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sleep", action="store_true", help="time the unmap, not the map")
+    p.add_argument("--slabs", type=int, default=Arena.slabs)
     args = p.parse_args()
     nbytes = int(args.gib * (1 << 30))
+    Arena.slabs = args.slabs
+    if args.sleep:
+        rows = sweep((Arena, Saver), nbytes, [("written:0", {}), ("written:2", {"settle": 2.0})],
+                     timed_sleep, args.repeats)
+        print_table(rows, f"{args.gib:g} GiB, the sleep (unmap), {args.slabs} slabs")
+        return
     conditions = [("own:0", {}), ("own:2", {"settle": 2.0}), ("own:16", {"settle": 16.0}),
                   ("train:1", {"hold": 1.0}), ("train:12", {"hold": 12.0}),
                   ("train:12+2", {"hold": 12.0, "after_free": 2.0})]

@@ -10,7 +10,9 @@ What is measured, and why at this size and in this state:
 * map and unmap of a region the size of the KV pool the engine is about to take (mapping is
   not linear in size), in the state the switch maps it: the weights mapped, the trainer's
   offloaded state handed back to the driver when to_rollout hands it back, the pool's own
-  pages released seconds before; and the map of a region the weights' size;
+  pages released seconds before; through the mechanism the pool uses (an elastic pool is
+  one driver allocation per layer's K or V: its unmap ran 1.48x a single allocation's rate
+  on a 14B run, docs/PERF.md); and the map of a region the weights' size;
 * the weight sync's copies: the real `sync_weights` over the actor's own tensors (a kernel
   per tensor into the bucket, batched copies out of it), slower per byte than one large copy;
 * the sync's host work per tensor, timed while a D2H of the optimizer's size is queued (the
@@ -33,6 +35,7 @@ from handoff.dist import wait_for_device
 from handoff.errors import HandoffError
 from handoff.reading import expect, read_json
 from handoff.memory.allocator import aggressive_empty_cache, host_memory
+from handoff.memory.elastic import ElasticArena
 from handoff.memory.host_copy import copy_from_host
 from handoff.memory.regions import RegionPool
 from handoff.plan.hardware import HardwareProfile
@@ -108,9 +111,11 @@ def calibrate(cfg: Config, plan: RunPlan, actor, pool: RegionPool) -> Rates:
     kv_bytes, weight_bytes, freed = _switch_sizes(cfg, plan, pool)
     on_cuda = device.type == "cuda"
     # Four pairs: one pair's times vary by a quarter from step to step.
+    elastic = cfg.rollout.kv_pool == "elastic"
     values.update(measure_remap_rates(device, kv_bytes, pool=pool, repeats=4,
                                       held_during_wake=weight_bytes, freed_before_wake=freed,
-                                      settle_s=2.0 if on_cuda else 0.0))
+                                      settle_s=2.0 if on_cuda else 0.0,
+                                      slabs=2 * plan.shape.num_layers if elastic else 0))
     if weight_bytes:   # none under LoRA on a shared base: its weights never leave the card
         weights = measure_remap_rates(device, weight_bytes, pool=pool, tag="calibrate_weights")
         values.update(weights_map_bps=weights["map_bps"],
@@ -226,10 +231,12 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
                         pool: RegionPool | None = None, tag: str = "calibrate",
                         held_during_wake: int = 0,
                         freed_before_wake: Sequence[tuple[int, float]] = (),
-                        settle_s: float = 0.0) -> dict:
+                        settle_s: float = 0.0, slabs: int = 0) -> dict:
     """Bytes/s of waking (map) and level-2 sleeping (unmap) one region of one `nbytes` tensor:
     medians over `repeats` pairs after a warm-up, {"map_bps", "unmap_bps", "remap_bytes"}
-    (remap_bytes: what a wake maps, allocator granularity included).
+    (remap_bytes: what a wake maps, allocator granularity included). With `slabs` the region
+    is an elastic arena of that many slabs (rollout.kv_pool=elastic: one per layer's K or V)
+    instead of one torch_memory_saver allocation.
 
     The wake happens in a switch's state: `held_during_wake` bytes in use elsewhere,
     `freed_before_wake` = [(bytes, seconds before the wake)] of touched memory handed back
@@ -239,12 +246,15 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
     space only) for the life of the process. Pass the run's pool, so its meter sees it.
     """
     pool = pool if pool is not None else RegionPool(device)
-    with pool.region(tag):
-        block = torch.empty(int(nbytes), dtype=torch.uint8, device=pool.device)
+    if slabs:
+        block = _elastic_region(pool, tag, int(nbytes), slabs)
+    else:
+        with pool.region(tag):
+            block = torch.empty(int(nbytes), dtype=torch.uint8, device=pool.device)
+        pool.track(tag, block)
     block.fill_(1)  # touch every page: a CPU region is only real once written
-    pool.track(tag, block)
-    remap_bytes = pool.region_bytes(tag)
-    sleeps, wakes = [], []
+    remap_bytes = mapped = pool.region_bytes(tag)
+    sleeps, wakes = [], []   # (bytes, seconds): an elastic wake maps what is free, at most all
     for repeat in range(repeats + 1):
         if repeat:
             block.fill_(1)
@@ -254,7 +264,7 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
         t0 = time.perf_counter()
         pool.sleep([tag], level=2)
         wait_for_device(pool.device)
-        sleeps.append(time.perf_counter() - t0)
+        sleeps.append((mapped, time.perf_counter() - t0))
         time.sleep(settle_s)
         held = _touched(held_during_wake, pool.device)
         releases = sorted(freed_before_wake, key=lambda r: -r[1])  # the earliest first
@@ -266,15 +276,27 @@ def measure_remap_rates(device: torch.device, nbytes: int, *, repeats: int = 3,
         t1 = time.perf_counter()
         pool.wake_up([tag])
         wait_for_device(pool.device)
-        wakes.append(time.perf_counter() - t1)
+        mapped = pool.region_bytes(tag)
+        wakes.append((mapped, time.perf_counter() - t1))
         del held
     pool.sleep([tag], level=2)
     del block
     aggressive_empty_cache()
     tiny = 1e-9  # a CPU resize can be below the clock's resolution
-    return {"map_bps": remap_bytes / max(statistics.median(wakes[1:]), tiny),
-            "unmap_bps": remap_bytes / max(statistics.median(sleeps[1:]), tiny),
+    return {"map_bps": statistics.median(n / max(s, tiny) for n, s in wakes[1:]),
+            "unmap_bps": statistics.median(n / max(s, tiny) for n, s in sleeps[1:]),
             "remap_bytes": remap_bytes}
+
+
+def _elastic_region(pool: RegionPool, tag: str, nbytes: int, slabs: int) -> torch.Tensor:
+    """Elastic region `tag` of `pool` over an arena of `slabs` equal slabs holding at least
+    `nbytes` (rounded up to whole granules a slab), mapped whole; returns its bytes. Left
+    asleep after the measurement, like a torch_memory_saver region: address space only."""
+    granule = ElasticArena.granule_bytes(pool.device)
+    slab = -(-nbytes // slabs // granule) * granule
+    arena = ElasticArena(pool.device, slabs=slabs, slab_bytes=slab)
+    pool.elastic(tag, arena, min_per_slab=slab)
+    return arena.view(torch.uint8, (arena.capacity_bytes,))
 
 
 def _engine_like_loader(plan: dict):
