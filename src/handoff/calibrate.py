@@ -11,8 +11,8 @@ What is measured, and why at this size and in this state:
   not linear in size), in the state the switch maps it: the weights mapped, the trainer's
   offloaded state handed back to the driver when to_rollout hands it back, the pool's own
   pages released seconds before; through the mechanism the pool uses (an elastic pool is
-  one driver allocation per layer's K or V: its unmap ran 1.48x a single allocation's rate
-  on a 14B run, docs/PERF.md); and the map of a region the weights' size;
+  one driver allocation per layer's K or V: a 14B run's sleep took 1.48x what one
+  allocation's unmap priced, docs/PERF.md); and the map of a region the weights' size;
 * the weight sync's copies: the real `sync_weights` over the actor's own tensors (a kernel
   per tensor into the bucket, batched copies out of it), slower per byte than one large copy;
 * the sync's host work per tensor, timed while a D2H of the optimizer's size is queued (the
