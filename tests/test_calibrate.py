@@ -257,6 +257,35 @@ def test_the_measured_wake_leaves_the_margin_beside_the_held_weights(model_dir, 
     assert small_kv + small_weights + margin <= free
 
 
+@pytest.mark.parametrize("lora", [[], ["actor.lora.rank=4"]])
+def test_an_elastic_pool_is_measured_at_what_its_wake_maps(lora, model_dir, tmp_path,
+                                                           monkeypatch):
+    """On a card an elastic wake maps every free byte less the engine's overhead (activation
+    peak, graph pool) and the margin, not gpu_memory_utilization's share as a fixed pool
+    takes: the calibration's region is the size the run will map (a larger unmap is slower
+    a byte)."""
+    import types
+
+    import handoff.calibrate as calibrate_module
+
+    gib = 1 << 30
+    free, total = 60 * gib, 80 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
+    card = types.SimpleNamespace(device=torch.device("cuda", 0), wake_margin_bytes=gib)
+    sizes = {}
+    for kv_pool in ("fixed", "elastic"):
+        cfg = _cfg(model_dir, tmp_path, f"rollout.kv_pool={kv_pool}",
+                   "rollout.gpu_memory_utilization=0.3", "rollout.num_blocks=null", *lora)
+        plan = RunPlan.build(cfg)
+        sizes[kv_pool] = calibrate_module._switch_sizes(cfg, plan, card)
+    hw = plan.hardware
+    overhead = hw.activation_peak_bytes + hw.graph_pool_bytes
+    kv, weights, _ = sizes["elastic"]
+    room = free - gib - gib - overhead - weights   # the margin, the slack, the engine's own
+    assert room - 64 * 1024 <= kv <= room   # whole blocks
+    assert sizes["fixed"][0] <= 0.3 * total < kv
+
+
 def test_lora_on_a_shared_base_measures_the_kv_wake_beside_the_weights_it_holds(
         model_dir, tmp_path, monkeypatch):
     import handoff.calibrate as calibrate_module
