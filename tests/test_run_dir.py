@@ -128,6 +128,28 @@ def test_overwrite_keeps_the_earlier_run_when_a_later_check_refuses_the_start(
     assert {k: v for k, v in _snapshot(tmp_path).items() if k != ".handoff.lock"} == before
 
 
+def test_a_run_that_failed_in_its_first_step_is_replaced_by_the_corrected_command(
+        model_dir, tmp_path):
+    """An error met in the first step (a prompt longer than max_model_len) leaves the start's
+    files and the memory timeline; nothing trained, so the command run again once fixed
+    replaces them without --overwrite, and a file of the user's stays."""
+    out = tmp_path / "run"
+    command = ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",
+               f"run.out_dir={out}", "run.steps=1", "run.checkpoint=false"]
+    failed = runner.invoke(app, [*command, "rollout.max_model_len=9"], terminal_width=400)
+    assert failed.exit_code == 2 and "max_model_len" in failed.output, failed.output
+    left = set(earlier_run(out))
+    assert "config.json" in left and "metrics.jsonl" not in left
+    (out / "notes.txt").write_text("the user's own file")
+    again = runner.invoke(app, command, terminal_width=400)
+    assert again.exit_code == 0, again.output
+    assert flat("an earlier start that finished no step: removed") in flat(again.output)
+    assert (out / "metrics.jsonl").is_file() and (out / "notes.txt").is_file()
+    # A run that finished a step is no longer replaced unasked.
+    refused = runner.invoke(app, command, terminal_width=400)
+    assert refused.exit_code == 2 and "holds an earlier run" in refused.output
+
+
 def test_a_refused_start_leaves_no_out_dir_it_made(model_dir, tmp_path):
     out = tmp_path / "new" / "run"
     res = runner.invoke(app, ["train", "examples/cpu-tiny.yaml", f"model.path={model_dir}",

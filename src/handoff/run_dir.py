@@ -41,6 +41,9 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "summary.md",
 LOCK_FILE = ".handoff.lock"
 # What a start writes before its first step: its lock, its config, its loggers' directories.
 START_FILES = frozenset({LOCK_FILE, "config.json", "tensorboard", "wandb", "mlruns"})
+# What a run that finished no step leaves (an error or a kill in its first step: the memory
+# timeline says who held the card then): nothing trained, nothing to lose by replacing it.
+NO_STEP_FILES = START_FILES | {"memory_timeline.jsonl"}
 KEPT_CONFIG_PREFIX = "config.before-step-"   # a resume with changed settings keeps the old
 # Every name a run writes in out_dir (and its temporary files): none may be a link.
 WRITTEN = (*RUN_FILES, LOCK_FILE, *(f"{name}.tmp" for name in RUN_FILES[:6]),
@@ -53,6 +56,11 @@ def earlier_run(out_dir: Path) -> list[str]:
     """The run files (RUN_FILES, and configs kept by a resume) already in out_dir."""
     kept = sorted(p.name for p in out_dir.glob(f"{KEPT_CONFIG_PREFIX}*.json"))
     return [name for name in RUN_FILES if (out_dir / name).exists()] + kept
+
+
+def finished_no_step(found: list[str]) -> bool:
+    """Whether an earlier run's files (earlier_run) are those of one that finished no step."""
+    return bool(found) and set(found) <= NO_STEP_FILES
 
 
 def holds_handoff_run(out_dir: Path) -> bool:
@@ -87,7 +95,7 @@ def check_out_dir(cfg: Config) -> None:
         raise HandoffError(f"run.out_dir={cfg.run.out_dir!r} holds files a run would write "
                            f"over ({', '.join(found)}) and they are not a handoff run's (no "
                            "run config.json): nothing was changed; choose another run.out_dir")
-    if found and not (cfg.run.resume or cfg.run.overwrite):
+    if found and not (cfg.run.resume or cfg.run.overwrite or finished_no_step(found)):
         raise HandoffError(f"run.out_dir={cfg.run.out_dir!r} holds an earlier run "
                            f"({', '.join(found)}): pass --resume to continue it, --overwrite "
                            "(run.overwrite=true) to replace it, or choose another run.out_dir")
@@ -168,12 +176,13 @@ def claim_out_dir(cfg: Config) -> RunLock:
 
 
 def clear_earlier_run(cfg: Config) -> None:
-    """--overwrite: remove the earlier run's files (RUN_FILES and nothing else), after every
-    check of this start passed (a refused start loses nothing)."""
-    if not cfg.run.overwrite:
-        return
+    """--overwrite, or an earlier run that finished no step (not resumed): remove the earlier
+    run's files (RUN_FILES and nothing else), after every check of this start passed (a
+    refused start loses nothing)."""
     out = Path(cfg.run.out_dir)
     found = earlier_run(out)
+    if not (cfg.run.overwrite or (finished_no_step(found) and not cfg.run.resume)):
+        return
     for name in found:
         path = out / name
         if path.is_dir() and not path.is_symlink():
@@ -181,7 +190,8 @@ def clear_earlier_run(cfg: Config) -> None:
         else:
             path.unlink()
     if found:
-        console.print(f"[yellow]overwrite: removed the earlier run's {', '.join(found)} "
+        why = "overwrite" if cfg.run.overwrite else "an earlier start that finished no step"
+        console.print(f"[yellow]{why}: removed the earlier run's {', '.join(found)} "
                       f"from {escape(str(out))}[/]", highlight=False, soft_wrap=True)
 
 
