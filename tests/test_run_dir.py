@@ -502,6 +502,30 @@ def test_the_resume_command_under_torchrun_keeps_the_launcher():
     assert resume_command("c.yaml", [], {}) == "handoff train c.yaml"
 
 
+def test_sigterm_winds_up_as_ctrl_c_does_with_the_shells_status(tmp_path):
+    """`timeout`, SLURM and `docker stop` send SIGTERM: the run says where it can resume
+    from, as after Ctrl-C, and exits 143 (a process of its own: the signal is real)."""
+    script = tmp_path / "term.py"
+    script.write_text(f"""
+import os, signal, sys, time
+import handoff.api
+from handoff.cli import app
+
+def terminated(cfg):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)   # the signal arrives while the run works
+
+handoff.api.train = terminated
+sys.argv = ["handoff", "train", "examples/cpu-tiny.yaml", "run.out_dir={tmp_path / 'run'}"]
+app()
+""")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         cwd=Path(__file__).parent.parent, timeout=25)
+    assert res.returncode == 143, res.stderr
+    assert "Traceback" not in res.stderr
+    assert flat("interrupted before the first checkpoint") in flat(res.stderr)
+
+
 def test_a_second_ctrl_c_while_the_run_winds_up_is_no_traceback(tmp_path):
     """The second SIGINT arrives while the one line is being made (a process of its own:
     the signal is real)."""

@@ -29,18 +29,28 @@ def train_cmd(
 
     cfg = load_config(config, list(overrides or []) + (["run.resume=true"] if resume else [])
                       + (["run.overwrite=true"] if overwrite else []))
+    stopped_by = [signal.SIGINT]
+
+    def terminated(signum, frame):
+        # `timeout`, SLURM's time limit, `docker stop`: the same wind-up as Ctrl-C
+        stopped_by[0] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminated)
     try:
         train(cfg)
     except KeyboardInterrupt:
-        # A second Ctrl-C while the line is made would be a traceback over it: ignored
-        # then; after it, one ends the process at once (an exit stuck in a thread's join or
-        # a peer's collective stays killable), no traceback either way.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # A second Ctrl-C (or SIGTERM) while the line is made would be a traceback over it:
+        # ignored then; after it, one ends the process at once (an exit stuck in a thread's
+        # join or a peer's collective stays killable), no traceback either way.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         if world_rank_size()[0] == 0:   # the command as given: its overrides, markup as text
             said = interrupted_message(cfg, resume_command(config, list(overrides or [])))
             err_console.print(f"[bold yellow]{escape(said)}[/]", highlight=False, soft_wrap=True)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        sys.exit(130)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        sys.exit(128 + stopped_by[0])   # 130 for SIGINT, 143 for SIGTERM, as the shell says
     # Not after an error: the other ranks may sit in a collective.
     end_distributed_run()
 
