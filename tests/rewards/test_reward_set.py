@@ -3,6 +3,7 @@ rewards: the values equal what the functions return, called as their frameworks 
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,27 @@ def test_a_trl_file_gets_plain_completions_and_its_values_are_the_totals():
     assert list(scored.per_function["reward_len"]) == expected
     assert list(scored.totals) == expected
     assert scored.correct == (None,) * 4   # no grader among the rewards
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reward_file_imports_a_module_beside_it(tmp_path, monkeypatch, workers):
+    """`from helpers import score` in a reward file in another folder loads the helpers
+    beside it, in this process and in the reward workers (spawned: nothing inherited)."""
+    folder = tmp_path / "my_rewards"
+    folder.mkdir()
+    (folder / f"score_helpers_{workers}.py").write_text(
+        "def score(text):\n    return float(len(text))\n")
+    (folder / "main.py").write_text(
+        f"from score_helpers_{workers} import score\n\n"
+        "def by_length(completions, **kwargs):\n    return [score(c) for c in completions]\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))   # the folder added is undone after
+    rewards = RewardSet.from_config(RewardConfig(functions=[f"{folder}/main.py:by_length"],
+                                                 workers=workers), TASK)
+    try:
+        scored = rewards.score(_samples(TEXTS))
+    finally:
+        rewards.close()
+    assert list(scored.totals) == [float(len(t)) for t in TEXTS]
 
 
 def test_an_async_trl_function_is_awaited():

@@ -107,6 +107,11 @@ def _load_file(where: str) -> Any:
     module_name = f"handoff_reward_{path.stem}_{digest}"
     if module_name in sys.modules:
         return sys.modules[module_name]
+    # Its folder on the import path, as `python FILE.py` puts it, so `from helpers import x`
+    # beside it loads (now and in a reward function's own later imports); at the end, so a
+    # file there never shadows a module the trainer imports.
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look a module up here
