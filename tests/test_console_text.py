@@ -145,3 +145,21 @@ def test_invalid_utf8_bytes_in_a_real_argument_are_refused(tmp_path):
     err = res.stderr.decode("utf-8", "replace")
     assert res.returncode == 2 and "prompt 0 is not valid UTF-8 text" in err, err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args", [["--help"], ["bench", "--help"]])
+def test_the_command_lists_show_each_help_paragraph_on_one_line(args):
+    """typer keeps a docstring's line breaks; the command lists join them (a wide terminal
+    shows each command's first paragraph whole on its line)."""
+    import inspect
+
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    typer_app = app if args == ["--help"] else app.registered_groups[0].typer_instance
+    shown = CliRunner().invoke(app, args, env={"COLUMNS": "400"}).output
+    lines = [line.strip(" │") for line in shown.splitlines()]
+    for info in typer_app.registered_commands:
+        first = " ".join(inspect.getdoc(info.callback).split("\n\n")[0].split())
+        assert any(line.endswith(first) for line in lines), (info.name, first)

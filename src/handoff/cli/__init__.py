@@ -99,3 +99,18 @@ def float_list(text: str, flag: str) -> list[float]:
 # The command groups register on `app` as they are imported, so they come after everything
 # above that they import; `handoff --help` lists the commands in the order they register.
 from handoff.cli import plan, models, bench, train  # noqa: E402,F401
+
+
+def _reflow_help(typer_app: typer.Typer) -> None:
+    """Each command's help is its docstring with the source's line breaks inside a paragraph
+    joined (typer keeps them: "random-init of a / preset shape" in `handoff --help`)."""
+    import inspect
+
+    for info in typer_app.registered_commands:
+        doc = info.help or inspect.getdoc(info.callback) or ""
+        info.help = "\n\n".join(" ".join(part.split()) for part in doc.split("\n\n"))
+    for group in typer_app.registered_groups:
+        _reflow_help(group.typer_instance)
+
+
+_reflow_help(app)
