@@ -163,3 +163,19 @@ def test_the_command_lists_show_each_help_paragraph_on_one_line(args):
     for info in typer_app.registered_commands:
         first = " ".join(inspect.getdoc(info.callback).split("\n\n")[0].split())
         assert any(line.endswith(first) for line in lines), (info.name, first)
+
+
+def test_tables_into_a_pipe_are_printed_whole():
+    """Into a pipe rich takes 80 columns and crops a wide table's last columns to a few
+    letters; the tables' console is PIPE_WIDTH wide there (no terminal, no COLUMNS)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-m", "handoff", "plan", "--model", "qwen3-4b",
+                          "--hardware", "h200"], capture_output=True, text=True, env=env,
+                         timeout=120).stdout
+    rows = [line for line in out.splitlines() if line.startswith("│ 1 │ optimizer_d2h")]
+    assert rows and rows[0].rstrip().endswith("│"), out
+    assert "fp32 master + Adam" in rows[0]

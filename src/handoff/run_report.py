@@ -30,6 +30,7 @@ from rich.table import Table
 
 from handoff.calibrate import Rates
 from handoff.config import to_dict
+from handoff.console import table_console
 from handoff.loggers import Loggers, open_loggers
 from handoff.memory.meter import MemoryMeter
 from handoff.plan.hardware import HardwareProfile
@@ -42,7 +43,7 @@ from handoff.runplan import RunPlan
 from handoff.safe_files import append_line, failing_write_is_one_line, replace_file
 from handoff.units import fmt_bytes
 
-console = Console()
+console = table_console()
 
 
 def planned_actions(plan: RunPlan, rates: Rates, hw: HardwareProfile,

@@ -22,11 +22,12 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from handoff.console import table_console
 from handoff.errors import HandoffError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Colocated RL post-training: the trainer/rollout memory handoff, measured.")
-console = Console()
+console = table_console()
 err_console = Console(stderr=True)
 PLAN_DOES_NOT_FIT = 3   # `handoff plan`'s exit status when the verdict is "does not fit"
 
