@@ -58,7 +58,7 @@ from handoff.model_files import (check_model_dir, load_tokenizer, read_model_con
 from handoff.model_source import _is_hub_id, resolve_model
 from handoff.plan.shapes import PRESETS
 from handoff.reading import read_json
-from handoff.safe_files import usual_mode
+from handoff.safe_files import first_missing, publish, usual_mode
 from handoff.trainer.checkpoint import (CHECKPOINT_NAME, LATEST, checkpoint_step,
                                       complete_checkpoints, latest_checkpoint,
                                       saved_step)
@@ -107,7 +107,7 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
         if not adapter:
             weights = MergedWeights(model_dir, weights, pairs, lora)
     dtype = next(iter(weights.tensors.values())).dtype   # every param in one dtype
-    made = _first_missing(out)   # the topmost directory this export creates (None: out exists)
+    made = first_missing(out)   # the topmost directory this export creates (None: out exists)
     try:
         staging = _fresh_staging(out)
         if adapter:
@@ -120,7 +120,7 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
              "step": saved_step, "model": str(Path(model_dir).resolve()),
              "lora": None if lora is None else {**asdict(lora), "merged": not adapter}},
             indent=1))
-        _publish(staging, out)
+        publish(staging, out)
     except BaseException as e:
         shutil.rmtree(made if made is not None else out / STAGING, ignore_errors=True)
         if isinstance(e, OSError):
@@ -381,16 +381,6 @@ def _check_apart(run_dir: Path, out: Path) -> None:
                            "--out exported/")
 
 
-def _first_missing(out: Path) -> Path | None:
-    """The topmost directory of `out` (itself or a parent) that does not exist yet."""
-    missing = None
-    for path in (out, *out.parents):
-        if path.exists() or path.is_symlink():
-            return missing
-        missing = path
-    return missing
-
-
 def _write_error(out: Path, error: OSError, weights) -> HandoffError:
     """One line for a write into --out that failed (what it made is removed by then)."""
     said = error.strerror or str(error)
@@ -471,20 +461,3 @@ def _write_config(model_dir: str, config: dict, dtype: torch.dtype, staging: Pat
                                                    "pad_token_id")
                             if config.get(k) is not None}).save_pretrained(staging)
     load_tokenizer(model_dir).save_pretrained(staging)
-
-
-def _publish(staging: Path, out: Path) -> None:
-    """Move the staged files into `out`; earlier weight shards go (a loader would read them)."""
-    for old in out.iterdir():
-        if not (old.name.endswith(".safetensors") or old.name == INDEX):
-            continue
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
-    for new in sorted(staging.iterdir()):
-        target = out / new.name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        os.replace(new, target)   # a link at target is replaced, never followed
-    staging.rmdir()

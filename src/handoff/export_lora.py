@@ -20,7 +20,6 @@ to the trained dtype; every other base tensor is cast to that dtype, as the trai
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -30,7 +29,7 @@ import torch
 from handoff.config import ConfigError, LoraConfig, read_section
 from handoff.errors import HandoffError
 from handoff.model_files import weight_files
-from handoff.safe_files import usual_mode
+from handoff.safe_files import safetensors_os_errors, usual_mode
 
 if TYPE_CHECKING:   # peft is imported where an adapter is written, with its own message
     from peft import LoraConfig as PeftLoraConfig
@@ -127,18 +126,11 @@ def adapter_config(lora: LoraConfig, model_dir: str) -> PeftLoraConfig:
 
 
 def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' save_file; a failed write (its Rust side says "os error N") raised as
-    the OSError it was, for the caller's one line."""
-    from safetensors import SafetensorError
+    """safetensors' save_file; a failed write raised as the OSError it was."""
     from safetensors.torch import save_file
 
-    try:
+    with safetensors_os_errors(path):
         save_file(state, str(path), metadata={"format": "pt"})
-    except SafetensorError as e:
-        code = re.search(r"os error (\d+)", str(e))
-        if code is None:
-            raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def write_adapter(part: CheckpointTensors, pairs: dict[str, tuple[str, str]],

@@ -9,11 +9,13 @@ round-trips any text exactly.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 from handoff.errors import HandoffError
 from handoff.plan.shapes import PRESETS
-from handoff.safe_files import usual_mode
+from handoff.safe_files import first_missing, publish, safetensors_os_errors, usual_mode
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<|pad|>"]
 BOS_ID, EOS_ID, IM_START_ID, PAD_ID = 256, 257, 258, 259
@@ -123,7 +125,6 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
     check_out(out, overwrite=overwrite)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
     cfg_dict = {**PRESETS[preset], "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
                 "pad_token_id": PAD_ID, "initializer_range": 0.02}
     model_type = cfg_dict.pop("model_type")
@@ -133,8 +134,22 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    usual_mode(*out.glob("*.safetensors"))
-    build_byte_tokenizer().save_pretrained(out)
-    (out / "handoff_preset.json").write_text(json.dumps({"preset": preset, "seed": seed}))
+    # Staged inside `out` and moved in, as export does: a link planted at a file's name is
+    # replaced, never written through. A write that fails (read-only, a full disk) raises
+    # its OSError with what it made removed, for the caller's one line.
+    made = first_missing(out)
+    staging = None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".handoff-init-", dir=out))
+        with safetensors_os_errors(out / "model.safetensors"):
+            model.save_pretrained(staging, safe_serialization=True)
+        usual_mode(*staging.glob("*.safetensors"))
+        build_byte_tokenizer().save_pretrained(staging)
+        (staging / "handoff_preset.json").write_text(json.dumps({"preset": preset, "seed": seed}))
+        publish(staging, out)
+    except BaseException:
+        if made is not None or staging is not None:
+            shutil.rmtree(made or staging, ignore_errors=True)
+        raise
     return out

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -166,3 +168,66 @@ def usual_mode(*paths: Path) -> None:
     os.umask(umask)
     for path in paths:
         os.chmod(path, 0o666 & ~umask)
+
+
+# ---------------------------------------------------------------- a model directory written whole
+
+
+def first_missing(path: Path) -> Path | None:
+    """The topmost directory of `path` (itself or a parent) that does not exist yet: what a
+    write that creates `path` makes, and removes again when it fails (None: `path` exists)."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            return missing
+        missing = p
+    return missing
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move the files staged in `staging` into `out`; earlier weight shards go (a loader would
+    read them). A link at a file's name in `out` is replaced, never followed."""
+    for old in out.iterdir():
+        if not (old.name.endswith(".safetensors") or old.name == "model.safetensors.index.json"):
+            continue
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    for new in sorted(staging.iterdir()):
+        target = out / new.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(new, target)
+    staging.rmdir()
+
+
+@contextlib.contextmanager
+def safetensors_os_errors(path: Path) -> Iterator[None]:
+    """A safetensors write that failed (its Rust side says "os error N") raised as the OSError
+    it was, naming `path`, for the caller's one line."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
+
+
+def cannot_write(what: str, error: OSError, fix: str) -> HandoffError:
+    """One line for a write outside a run's out_dir that failed (a model directory, the
+    handoff cache, a plot): `what`, the cause, and `fix`."""
+    said = f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return HandoffError(f"{what} cannot be written: the disk is full ({said}): free space "
+                            f"there, or {fix}")
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return HandoffError(f"{what} is not writable (read-only, or owned by another user: "
+                            f"{said}): {fix}")
+    if error.errno in (errno.EEXIST, errno.ENOTDIR):   # mkdir met a file on the way
+        return HandoffError(f"{what} cannot be written: a file stands where a directory goes "
+                            f"({said}): {fix}")
+    return HandoffError(f"{what} cannot be written ({said}): {fix}")

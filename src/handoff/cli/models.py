@@ -27,8 +27,13 @@ def init_model_cmd(
     """Write an HF checkpoint (config.json, model.safetensors, tokenizer): random-init of a
     preset shape, or the real SmolLM2-135M-Instruct converted from its GGUF."""
     from handoff.modelzoo import init_model
+    from handoff.safe_files import cannot_write
 
-    path = init_model(preset, out, seed=seed, dtype=dtype, device=device, overwrite=overwrite)
+    try:
+        path = init_model(preset, out, seed=seed, dtype=dtype, device=device,
+                          overwrite=overwrite)
+    except OSError as e:   # read-only, a full disk: what it made is removed by then
+        raise cannot_write(f"--out {out!r}", e, "pass a directory you can write to") from None
     console.print(f"wrote {preset} checkpoint to {path}", markup=False)
 
 
