@@ -43,6 +43,17 @@ def test_truncated_or_missing_weights_are_named_before_loading(model, tmp_path):
     assert not (tmp_path / "run").exists()   # refused before anything was written
 
 
+def test_a_dangling_weights_link_is_named_as_one(model, tmp_path):
+    """An HF cache snapshot whose blob was deleted: a link to nothing, not a wrong name."""
+    weights = model / "model.safetensors"
+    weights.unlink()
+    weights.symlink_to(tmp_path / "blobs" / "gone")
+    line = _one_error_line(_train(model, tmp_path / "run"))
+    assert f"{weights} is a symbolic link to a missing file ({tmp_path / 'blobs' / 'gone'})" \
+        in line and line.endswith("re-download or copy the weights")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_tensor_of_the_wrong_shape_or_none_is_refused_by_the_trainer(model):
     from handoff.config import ActorConfig
     from handoff.trainer.actor import Actor

@@ -101,3 +101,58 @@ def test_the_commands_take_a_cached_hub_id_and_name_a_missing_one(tmp_path, monk
     result = CliRunner().invoke(app, ["generate", "--model", "org/absent", "--prompt", "hi"])
     assert result.exit_code == 2
     assert "`huggingface-cli download org/absent`" in result.output
+
+
+def test_a_preset_in_a_read_only_or_full_cache_is_one_line_naming_handoff_cache(
+        tmp_path, monkeypatch):
+    """train and generate write a preset to $HANDOFF_CACHE: a cache they cannot write is
+    one line naming it and the fix, and nothing half-written stays there."""
+    import errno
+    from pathlib import Path
+
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HANDOFF_CACHE", str(cache))
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "mkdir", read_only)
+        result = CliRunner().invoke(app, ["generate", "--model", "tiny-qwen3", "--prompt", "hi"],
+                                    terminal_width=400)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith(f"error: the handoff cache {cache} ($HANDOFF_CACHE) is not writable")
+    assert "set $HANDOFF_CACHE to a directory you can write to, or point --model at" in line
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    with pytest.raises(HandoffError, match=r"\$HANDOFF_CACHE\) cannot be written: the disk "
+                                           r"is full .*point model.path at"):
+        resolve_model("tiny-qwen3")
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_plan_names_a_cached_hub_model_by_its_id_not_its_snapshot(tmp_path, monkeypatch,
+                                                                   no_network):
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    _hub_cache(tmp_path / "hub", "org/tiny", revision="abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    result = CliRunner().invoke(app, ["plan", "--model", "org/tiny", "--hardware", "cpu",
+                                      "--json"])
+    assert result.exit_code in (0, 3), result.output
+    assert json.loads(result.stdout)["model"]["name"] == "org/tiny"
+    assert load_shape(str(tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123")
+                      ).name == "org/tiny"

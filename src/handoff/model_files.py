@@ -171,6 +171,13 @@ def special_token_ids(path: str | Path, config: dict, key: str) -> frozenset[int
     return frozenset(ids)
 
 
+def _refuse_dangling(path: Path) -> None:
+    """A weights file that is a link to nothing: an HF cache snapshot whose blob was deleted."""
+    if path.is_symlink() and not path.exists():
+        raise HandoffError(f"{path} is a symbolic link to a missing file "
+                           f"({os.readlink(path)}): re-download or copy the weights")
+
+
 def weight_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint, as transformers loads them with
     use_safetensors=True: model.safetensors, else the shards of model.safetensors.index.json.
@@ -179,6 +186,7 @@ def weight_files(path: str | Path) -> list[Path]:
     single, index = model / "model.safetensors", model / "model.safetensors.index.json"
     if single.is_file():
         return [single]
+    _refuse_dangling(single)
     if index.is_file():
         weight_map = expect(read_json(index), "weight_map", dict, source=str(index))
         files = []
@@ -186,6 +194,7 @@ def weight_files(path: str | Path) -> list[Path]:
             if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
                 raise HandoffError(f"{index} lists {name!r}, not a file name in {model}: "
                                    "restore the index from the checkpoint")
+            _refuse_dangling(model / name)
             if not (model / name).is_file():
                 raise HandoffError(f"{model / name} is missing (listed in {index.name}): copy "
                                    "the whole checkpoint")

@@ -23,7 +23,7 @@ from pathlib import Path
 from handoff.demo_model import SMOLLM2_PRESET, cache_root, convert_smollm2, default_dir
 from handoff.errors import HandoffError
 from handoff.plan.shapes import PRESETS
-from handoff.safe_files import usual_mode
+from handoff.safe_files import cannot_write, usual_mode
 
 PRESET_MARKER = "handoff_preset.json"   # written by modelzoo.init_model
 
@@ -35,7 +35,10 @@ def resolve_model(name: str, *, flag: str = "model.path", materialise_presets: b
         return name
     if name == SMOLLM2_PRESET:
         # The cache is handoff's own: a stale conversion there is written over.
-        path = convert_smollm2(default_dir(), overwrite=True)
+        try:
+            path = convert_smollm2(default_dir(), overwrite=True)
+        except OSError as e:
+            raise _cache_unwritable(e, flag) from None
         usual_mode(*Path(path).glob("*.safetensors"))
         return str(path)
     if name in PRESETS:
@@ -95,7 +98,10 @@ def _preset_dir(preset: str, flag: str) -> Path:
     # looks complete; a second process racing to the same preset keeps the first one's.
     tmp = out.with_name(f".{preset}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    init_model(preset, tmp, seed=0)
+    try:
+        init_model(preset, tmp, seed=0)
+    except OSError as e:   # read-only or full: init_model removed what it made
+        raise _cache_unwritable(e, flag) from None
     try:
         tmp.rename(out)
     except OSError:
@@ -104,3 +110,10 @@ def _preset_dir(preset: str, flag: str) -> Path:
             raise HandoffError(f"{out} exists and is not a preset written by handoff: remove "
                                f"it, or set $HANDOFF_CACHE to another directory") from None
     return out
+
+
+def _cache_unwritable(error: OSError, flag: str) -> HandoffError:
+    """One line for a model handoff could not write to its cache, naming $HANDOFF_CACHE."""
+    return cannot_write(f"the handoff cache {cache_root()} ($HANDOFF_CACHE)", error,
+                        "set $HANDOFF_CACHE to a directory you can write to, or point "
+                        f"{flag} at a checkpoint directory")

@@ -79,15 +79,20 @@ def plan_cmd(
                                                          cfg.model.dtype))
     build = build_lora_plan if cfg.actor.lora.rank else build_plan
     report = build(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp, compile_warm=warm)
+    if plot:   # drawn first: a --plot that cannot be written is the only line
+        from handoff.plan.plot import plot_utilization
+        from handoff.safe_files import cannot_write
+
+        try:
+            err_console.print(f"wrote {plot_utilization(report, plot)}", markup=False)
+        except OSError as e:   # read-only, full, or a file where its directory goes
+            raise cannot_write(f"--plot {plot!r}", e, "pass a .png path in a directory you "
+                               "can write to") from None
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     elif markdown:
         typer.echo(render_markdown(report), nl=False)
     else:
         render_rich(report, console)
-    if plot:
-        from handoff.plan.plot import plot_utilization
-
-        err_console.print(f"wrote {plot_utilization(report, plot)}", markup=False)
     if not report["verdict"]["fits"]:
         sys.exit(PLAN_DOES_NOT_FIT)

@@ -301,10 +301,19 @@ def load_hf_config(model: str) -> tuple[dict, str]:
         raise HandoffError(f"model {model!r} is neither a preset nor a readable config.json: use one "
                            f"of {', '.join(PRESETS)} or a path to an HF checkpoint directory")
     try:
-        return json.loads(p.read_text()), p.parent.name or str(p)
+        return json.loads(p.read_text()), _model_name(p.parent) or str(p)
     except (OSError, json.JSONDecodeError) as e:
         raise HandoffError(f"cannot read {str(p)!r} as JSON ({e}): point --model at a valid "
                            "HF config.json") from None
+
+
+def _model_name(directory: Path) -> str:
+    """A checkpoint directory's name; for a Hugging Face cache snapshot
+    (models--org--name/snapshots/<commit>), its Hub id org/name, not the commit hash."""
+    repo = directory.parent.parent.name
+    if directory.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")   # Hub ids never hold "--"
+    return directory.name
 
 
 def load_shape(model: str) -> ModelShape:
