@@ -9,6 +9,7 @@ import pytest
 
 from handoff.config import load_config
 from handoff.errors import HandoffError
+from handoff.modelzoo import build_byte_tokenizer
 from handoff.plan.shapes import PRESETS, load_shape
 from handoff.preflight import checkpoint_bytes, preflight
 from handoff.runplan import RunPlan
@@ -20,7 +21,7 @@ def cfg(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(PRESETS["tiny-qwen3"]))
-    (model / "tokenizer.json").write_text("{}")
+    build_byte_tokenizer().save_pretrained(model)   # preflight renders its template
     header = b'{"__metadata__":{"format":"pt"}}'   # a complete safetensors file, no tensors
     (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     return load_config("examples/cpu-tiny.yaml", [f"model.path={model}",

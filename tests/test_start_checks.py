@@ -103,6 +103,33 @@ def test_an_evaluation_record_too_long_is_named_at_start_within_eval_n(good, tmp
     preflight(_cfg(good, tmp_path, train, f"data.eval_path={held_out}", "run.eval_every=0"))
 
 
+def test_a_record_too_long_in_a_saved_dataset_directory_is_named_without_a_line(good, tmp_path):
+    from datasets import Dataset
+
+    # a save_to_disk directory has no lines: naming one opened the directory (IsADirectoryError)
+    Dataset.from_list([{"prompt": "x" * 300, "answer": "1"}]).save_to_disk(tmp_path / "saved")
+    with pytest.raises(HandoffError, match=r"record 0 of .*saved has a prompt of \d+ tokens"):
+        preflight(_cfg(good, tmp_path, tmp_path / "saved"))
+
+
+@pytest.mark.parametrize("template,said", [
+    ("{% for m in messages %}{{ m.content }{% endfor %}",
+     r"TemplateSyntaxError: unexpected '}' at line 1"),
+    ("{{ raise_exception('this template refuses') }}", "TemplateError: this template refuses"),
+])
+@pytest.mark.parametrize("task", ["arithmetic", "file"])
+def test_a_broken_chat_template_is_one_line_at_start(model, tmp_path, template, said, task):
+    (model / "chat_template.jinja").write_text(template)
+    data = _data(tmp_path, "data.jsonl", [{"prompt": "What is 1+1?", "answer": 2}])
+    cfg = _cfg(model, tmp_path, data, f"data.task={task}")
+    with pytest.raises(HandoffError, match=rf"^{model}/chat_template.jinja cannot be rendered "
+                                           rf"\({said}\): fix the template, or set "
+                                           r"data.chat_template=false"):
+        preflight(cfg)   # the arithmetic task's prompts failed at step 1, after the start
+    assert not (tmp_path / "run").exists()
+    preflight(_cfg(model, tmp_path, data, f"data.task={task}", "data.chat_template=false"))
+
+
 def test_a_record_exactly_at_the_limit_passes_and_one_token_more_is_refused(good, tmp_path):
     from handoff.model_files import load_tokenizer
     from handoff.tasks import DatasetTask

@@ -100,8 +100,14 @@ def lora_settings(cfg: Config) -> None:
 def check_prompt_lengths(cfg: Config) -> None:
     """Every record of a data file, and of the evaluation set's (its first eval.n, when the run
     evaluates), leaves rollout.max_tokens of rollout.max_model_len free (the engine would
-    refuse the first batch holding a longer one, mid-run: an evaluation's after a step)."""
-    checked = [(build_task(cfg.data, seed=cfg.run.seed), None)]
+    refuse the first batch holding a longer one, mid-run: an evaluation's after a step); and
+    the chat template renders the first prompt of any task."""
+    task = build_task(cfg.data, seed=cfg.run.seed)
+    tokenizer = load_tokenizer(cfg.model.path)
+    # A template that does not parse, or raises, is one line here, before the run writes
+    # anything, not a traceback at step 1 (a generated task's prompts are checked nowhere else).
+    task.render_prompt(task.get(0), tokenizer, chat=cfg.data.chat_template)
+    checked = [(task, None)]
     evaluation = (build_eval_problems(cfg.data, cfg.eval, seed=cfg.run.seed)
                   if cfg.run.eval_every else None)   # the loop's own condition
     if evaluation is not None:
@@ -111,7 +117,6 @@ def check_prompt_lengths(cfg: Config) -> None:
     if not checked:
         return
     ro = cfg.rollout
-    tokenizer = load_tokenizer(cfg.model.path)
     for task, rows in checked:
         task.check_prompt_lengths(tokenizer, limit=ro.max_model_len - ro.max_tokens,
                                   chat=cfg.data.chat_template, rows=rows,

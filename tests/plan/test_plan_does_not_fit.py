@@ -79,13 +79,14 @@ def test_no_fitting_plan_is_said_plainly():
 
 def test_train_preflight_still_refuses_a_plan_that_does_not_fit(tmp_path):
     from handoff.errors import HandoffError
+    from handoff.modelzoo import build_byte_tokenizer
     from handoff.plan.shapes import PRESETS
     from handoff.preflight import preflight
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(PRESETS["qwen3-32b"]))
-    (model / "tokenizer.json").write_text("{}")
+    build_byte_tokenizer().save_pretrained(model)   # preflight renders its template
     header = b"{}"
     (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     cfg = load_config("examples/cpu-tiny.yaml", [f"model.path={model}", "hardware.name=h100-sxm",

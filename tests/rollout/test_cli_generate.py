@@ -62,6 +62,23 @@ def test_prompts_go_through_the_chat_template_unless_no_chat(qwen3_dir, tmp_path
     assert generate_samples(str(plain), ["hi"], **kwargs)[0]["prompt_token_ids"] == list(b"hi")
 
 
+def test_a_broken_chat_template_is_one_line(qwen3_dir, tmp_path):
+    import shutil
+
+    from handoff.errors import HandoffError
+    from handoff.rollout.cli_generate import generate_samples
+
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen3_dir, broken)
+    (broken / "chat_template.jinja").write_text("{{ raise_exception('this template refuses') }}")
+    with pytest.raises(HandoffError, match=rf"^{broken}/chat_template.jinja cannot be rendered "
+                                           r"\(TemplateError: this template refuses\): fix the "
+                                           "template, or pass --no-chat"):
+        generate_samples(str(broken), ["hi"], max_tokens=2, temperature=0.0, device="cpu")
+    assert generate_samples(str(broken), ["hi"], max_tokens=2, temperature=0.0, device="cpu",
+                            chat=False)
+
+
 def test_a_prompt_file_gives_one_prompt_a_line(tmp_path):
     from handoff.errors import HandoffError
     from handoff.rollout.cli_generate import read_prompt_file

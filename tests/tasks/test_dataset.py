@@ -91,6 +91,22 @@ def test_load_errors(tmp_path, content, name, words):
         assert w in str(e.value)
 
 
+@pytest.mark.parametrize("name, words", [
+    ("data.csv", ["'data.csv' not found", ".csv is not read: use one of .jsonl"]),
+    ("missing.jsonl", ["'missing.jsonl' not found"]),
+])
+def test_a_missing_relative_data_file_is_not_found_not_a_hub_id(tmp_path, monkeypatch, name,
+                                                                words):
+    """A bare file name reads as a Hub dataset id too: one with a data file's extension is a
+    file that is not there, not a download to run."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HandoffError) as e:
+        load_records(name)
+    for w in words:
+        assert w in str(e.value)
+    assert "huggingface-cli download" not in str(e.value)
+
+
 def test_missing_field_names_the_fields_that_exist(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", [{"question": "q", "solution": "1"}])
     with pytest.raises(HandoffError) as e:
@@ -108,6 +124,28 @@ def test_missing_field_names_the_fields_that_exist(tmp_path):
     odd = _jsonl(tmp_path / "f.jsonl", [{"prompt": 5, "answer": 1}])
     with pytest.raises(HandoffError, match="neither a string nor"):
         DatasetTask(odd)
+
+
+def test_an_answer_field_holding_a_mapping_or_a_list_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # verl's reward_model instead of reward_model.ground_truth: the answer was the dict's text
+    verl = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(verl), tmp_path / "v.parquet")
+    with pytest.raises(HandoffError, match=r"^record 0 of .*v.parquet: data.answer_field="
+                                           r"'reward_model' is a mapping \(keys: style, "
+                                           r"ground_truth\), not an answer: .* e.g. "
+                                           r"data.answer_field=reward_model.ground_truth$"):
+        DatasetTask(tmp_path / "v.parquet", answer_field="reward_model")
+    task = DatasetTask(tmp_path / "v.parquet", answer_field="reward_model.ground_truth")
+    assert task.get(0).answer in {"1", "2", "3"}
+    listed = _jsonl(tmp_path / "l.jsonl", [{"prompt": "a", "answer": 1},
+                                           {"prompt": "b", "answer": ["9", "nine"]}])
+    with pytest.raises(HandoffError, match=r"^record 1 of .*l.jsonl \(line 2\): data.answer_"
+                                           r"field='answer' is a list of 2, not one answer"):
+        DatasetTask(listed)
 
 
 def test_build_task_from_config(tmp_path):

@@ -59,8 +59,15 @@ def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
     """Token ids of one prompt: a user turn of the chat template (which carries its own
     special tokens) when `chat` and the tokenizer has one, else the raw text."""
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             tokenize=False, add_generation_prompt=True)
+        from jinja2 import TemplateError
+
+        from handoff.tasks.base import chat_template_error
+
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:
+            raise chat_template_error(tokenizer, e, off="pass --no-chat") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from handoff.errors import HandoffError
@@ -122,9 +123,27 @@ def render_prompt(problem: Problem, tokenizer: Any = None, *, chat: bool = True)
     """
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     if chat and template:
-        return tokenizer.apply_chat_template(list(problem.messages), tokenize=False,
-                                             add_generation_prompt=True)
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(list(problem.messages), tokenize=False,
+                                                 add_generation_prompt=True)
+        except TemplateError as e:
+            raise chat_template_error(tokenizer, e, off="set data.chat_template=false") from None
     return "\n\n".join(m["content"] for m in problem.messages) + "\n"
+
+
+def chat_template_error(tokenizer: Any, error: Exception, *, off: str) -> HandoffError:
+    """The one line for a chat template that does not parse, or raises (raise_exception),
+    naming the model directory's file that holds it; `off`: how to skip it."""
+    model = Path(getattr(tokenizer, "name_or_path", "") or ".")
+    # transformers reads chat_template.jinja over tokenizer_config.json's chat_template
+    where = next((str(model / name) for name in ("chat_template.jinja", "tokenizer_config.json")
+                  if (model / name).is_file()), f"the chat template of {model}")
+    line = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
+    said = " ".join(str(error).split())[:200]
+    return HandoffError(f"{where} cannot be rendered ({type(error).__name__}: {said}{line}): fix "
+                        f"the template, or {off} to send prompts as plain text")
 
 
 def encode_prompt(problem: Problem, tokenizer: Any, *, chat: bool = True) -> list[int]:

@@ -33,6 +33,8 @@ from handoff.tasks.base import Problem, Score, Task, encode_prompt
 from handoff.tasks.saved_datasets import load_dataset_rows, looks_like_hub_id
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
+# A missing data.path ending in one of these is a file name, never a Hub dataset id.
+FILE_SUFFIXES = (*SUFFIXES, ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".xlsx")
 
 
 def _read_json_lines(path: Path) -> list[dict]:
@@ -87,7 +89,7 @@ def load_records(path: str | Path, *, split: str = "train",
     """Every record of a JSONL / JSON / Parquet file, a save_to_disk directory or a cached Hub
     dataset (`split`, `subset`), as dicts; HandoffError if none."""
     p = Path(path)
-    if p.is_dir() or (not p.exists() and p.suffix.lower() not in SUFFIXES
+    if p.is_dir() or (not p.exists() and p.suffix.lower() not in FILE_SUFFIXES
                       and looks_like_hub_id(str(path))):
         rows = load_dataset_rows(path, split=split, subset=subset)
         if not rows:
@@ -95,8 +97,10 @@ def load_records(path: str | Path, *, split: str = "train",
                                "pick another data.split or add rows")
         return rows
     if not p.is_file():
+        unread = ("" if p.suffix.lower() in SUFFIXES else
+                  f" ({p.suffix} is not read: use one of {', '.join(SUFFIXES)})")
         raise HandoffError(f"data file {str(p)!r} not found: set {flag} to an existing "
-                           "JSONL or Parquet file")
+                           f"JSONL or Parquet file{unread}")
     if p.suffix.lower() not in SUFFIXES:
         raise HandoffError(f"data file {str(p)!r} has an unsupported extension: use one of "
                            f"{', '.join(SUFFIXES)}")
@@ -169,13 +173,32 @@ class DatasetTask(Task):
             _check_field(rows, self.path, answer_field, "data.answer_field")
         self._messages = [_messages(r[prompt_field], i, self.path) for i, r in enumerate(rows)]
         self._conversational = [not isinstance(r[prompt_field], str) for r in rows]
-        self._answers = ([self.make_answer(str(_field(r, answer_field)), i)
+        self._answers = ([self.make_answer(self._answer_text(r, answer_field, i), i)
                           for i, r in enumerate(rows)] if self.has_answers else [""] * len(rows))
         self._columns = [{k: v for k, v in r.items() if k != prompt_field} for r in rows]
         self._order: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self._answers)
+
+    def _answer_text(self, record: dict, key: str, row: int) -> str:
+        """The record's answer as text; a mapping or a list is refused: its text (verl's
+        whole reward_model) is no answer a grader could ever match."""
+        value = _field(record, key)
+        if isinstance(value, dict):
+            leaf = "ground_truth" if "ground_truth" in value else next(iter(value), "FIELD")
+            raise HandoffError(f"record {row} of {self.path}{self._line_text(row)}: "
+                               f"data.answer_field={key!r} is a mapping (keys: "
+                               f"{', '.join(map(str, value)) or 'none'}), not an answer: point "
+                               f"it at the field inside that holds the answer, e.g. "
+                               f"data.answer_field={key}.{leaf}")
+        if isinstance(value, (list, tuple)):
+            raise HandoffError(f"record {row} of {self.path}{self._line_text(row)}: "
+                               f"data.answer_field={key!r} is a list of {len(value)}, not one "
+                               "answer: give each record one reference answer (a string or a "
+                               "number), or grade the list with your own reward.functions and "
+                               "set data.answer_field=null")
+        return str(value)
 
     def make_answer(self, raw: str, row: int) -> str:
         """The reference as graded: canonical number when it reads as one, else the text."""
@@ -221,10 +244,12 @@ class DatasetTask(Task):
                                    "limit")
 
     def _line_text(self, row: int) -> str:
-        """' (line N)' for a JSON-lines file (its blank lines hold no record), else ''."""
+        """' (line N)' for a JSON-lines file (its blank lines hold no record), else '' (also
+        for a save_to_disk directory or a Hub dataset id, which have no lines)."""
         suffix = self.path.suffix.lower()
-        if suffix in (".parquet", ".pq") or (suffix == ".json" and self.path.read_text(
-                encoding="utf-8").lstrip().startswith("[")):
+        if not self.path.is_file() or suffix in (".parquet", ".pq") or (
+                suffix == ".json"
+                and self.path.read_text(encoding="utf-8").lstrip().startswith("[")):
             return ""
         with open(self.path, encoding="utf-8") as f:
             filled = (n for n, line in enumerate(f, 1) if line.strip())
