@@ -37,7 +37,7 @@ def test_list_fields_take_a_yaml_list_or_one_item(tmp_path):
 @pytest.mark.parametrize("override, words", [
     (["rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization=1.5", "(0", "1]"]),
     (["rollout.gpu_memory_utilization=-0.1"], ["out of range"]),
-    (["rollout.n=0"], ["rollout.n=0", "[1"]),
+    (["rollout.n=0"], ["rollout.n=0", "[2"]),
     (["rollout.n=2.5"], ["not an integer"]),
     (["rollout.kv_dtype=int4"], ["choose one of", "fp8"]),
     (["rollout.nope=1"], ["unknown config key", "rollout.nope"]),
@@ -85,3 +85,31 @@ def test_a_home_relative_path_in_yaml_is_expanded(tmp_path, monkeypatch):
     assert cfg.data.eval_path == str(tmp_path / "home" / "eval.jsonl")
     assert cfg.data.ops == "~"   # not a path: kept as written
     assert load_config(None, ["model.path=~/m"]).model.path == str(tmp_path / "home" / "m")
+
+
+def test_a_group_of_one_sample_is_refused():
+    # GRPO's advantage is relative to the group: with rollout.n=1 every update was zero
+    with pytest.raises(ConfigError, match=r"^rollout.n=1 is out of range \[2, inf\): .*a group "
+                                          "of one learns nothing"):
+        load_config(None, ["rollout.n=1"])
+    assert load_config(None, ["rollout.n=2"]).rollout.n == 2
+
+
+def test_lora_target_modules_are_a_set_in_one_order():
+    # peft adapts the model's modules in its own order: these are one adapter, one checkpoint
+    for listed in ("[v_proj,q_proj]", "[q_proj,v_proj]", "[v_proj,q_proj,q_proj]"):
+        cfg = load_config(None, [f"actor.lora.target_modules={listed}"])
+        assert cfg.actor.lora.target_modules == ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match=r"target_modules\[1\]='x_proj' is not accepted"):
+        load_config(None, ["actor.lora.target_modules=[v_proj,x_proj]"])
+
+
+@pytest.mark.parametrize("override, use", [
+    ("actor.gradient_checkpointing=maybe", "use true, false or auto$"),
+    ("actor.compile=maybe", "use true, false or auto$"),
+    ("actor.micro_batch_tokens=many", "use a whole number such as 4 or auto$"),
+    ("memory.param_offload=maybe", "use true or false$"),
+])
+def test_a_bad_value_of_a_key_that_takes_auto_names_auto(override, use):
+    with pytest.raises(ConfigError, match=use):
+        load_config(None, [override])

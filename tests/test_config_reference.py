@@ -31,3 +31,22 @@ def test_the_command_prints_the_listing_and_a_markdown_table():
     assert result.exit_code == 0 and "reward.functions = []" in result.output
     table = CliRunner().invoke(app, ["config", "--markdown"]).output.splitlines()
     assert table[0].startswith("| key |") and len(table) == 2 + len(reference())
+
+
+def test_a_boolean_that_takes_auto_lists_all_three_words():
+    by_key = {r["key"]: r["range"] for r in reference()}
+    assert by_key["actor.gradient_checkpointing"] == "true | false | auto"
+    assert by_key["actor.compile"] == "true | false | auto"
+    assert by_key["actor.micro_batch_tokens"] == "[0, inf) or auto"
+
+
+def test_the_markdown_table_keeps_four_cells_a_row_whatever_a_cell_holds():
+    """Accepted values such as `true | false | auto` are one cell: their bars escaped."""
+    import re
+
+    lines = CliRunner().invoke(app, ["config", "--markdown"]).output.splitlines()
+    rows = [line for line in lines[2:] if line.startswith("| `")]
+    assert len(rows) == len(reference())
+    for row in rows:
+        cells = re.split(r"(?<!\\)\|", row.strip())[1:-1]   # unescaped bars only
+        assert len(cells) == 4, row

@@ -208,6 +208,12 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(model_
         assert torch.equal(a, b), n
     assert resumed.optimizer.step_count == 4
 
+    # written before the config kept target_modules in one order: the same adapter resumes
+    meta = json.loads((path / "meta.json").read_text())
+    meta["lora"]["target_modules"] = meta["lora"]["target_modules"][::-1] + ["q_proj"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    trained(0, resume_from=tmp_path / "ck")
+
     full = Actor(model_dir, actor=ActorConfig(), dtype="float32")
     with pytest.raises(HandoffError, match="LoRA adapter .rank 4.*this run trains full"):
         load_checkpoint(tmp_path / "ck", full)

@@ -76,8 +76,9 @@ def config_cmd(
     rows = reference()
     if markdown:
         print("| key | default | accepted | help |\n|---|---|---|---|")
-        for r in rows:
-            print(f"| `{r['key']}` | `{r['default']}` | {r['range']} | {r['help']} |")
+        for r in rows:   # a cell's own "|" (true | false | auto) would split the row
+            cells = [f"`{r['key']}`", f"`{r['default']}`", r["range"], r["help"]]
+            print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         return
     for r in rows:
         accepted = f"  [{r['range']}]" if r["range"] else ""

@@ -50,21 +50,23 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
+        use = "true, false or auto" if meta.get("auto") else "true or false"
+        raise ConfigError(f"{key}={value!r} is not a boolean: use {use}")
     if tp is int:
+        use = "a whole number such as 4" + (" or auto" if meta.get("auto") else "")
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4")
+            raise ConfigError(f"{key}={value!r} is not an integer: use {use}")
         if isinstance(value, int):   # exact: a float would round a seed above 2**53
             return value
         try:
             as_float = float(value)
         except ValueError:
-            raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4") from None
+            raise ConfigError(f"{key}={value!r} is not an integer: use {use}") from None
         if not math.isfinite(as_float):
             raise ConfigError(f"{key}={value!r} is not a finite number: pass a whole number in "
                               f"{_range_text(meta)} ({meta['help']})")
         if as_float != int(as_float):
-            raise ConfigError(f"{key}={value!r} is not an integer: use a whole number such as 4")
+            raise ConfigError(f"{key}={value!r} is not an integer: use {use}")
         return int(as_float)
     if tp is float:
         if isinstance(value, bool):   # float(True) is 1.0: kl_coef=true would train with 1.0
@@ -96,7 +98,14 @@ def _coerce_list(value: Any, item_tp: Any, key: str, meta: dict) -> list:
     if value is None:
         raise ConfigError(f"{key} is empty (YAML null): give a list such as [a, b] or []")
     items = value if isinstance(value, (list, tuple)) else [value]
-    return [_coerce(item, item_tp, f"{key}[{i}]", meta) for i, item in enumerate(items)]
+    items = [_coerce(item, item_tp, f"{key}[{i}]", meta) for i, item in enumerate(items)]
+    choices = meta.get("choices")
+    if choices and set(items) <= set(choices):
+        # A list of choices is a set: once each, in the choices' order (peft adapts the
+        # model's modules in its own order, so [v_proj, q_proj] is [q_proj, v_proj]'s
+        # adapter and must resume its checkpoint). An unknown item is left to validate.
+        items = [c for c in choices if c in items]
+    return items
 
 
 def _apply(obj: Any, data: dict, prefix: str) -> None:
@@ -266,6 +275,7 @@ def reference(cfg: Any = None, prefix: str = "") -> list[dict[str, str]]:
     """Every key of the config tree, in order: {"key", "default", "range", "help"} (the
     `handoff config` listing, generated from the fields' own metadata)."""
     cfg = Config() if cfg is None else cfg
+    hints = _field_types(type(cfg))
     rows = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -274,9 +284,13 @@ def reference(cfg: Any = None, prefix: str = "") -> list[dict[str, str]]:
         else:
             meta = dict(f.metadata)
             bounded = any(meta.get(k) is not None for k in ("ge", "gt", "le", "lt"))
-            accepted = (" | ".join(map(str, meta["choices"])) if meta.get("choices")
+            # a boolean or 'auto' lists its three words (a plain boolean shows its default)
+            words = ("true", "false") if meta.get("auto") and bool in typing.get_args(
+                hints[f.name]) else meta.get("choices")
+            accepted = (" | ".join(map(str, words)) if words
                         else _range_text(meta) if bounded else "")
+            if meta.get("auto"):
+                accepted += " | auto" if words else " or auto"
             rows.append({"key": f"{prefix}{f.name}", "default": json.dumps(value),
-                         "range": accepted + (" or auto" if meta.get("auto") else ""),
-                         "help": meta.get("help", "")})
+                         "range": accepted, "help": meta.get("help", "")})
     return rows

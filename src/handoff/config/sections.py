@@ -122,7 +122,8 @@ class RolloutConfig:
     temperature: float = F(1.0, help="sampling temperature (0: greedy)", ge=0)
     top_p: float = F(1.0, help="nucleus sampling mass", gt=0, le=1)
     top_k: int = F(0, help="keep the k most likely tokens (0: all)", ge=0)
-    n: int = F(4, help="samples per prompt (the GRPO group size)", ge=1)
+    n: int = F(4, help="samples per prompt (the GRPO group size: each sample's advantage is "
+               "relative to its group, so a group of one learns nothing)", ge=2)
     max_tokens: int = F(64, help="most new tokens per sample", ge=1)
     response_lengths: str | None = F(None, help="benchmarks: each sample's length drawn from "
                                      "fixed:N, uniform:min=A,max=B or lognormal:median=M,"

@@ -174,6 +174,15 @@ def checkpoint_bytes(actor: Actor) -> int:
             + len(tensors) * FILE_OVERHEAD_BYTES + actor.world_size * RNG_FILE_BYTES)
 
 
+def _adapter(lora: object) -> object:
+    """A lora_meta with its target_modules as a set, as peft takes them: a checkpoint written
+    before the config kept them once each in one order may list them otherwise."""
+    modules = lora.get("target_modules") if isinstance(lora, dict) else None
+    if isinstance(modules, list) and all(isinstance(m, str) for m in modules):
+        return {**lora, "target_modules": set(modules)}
+    return lora
+
+
 def _kind(lora: object) -> str:
     if not isinstance(lora, dict):
         return "full parameters"
@@ -376,7 +385,7 @@ def load_checkpoint(root: str | Path, actor: Actor, *, path: Path | None = None)
     actor.require_on_device("params", "optimizer")
     meta = checkpoint_meta(path)
     step = meta["step"]
-    if meta.get("lora") != lora_meta(actor):
+    if _adapter(meta.get("lora")) != _adapter(lora_meta(actor)):
         raise HandoffError(f"checkpoint {path} holds {_kind(meta.get('lora'))}, this run trains "
                            f"{_kind(lora_meta(actor))}: resume with the actor.lora settings that "
                            "wrote it, or start over with --overwrite")
