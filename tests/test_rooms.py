@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # A room may import only rooms of a lower floor (and itself). Peers on one floor do not
 # import each other: the engine and the trainer know nothing of one another.
 FLOORS = {
-    "handoff": 0, "errors": 0, "units": 0, "lengths": 0, "varlen": 0,
+    "handoff": 0, "errors": 0, "units": 0, "lengths": 0, "varlen": 0, "console": 0,
     "reading": 0.5,   # bounded JSON/YAML reading: above errors, below everything that reads
     "config": 1, "demo_model": 1, "model_files": 1, "safe_files": 1,
     "plan": 2, "dist": 2, "tasks": 2,
