@@ -58,17 +58,16 @@ def test_a_trl_file_gets_plain_completions_and_its_values_are_the_totals():
 def test_a_reward_file_imports_a_module_beside_it(tmp_path, monkeypatch):
     """`from helpers import score` in a reward file in another folder loads the helpers
     beside it (a reward worker loads the file through the same `_load_file`)."""
-    workers = 0
     folder = tmp_path / "my_rewards"
     folder.mkdir()
-    (folder / f"score_helpers_{workers}.py").write_text(
+    (folder / "score_helpers.py").write_text(
         "def score(text):\n    return float(len(text))\n")
     (folder / "main.py").write_text(
-        f"from score_helpers_{workers} import score\n\n"
+        "from score_helpers import score\n\n"
         "def by_length(completions, **kwargs):\n    return [score(c) for c in completions]\n")
     monkeypatch.setattr(sys, "path", list(sys.path))   # the folder added is undone after
-    rewards = RewardSet.from_config(RewardConfig(functions=[f"{folder}/main.py:by_length"],
-                                                 workers=workers), TASK)
+    rewards = RewardSet.from_config(RewardConfig(functions=[f"{folder}/main.py:by_length"]),
+                                    TASK)
     try:
         scored = rewards.score(_samples(TEXTS))
     finally:
