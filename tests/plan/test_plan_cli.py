@@ -117,9 +117,9 @@ def test_flags_config_file_and_overrides(tmp_path):
     assert r["layout"]["tp"] == 2 and not r["layout"]["tp_auto"]
     assert r["workload"]["utilization"] == 0.6
     # A flag overrides the file; a rate override changes the seconds, not the bytes.
-    slow = json.loads(invoke("--config", str(cfg), "--gpus", "8", "--json").output)
+    slow = json.loads(invoke("--config", str(cfg), "--gpus", "8", "--json").stdout)
     fast = json.loads(invoke("--config", str(cfg), "--gpus", "8", "--pcie-gbps", "50",
-                             "--json").output)
+                             "--json").stdout)
     a, b = slow["switch"]["actions"][0], fast["switch"]["actions"][0]
     assert slow["layout"]["gpus"] == 8
     assert a["bytes_per_card"] == b["bytes_per_card"]

@@ -82,7 +82,7 @@ def test_a_config_files_kl_coef_decides_the_reference(tmp_path):
     for kl, ref in ((0.0, False), (0.001, True)):
         cfg = tmp_path / f"kl{kl}.yaml"
         cfg.write_text(f"model:\n  path: qwen3-4b\nactor:\n  kl_coef: {kl}\n")
-        assert json.loads(invoke("--config", str(cfg), "--json").output)["offload"]["ref"] is ref
+        assert json.loads(invoke("--config", str(cfg), "--json").stdout)["offload"]["ref"] is ref
 
 
 @pytest.mark.parametrize("model", ["llama3-70b", "llama3.1-70b", "qwen2.5-32b", "qwen3-32b",
@@ -177,3 +177,19 @@ def test_a_resident_share_past_the_card_is_refused_not_planned_as_negative_gb():
                                 terminal_width=300)
     assert result.exit_code == 2 and "fills the card's 80 GB of HBM" in result.output
     assert "-9" not in result.output   # no negative budget printed
+
+
+@pytest.mark.parametrize("config, extra, warned", [
+    ("examples/cpu-demo.yaml", [], True),      # 12-token responses, the default 7168 planned
+    ("examples/cpu-demo.yaml", ["--response-len", "12", "--prompt-len", "40"], False),
+    ("examples/h200-4b.yaml", ["--model", "qwen3-4b"], False),   # its workload is its rollout's
+])
+def test_a_config_whose_rollout_the_workload_does_not_match_is_warned(config, extra, warned):
+    """`handoff plan --config` plans `workload.*`, defaults included: a config whose
+    responses are shorter than the planned ones is told so, with the keys that fix it."""
+    res = runner.invoke(app, ["plan", "--config", config, "--json", *extra],
+                        env={"COLUMNS": "400"})
+    assert res.exit_code in (0, 3), res.output
+    assert ("warning: the plan is of responses of" in res.output) is warned, res.output
+    if warned:
+        assert "rollout.max_tokens=12" in res.output and "workload.response_len" in res.output

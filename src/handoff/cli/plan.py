@@ -79,6 +79,13 @@ def plan_cmd(
                                                          cfg.model.dtype))
     build = build_lora_plan if cfg.actor.lora.rank else build_plan
     report = build(cfg, grad_offload=grad_offload, auto_tp_size=auto_tp, compile_warm=warm)
+    wl, ro = cfg.workload, cfg.rollout
+    if config and wl.response_len > ro.max_tokens:   # the planner's default workload, not the run's
+        err_console.print(
+            f"[yellow]warning: the plan is of responses of {wl.response_len} tokens (workload."
+            f"response_len), longer than this config's rollout.max_tokens={ro.max_tokens}: set "
+            "workload.prompt_len and workload.response_len in the config, or pass --prompt-len "
+            "and --response-len, to plan this run's own step[/]", highlight=False, soft_wrap=True)
     if plot:   # drawn first: a --plot that cannot be written is the only line
         from handoff.plan.plot import plot_utilization
         from handoff.safe_files import cannot_write
