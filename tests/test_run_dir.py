@@ -502,6 +502,13 @@ def test_the_resume_command_under_torchrun_keeps_the_launcher():
     assert resume_command("c.yaml", [], {}) == "handoff train c.yaml"
 
 
+def _run_script(script: Path, *, timeout: float) -> subprocess.CompletedProcess:
+    """`script` as a process of its own from the repository root (a signal it sends itself
+    is real), its output captured."""
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, timeout=timeout)
+
+
 def test_sigterm_winds_up_as_ctrl_c_does_with_the_shells_status(tmp_path):
     """`timeout`, SLURM and `docker stop` send SIGTERM: the run says where it can resume
     from, as after Ctrl-C, and exits 143 (a process of its own: the signal is real)."""
@@ -519,8 +526,7 @@ handoff.api.train = terminated
 sys.argv = ["handoff", "train", "examples/cpu-tiny.yaml", "run.out_dir={tmp_path / 'run'}"]
 app()
 """)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         cwd=Path(__file__).parent.parent, timeout=25)
+    res = _run_script(script, timeout=25)
     assert res.returncode == 143, res.stderr
     assert "Traceback" not in res.stderr
     assert flat("interrupted before the first checkpoint") in flat(res.stderr)
@@ -547,15 +553,13 @@ handoff.run_dir.interrupted_message = message
 sys.argv = ["handoff", "train", "examples/cpu-tiny.yaml", "run.out_dir={tmp_path / 'run'}"]
 app()
 """)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         cwd=Path(__file__).parent.parent, timeout=120)
+    res = _run_script(script, timeout=120)
     assert res.returncode == 130, res.stderr
     assert "Traceback" not in res.stderr and "interrupted: stand-in" in res.stderr
     # Pressed once the line is out (an exit stuck in a join): it ends the process at once.
     script.write_text(script.read_text().replace(
         'return "interrupted: stand-in"', 'import atexit, time\n    atexit.register(lambda: '
         '(os.kill(os.getpid(), signal.SIGINT), time.sleep(60)))\n    return "interrupted: stand-in"'))
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         cwd=Path(__file__).parent.parent, timeout=50)
+    res = _run_script(script, timeout=50)
     assert res.returncode == -signal.SIGINT, res.stderr
     assert "Traceback" not in res.stderr and "interrupted: stand-in" in res.stderr

@@ -23,7 +23,6 @@ import math
 import statistics
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
