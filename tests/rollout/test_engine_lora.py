@@ -137,6 +137,29 @@ def test_a_reload_zeroes_the_buffers_only_when_the_layout_changes(qwen3_dir, ref
     assert len(clears) == 2 and _tokens(engine) == expected["attn_only"]
 
 
+def test_a_sync_of_the_same_layout_reuses_the_checked_destinations(qwen3_dir, ref, monkeypatch):
+    """The training loop loads the same names every step: each tensor's destination is found
+    and checked on the first load only; new values still land (outputs equal a fresh
+    engine's), and a tensor of another shape under the same name is checked again."""
+    adapter = _adapter(qwen3_dir)
+    halved = {k: v * 0.5 for k, v in adapter.items()}
+    fresh = Engine(str(qwen3_dir), ref.cfg())
+    fresh.load_adapter(halved, alpha=ALPHA, rank=RANK)
+    looked_up = []
+    destination = lora.LoraAdapters._destination
+    monkeypatch.setattr(lora.LoraAdapters, "_destination",
+                        lambda self, *a: looked_up.append(1) or destination(self, *a))
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    engine.load_adapter(adapter, alpha=ALPHA, rank=RANK)
+    assert len(looked_up) == len(adapter)
+    engine.load_adapter(halved, alpha=ALPHA, rank=RANK)
+    assert len(looked_up) == len(adapter) and _tokens(engine) == _tokens(fresh)
+    name = next(iter(adapter))
+    with pytest.raises(HandoffError, match="has shape"):
+        engine.load_adapter({**halved, name: halved[name][:, :-1]}, alpha=ALPHA, rank=RANK)
+    assert _tokens(engine) == _tokens(fresh)
+
+
 def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monkeypatch):
     calls = []
     run = lora.LoraSlot.linear

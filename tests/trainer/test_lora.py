@@ -217,3 +217,17 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(model_
     full = Actor(model_dir, actor=ActorConfig(), dtype="float32")
     with pytest.raises(HandoffError, match="LoRA adapter .rank 4.*this run trains full"):
         load_checkpoint(tmp_path / "ck", full)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-base", "own-base"])
+def test_the_synced_adapters_are_the_trained_ones(model_dir, shared):
+    """The actor lists its adapters once (after sharding replaced the parameters): what a
+    sync reads after an update is the updated adapters, every one, in module order."""
+    actor = _actor(model_dir, _engine(model_dir) if shared else None, lr=1e-2)
+    actor.update(_batch())
+    trained = [(n, local_shard(p.detach())) for n, p in actor.module.named_parameters()
+               if "lora_" in n]
+    synced = list(actor.adapter_tensors())
+    assert [n for n, _ in synced] == [n for n, _ in trained]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(synced, trained))
+    assert any(not torch.equal(p, torch.zeros_like(p)) for n, p in synced if "lora_B" in n)

@@ -3,8 +3,9 @@
     stats = sync_adapters(actor.adapter_tensors(engine.dtype), engine.load_adapter,
                           alpha=16, rank=8, device=device)
 
-Megabytes, no buckets: the engine's `load_adapter` checks every tensor, then copies them in
-batches into its fixed buffers (each TP rank its part). The engine folds alpha / rank into A
+Megabytes, no buckets: the engine's `load_adapter` checks every tensor (a later load of the
+same names and shapes reuses those checks), then copies them in batches into its fixed
+buffers (each TP rank its part). The engine folds alpha / rank into A
 as it copies, so its buffers are not the sent tensors and sync.verify's readback does not
 apply here (rollout/lora.py's tests check the copy against peft's outputs).
 """

@@ -71,6 +71,7 @@ class Actor(ShardedModel):
         if engine_base is not None and self.lora is None:
             raise HandoffError("engine_base is the base a LoRA actor shares: set actor.lora.rank")
         self._engine_base = engine_base
+        self._adapters: list[tuple[str, torch.nn.Parameter]] = []   # (name, param), _wrap's
         # Data-parallel replicas of the adapters: grads averaged by hand (_average_grads).
         self.replicated = engine_base is not None
         if not isinstance(actor.micro_batch_tokens, int) or not isinstance(
@@ -105,16 +106,21 @@ class Actor(ShardedModel):
             return super()._wrap(model)
         model = inject_adapters(model, self.lora)
         if self._engine_base is None:
-            return self._shard(model)
-        share_base(model, self._engine_base, device=self.device, dtype=self.dtype)
-        # Same seed, same init on every rank already; rank 0's copy makes it certain.
-        for _, p in adapter_parameters(model):
-            broadcast_(p.data)
+            model = self._shard(model)
+        else:
+            share_base(model, self._engine_base, device=self.device, dtype=self.dtype)
+        # Listed once, after sharding (which replaces the parameters): walking a 14B's
+        # modules for them took milliseconds of the device's slow host at every sync.
+        self._adapters = adapter_parameters(model)
+        if self._engine_base is not None:
+            # Same seed, same init on every rank already; rank 0's copy makes it certain.
+            for _, p in self._adapters:
+                broadcast_(p.data)
         return model
 
     def _param_tensors(self) -> list[torch.Tensor]:
         if self.replicated:   # the base is the engine's: "params" are the adapters only
-            return [p.detach() for _, p in adapter_parameters(self.module)]
+            return [p.detach() for _, p in self._adapters]
         return super()._param_tensors()
 
     def adapter_tensors(self, dtype: torch.dtype | None = None
@@ -122,7 +128,7 @@ class Actor(ShardedModel):
         """(peft name, whole adapter tensor cast to `dtype`), gathered from the shards without
         share_base (collective then: every rank runs it to the end)."""
         self.require_on_device("params")
-        for name, p in adapter_parameters(self.module):
+        for name, p in self._adapters:
             full = self._gather(p)
             yield name, (full if dtype is None or full.dtype == dtype else full.to(dtype))
 
