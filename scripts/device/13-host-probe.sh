@@ -2,7 +2,7 @@
 # Device (one `run` call, ~7 min): the largest-shape LoRA run of 3-largest-lora.sh with every
 # switch action watched by host_probe.py (wall, host, thread CPU, gc, context switches, steal,
 # CPUs, the host's speed right before): the 32B once on an H200 whose /dev/shm holds it, else
-# the 14B unpinned and then with the process held on PIN's CPUs (issue 31: the sync, sleep
+# the 14B (and again held on PIN's CPUs, where PIN is set: 4-11) (issue 31: the sync, sleep
 # and wake took one of two times a step).
 #   bash scripts/device/13-host-probe.sh           (repo root, on the GPU machine; logs in $OUT)
 set -u
@@ -12,7 +12,7 @@ shm_free=$(df --output=avail -B1 /dev/shm | tail -1)
 if [ "${PRESET:-auto}" = auto ] && [ "$HW" = h200 ] && [ "$shm_free" -gt 72000000000 ]; then
     preset=qwen3-32b; dir=/dev/shm/qwen3-32b; pins=""; STEPS=${STEPS:-3}; RUN_TIMEOUT=${RUN_TIMEOUT:-330}
 else
-    preset=qwen3-14b; dir=/tmp/qwen3-14b; pins="${PIN:-4-11}"; STEPS=${STEPS:-5}; RUN_TIMEOUT=${RUN_TIMEOUT:-220}
+    preset=qwen3-14b; dir=/tmp/qwen3-14b; pins="${PIN:-}"; STEPS=${STEPS:-5}; RUN_TIMEOUT=${RUN_TIMEOUT:-220}
 fi
 [ -f $dir/config.json ] || timeout 200 python3 -m handoff init-model \
     --preset $preset --out $dir --device cuda > "$OUT/init.log" 2>&1

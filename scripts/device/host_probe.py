@@ -23,6 +23,7 @@ import threading
 import time
 
 ROWS: list[dict] = []
+WRITES: list[dict] = []   # adapter loads' writes
 _action: dict = {"name": None}
 _gc = {"t0": 0.0, "paused": 0.0, "collections": 0}
 
@@ -96,6 +97,24 @@ def watch() -> None:
     clock_module.StepClock.timed = timed
     HybridWorker._timed = worker_timed
 
+    # Each adapter load's writes (rollout/lora.py): launched, captured or replayed.
+    import torch
+
+    from handoff.rollout import lora
+    original_write = lora._LoadPlan.write
+
+    def write(self, *args):
+        graph, t0 = self.graph, time.perf_counter()
+        original_write(self, *args)
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        path = ("launched" if self.graph is None else "replayed" if self.graph is graph
+                else "captured")
+        WRITES.append({"path": path, "host_ms": host * 1e3,
+                       "wall_ms": (time.perf_counter() - t0) * 1e3, "spin_ms": _spin_ms()})
+
+    lora._LoadPlan.write = write
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -113,7 +132,7 @@ def main() -> None:
     finally:
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(ROWS, f)
+                json.dump({"actions": ROWS, "adapter_writes": WRITES}, f)
         keys = ["wall_ms", "host_ms", "cpu_ms", "gc_ms", "gcs", "invol_cs", "vol_cs", "steal",
                 "cpus", "spin_ms", "threads"]
         print(f"{'action':22}" + "".join(f"{k:>10}" for k in keys))
@@ -121,6 +140,10 @@ def main() -> None:
             print(f"{row['action']:22}" + "".join(
                 f"{row[k]:>10.1f}" if isinstance(row[k], float) else f"{row[k]:>10}"
                 for k in keys))
+        print(f"{'adapter writes':22}{'host_ms':>10}{'wall_ms':>10}{'spin_ms':>10}")
+        for row in WRITES:
+            print(f"{row['path']:22}{row['host_ms']:>10.2f}{row['wall_ms']:>10.2f}"
+                  f"{row['spin_ms']:>10.1f}")
         sys.stdout.flush()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import types
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,56 @@ def test_a_sync_of_the_same_layout_reuses_the_checked_destinations(qwen3_dir, re
     with pytest.raises(HandoffError, match="has shape"):
         engine.load_adapter({**halved, name: halved[name][:, :-1]}, alpha=ALPHA, rank=RANK)
     assert _tokens(engine) == _tokens(fresh)
+
+
+def test_the_same_sources_twice_are_captured_then_replayed(qwen3_dir, ref, monkeypatch):
+    """On CUDA a load's writes go into a graph once the same source tensors come twice (a
+    training loop's adapters stay put); loads from those sources replay it, values changed
+    in place included; other sources are written as launched. On CPU: a stand-in graph that
+    runs what it captured."""
+    events = []
+
+    class Graph:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def replay(self):
+            events.append("replay")
+            self.fn()
+
+    copy = lora.copy_in_batches
+    monkeypatch.setattr(lora, "copy_in_batches", lambda c: events.append("write") or copy(c))
+    monkeypatch.setattr(lora, "_sync_graphs", lambda dests: True)
+    monkeypatch.setattr(lora, "capture_graph", lambda fn: events.append("capture") or Graph(fn))
+    adapter = _adapter(qwen3_dir)
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    for expected in (["write"], ["capture", "replay", "write"], ["replay", "write"]):
+        events.clear()
+        engine.load_adapter(adapter, alpha=ALPHA, rank=RANK)
+        assert events == expected
+    for tensor in adapter.values():   # an optimizer step: the same tensors, new values
+        tensor.mul_(0.5)
+    events.clear()
+    engine.load_adapter(adapter, alpha=ALPHA, rank=RANK)
+    assert events == ["replay", "write"]
+    fresh = Engine(str(qwen3_dir), ref.cfg())
+    fresh.load_adapter({k: v.clone() for k, v in adapter.items()}, alpha=ALPHA, rank=RANK)
+    assert _tokens(engine) == _tokens(fresh)
+    copied = {k: v.clone() for k, v in adapter.items()}   # other sources: launched again
+    events.clear()
+    engine.load_adapter(copied, alpha=ALPHA, rank=RANK)
+    assert events == ["write"]
+    events.clear()
+    engine.load_adapter(copied, alpha=ALPHA, rank=RANK)
+    assert events == ["capture", "replay", "write"]
+
+
+def test_the_sync_graph_is_cuda_only_and_has_an_off_switch(monkeypatch):
+    cuda, host = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
+    monkeypatch.delenv("HANDOFF_SYNC_GRAPH", raising=False)
+    assert lora._sync_graphs([cuda]) and not lora._sync_graphs([host])
+    monkeypatch.setenv("HANDOFF_SYNC_GRAPH", "0")
+    assert not lora._sync_graphs([cuda])
 
 
 def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monkeypatch):

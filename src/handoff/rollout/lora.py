@@ -40,6 +40,7 @@ R = maximum rank.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Iterable
 
@@ -152,13 +153,10 @@ class LoraAdapters:
         if plan is None or not plan.fits(rank, names, tensors):
             plan = self._plan = _LoadPlan.of(self, names, tensors, rank)
         # The training loop syncs the same layout every step: then every view written is
-        # overwritten and the rest is still zero, so the buffers are not zeroed first. Two
-        # batched calls for the copies and the scale: a launch per tensor costs the slow
-        # host ~30 us, 47 ms for the 32B's 896 adapter tensors (H200, 2026-12-06).
+        # overwritten and the rest is still zero, so the buffers are not zeroed first.
         if plan.layout != self._layout:
             self.clear()
-        copy_in_batches(plan.copies(tensors))
-        torch._foreach_mul_([linear.lora.A for linear in self.linears.values()], alpha / rank)
+        plan.write(tensors, [linear.lora.A for linear in self.linears.values()], alpha / rank)
         self._layout = plan.layout
 
     def clear(self) -> None:
@@ -207,13 +205,24 @@ class LoraAdapters:
 class _LoadPlan:
     """Where each tensor of one adapter layout goes: worked out and checked once, then reused
     while a load passes the same names, shapes and rank: a training loop's every sync (the
-    14B's 560 names each matched and checked cost the host ~10 us of Python a tensor)."""
+    14B's 560 names each matched and checked cost the host ~10 us of Python a tensor).
 
-    def __init__(self, rank: int, names: list[str], shapes: list[tuple[int, ...]],
+    The writes are two batched calls, the copies and A's scale, but a B block's row stride
+    (the fused parts side by side) differs from its source's, which keeps `_foreach_copy_`
+    off its one-kernel path: a launch per tensor, 10-16 ms of the device's host for the 32B's
+    896 tensors (H200, 2026-12-07). On CUDA, once the same sources come twice (a training
+    loop's adapters stay put), the writes are captured in a CUDA graph and replayed: one
+    launch. HANDOFF_SYNC_GRAPH=0: launched each time."""
+
+    def __init__(self, rank: int, names: list[str], shapes: list[tuple],
                  dests: list[torch.Tensor], rules: list[ShardRule | None], layout: tuple):
         self.rank, self.names, self.shapes = rank, names, shapes
         self.dests, self.rules, self.layout = dests, rules, layout
         self.nbytes = [d.numel() * d.element_size() for d in dests]
+        self.graph = None            # the captured writes, and the sources they read
+        self._graph_key = self._last_key = None
+        # A copy from the host (an adapter file's tensors) cannot be captured.
+        self.capturable = all(sig[3] == dest.device for sig, dest in zip(shapes, dests))
 
     @classmethod
     def of(cls, adapters: LoraAdapters, names: list[str], tensors: list[torch.Tensor],
@@ -231,18 +240,55 @@ class _LoadPlan:
         if unpaired:
             raise HandoffError(f"the adapter lacks {unpaired[0]} ({len(unpaired)} missing): "
                                "pass every lora_A and lora_B tensor that save_pretrained wrote")
-        return cls(rank, list(names), [tuple(t.shape) for t in tensors], dests, rules,
+        return cls(rank, list(names), [_signature(t) for t in tensors], dests, rules,
                    (rank, frozenset(halves)))
 
     def fits(self, rank: int, names: list[str], tensors: list[torch.Tensor]) -> bool:
+        """The same names and rank, each tensor of the same shape, strides, dtype, device."""
         return (rank == self.rank and names == self.names
-                and all(tuple(t.shape) == shape for t, shape in zip(tensors, self.shapes)))
+                and all(_signature(t) == sig for t, sig in zip(tensors, self.shapes)))
+
+    def write(self, tensors: list[torch.Tensor], a_buffers: list[torch.Tensor],
+              scale: float) -> None:
+        """Copy each tensor's part into its destination, then scale every A by `scale`."""
+        copies = self.copies(tensors)
+        key = (scale, [src.data_ptr() for _, src, _ in copies])
+        if self.graph is not None and key == self._graph_key:
+            self.graph.replay()   # the sources sit where the graph reads them (key)
+            return
+
+        def write() -> None:
+            copy_in_batches(copies)
+            torch._foreach_mul_(a_buffers, scale)
+
+        if key == self._last_key and self.capturable and _sync_graphs(self.dests):
+            self.graph, self._graph_key = capture_graph(write), key
+            self.graph.replay()
+        else:
+            write()
+        self._last_key = key
 
     def copies(self, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """(destination, this rank's part of the tensor, bytes) per tensor."""
         return [(dest, tensor if rule is None else rule.src(tensor), nbytes)
                 for dest, tensor, rule, nbytes in zip(self.dests, tensors, self.rules,
                                                       self.nbytes)]
+
+
+def _signature(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device
+
+
+def _sync_graphs(dests: list[torch.Tensor]) -> bool:
+    return bool(dests) and dests[0].is_cuda and os.environ.get("HANDOFF_SYNC_GRAPH", "1") != "0"
+
+
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """`fn`'s launches captured (not run) in a CUDA graph; it allocates nothing."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    return graph
 
 
 class EngineLora:
