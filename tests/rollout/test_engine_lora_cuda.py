@@ -121,10 +121,12 @@ def _counted(kernel, name: str, calls: list):
     return run
 
 
-def test_a_sync_replayed_from_its_graph_writes_the_sources_values_now(qwen3_dir, ref):
-    """The same device tensors loaded a second time are captured in a graph, a third time
-    replayed: values changed in place since are what lands (tokens equal an engine that
-    loaded them as launched)."""
+def test_a_sync_replayed_from_its_graph_writes_the_sources_values_now(qwen3_dir, ref,
+                                                                      monkeypatch):
+    """With HANDOFF_SYNC_GRAPH=1 the same device tensors loaded a second time are captured in
+    a graph, a third time replayed: values changed in place since are what lands (tokens
+    equal an engine that loaded them as launched)."""
+    monkeypatch.setenv("HANDOFF_SYNC_GRAPH", "1")
     cfg = ref.cfg(num_blocks=1024, block_size=16, max_num_seqs=64)
     adapter = {k: v.to("cuda", torch.bfloat16) for k, v in _random_adapter(qwen3_dir).items()}
     engine = Engine(str(qwen3_dir), cfg, dtype="bfloat16", lora_max_rank=8)
@@ -136,8 +138,10 @@ def test_a_sync_replayed_from_its_graph_writes_the_sources_values_now(qwen3_dir,
         if "lora_B" in name:
             tensor.mul_(-1)
     engine.load_adapter(adapter, alpha=ALPHA, rank=RANK)
+    monkeypatch.setenv("HANDOFF_SYNC_GRAPH", "0")
     launched = Engine(str(qwen3_dir), cfg, dtype="bfloat16", lora_max_rank=8)
-    launched.load_adapter({k: v.clone() for k, v in adapter.items()}, alpha=ALPHA, rank=RANK)
+    for _ in range(2):
+        launched.load_adapter(adapter, alpha=ALPHA, rank=RANK)
     assert launched.lora._plan.graph is None
     after = _tokens(engine)
     assert after == _tokens(launched) and after != before

@@ -210,9 +210,10 @@ class _LoadPlan:
     The writes are two batched calls, the copies and A's scale, but a B block's row stride
     (the fused parts side by side) differs from its source's, which keeps `_foreach_copy_`
     off its one-kernel path: a launch per tensor, 10-16 ms of the device's host for the 32B's
-    896 tensors (H200, 2026-12-07). On CUDA, once the same sources come twice (a training
-    loop's adapters stay put), the writes are captured in a CUDA graph and replayed: one
-    launch. HANDOFF_SYNC_GRAPH=0: launched each time."""
+    896 tensors (H200, 2026-12-07). With HANDOFF_SYNC_GRAPH=1, on CUDA, once the same sources
+    come twice (a training loop's adapters stay put), the writes are captured in a CUDA graph
+    and replayed: one launch. Off by default until a device run has measured it against the
+    launches (tests/rollout/test_engine_lora_cuda.py checks it there)."""
 
     def __init__(self, rank: int, names: list[str], shapes: list[tuple],
                  dests: list[torch.Tensor], rules: list[ShardRule | None], layout: tuple):
@@ -280,7 +281,7 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 
 def _sync_graphs(dests: list[torch.Tensor]) -> bool:
-    return bool(dests) and dests[0].is_cuda and os.environ.get("HANDOFF_SYNC_GRAPH", "1") != "0"
+    return bool(dests) and dests[0].is_cuda and os.environ.get("HANDOFF_SYNC_GRAPH") == "1"
 
 
 def capture_graph(fn) -> torch.cuda.CUDAGraph:
