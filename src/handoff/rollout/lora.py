@@ -207,10 +207,10 @@ class _LoadPlan:
     while a load passes the same names, shapes and rank: a training loop's every sync (the
     14B's 560 names each matched and checked cost the host ~10 us of Python a tensor).
 
-    The writes are two batched calls, the copies and A's scale, but a B block's row stride
-    (the fused parts side by side) differs from its source's, which keeps `_foreach_copy_`
-    off its one-kernel path: a launch per tensor, 10-16 ms of the device's host for the 32B's
-    896 tensors (H200, 2026-12-07). With HANDOFF_SYNC_GRAPH=1, on CUDA, once the same sources
+    The writes are two batched calls, the copies and A's scale, but `_foreach_copy_` takes
+    its one-kernel path only where every pair shares sizes and strides, and a B block's row
+    stride (the fused parts side by side) is not its source's: a launch per tensor. The
+    32B's sync (896 tensors) took 10-16 ms of the device's host (H200, 2026-12-07). With HANDOFF_SYNC_GRAPH=1, on CUDA, once the same sources
     come twice (a training loop's adapters stay put), the writes are captured in a CUDA graph
     and replayed: one launch. Off by default until a device run has measured it against the
     launches (tests/rollout/test_engine_lora_cuda.py checks it there)."""
