@@ -7,6 +7,7 @@ saved, and give the engine's greedy completions; bad inputs get one line and los
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,10 +170,20 @@ def test_export_bad_inputs_are_one_line_and_lose_nothing(trained, tmp_path):
     files = {p: p.read_bytes() for p in run.rglob("*")
              if p.is_file() and p.name != ".handoff.lock"}
     for out, where in ((run, "is the run directory"), (run / "exported", "is inside the run"),
-                       (run.parent, "is a directory that holds the run")):
+                       (run.parent, "is a directory that holds the run directory")):
         with pytest.raises(HandoffError, match=where):
             export_model(run, out, overwrite=True)
     assert {p: p.read_bytes() for p in files} == files and not (run / "exported").exists()
+
+    # --out the model the run trained (its model.path), or inside it: the base would be
+    # replaced, and a LoRA run's next merged export would add its adapter to it again
+    model = Path(json.loads((run / "config.json").read_text())["model"]["path"])
+    weights = {p: p.read_bytes() for p in model.rglob("*") if p.is_file()}
+    for out, overwrite in ((model, False), (model, True), (model / "exported", True)):
+        with pytest.raises(HandoffError, match="model directory the run trained"):
+            export_model(run, out, overwrite=overwrite)
+    assert {p: p.read_bytes() for p in weights} == weights
+    assert not (model / "exported").exists()
 
 
 def test_overwrite_replaces_the_export_and_never_writes_through_a_link(trained, tmp_path,

@@ -191,6 +191,31 @@ def test_handoff_export_merged_then_generate(lora_run, tmp_path):
     assert flat("its LoRA adapter, for peft") in flat(result.output)
 
 
+def test_an_adapter_export_over_a_merged_one_leaves_none_of_its_files(lora_run, tmp_path):
+    """--overwrite replaces an earlier export's files, all of them (its record lists them):
+    no merged model's config.json is left beside the adapter for a loader to take for a
+    model, and `generate` names the directory a PEFT adapter. A file of the user's stays."""
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    out = tmp_path / "out"
+    export_model(lora_run["run"], out)
+    (out / "notes.txt").write_text("mine")
+    merged = {p.name for p in out.iterdir()}
+    export_model(lora_run["run"], out, adapter=True, overwrite=True)
+    kept = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors"} <= merged and not kept & (merged - {
+        "notes.txt", "handoff_export.json"})
+    assert (out / "notes.txt").read_text() == "mine"
+    assert kept == set(json.loads((out / "handoff_export.json").read_text())["files"]) | {
+        "notes.txt"}
+    (out / "config.json").write_text((lora_run["base"] / "config.json").read_text())  # by hand
+    result = CliRunner().invoke(app, ["generate", "--model", str(out), "--prompt", "hi"])
+    assert result.exit_code == 2 and "holds a PEFT adapter" in result.output
+    assert "rename it" not in result.output
+
+
 def _refused(run, out, match: str, **kwargs) -> None:
     with pytest.raises(HandoffError, match=match):
         export_model(run, out, **kwargs)

@@ -67,6 +67,7 @@ from handoff.trainer.checkpoint_files import read_json as read_checkpoint_json
 from handoff.units import fmt_bytes
 
 STAGING = ".handoff-export.tmp"
+EXPORT_RECORD = "handoff_export.json"   # what an export wrote, and from which run
 MAX_SHARD_BYTES = 5 * 10**9
 INDEX = "model.safetensors.index.json"
 # The fix checkpoint_files.py gives a resume ("point `latest` at another checkpoint", "start
@@ -83,10 +84,13 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     directory (a LoRA run: merged; with `adapter`, its PEFT adapter directory); returns `out`.
     `model`: the model directory the run trained, instead of its config.json's model.path."""
     run_dir, out = Path(run_dir), Path(out)
-    _check_out(out, overwrite=overwrite)   # refused before a large checkpoint is read
-    _check_apart(run_dir, out)
+    _check_apart(run_dir, out, "the run directory", "replace the run's files")
     run_config, run_file = _run_config(run_dir)
     model_dir, flag = _run_model_dir(run_config, run_file, model)
+    _check_apart(Path(model_dir), out, "the model directory the run trained",
+                 "replace that model (a LoRA run's next merged export would add its adapter "
+                 "twice)")
+    _check_out(out, overwrite=overwrite)   # refused before a large checkpoint is read
     lora = run_lora(run_config, run_file)
     if adapter and lora is None:
         raise HandoffError(f"--adapter exports a LoRA adapter, but {run_dir} trained every "
@@ -115,11 +119,15 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
         else:
             _write_weights(weights, staging, tie=bool(config.get("tie_word_embeddings")))
             _write_config(model_dir, config, dtype, staging)
-        (staging / "handoff_export.json").write_text(json.dumps(
+        files = sorted([p.name for p in staging.iterdir()] + [EXPORT_RECORD])
+        (staging / EXPORT_RECORD).write_text(json.dumps(
             {"run_dir": str(run_dir.resolve()), "checkpoint": ckpt.name,
              "step": saved_step, "model": str(Path(model_dir).resolve()),
-             "lora": None if lora is None else {**asdict(lora), "merged": not adapter}},
-            indent=1))
+             "lora": None if lora is None else {**asdict(lora), "merged": not adapter},
+             "files": files}, indent=1))
+        for name in _earlier_export_files(out) - set(files):   # --overwrite: none left behind
+            if (out / name).is_file() or (out / name).is_symlink():
+                (out / name).unlink()
         publish(staging, out)
     except BaseException as e:
         shutil.rmtree(made if made is not None else out / STAGING, ignore_errors=True)
@@ -368,17 +376,33 @@ def _check_out(out: Path, *, overwrite: bool) -> None:
                            "them, or choose an empty directory")
 
 
-def _check_apart(run_dir: Path, out: Path) -> None:
-    """Refuse a DIR that is the run's directory or inside it, or that holds it: the export's
-    config.json and weights would replace the run's own files (or a checkpoint being read)."""
-    run, target = run_dir.resolve(), out.resolve()
-    where = ("the run directory" if target == run else "inside the run directory"
-             if run in target.parents else "a directory that holds the run" if target in
-             run.parents else None)
+def _earlier_export_files(out: Path) -> set[str]:
+    """The files an earlier export wrote into `out`, which --overwrite replaces: those its
+    record lists (plain names only), or for a record without the list (written before it
+    was kept) the names that mark a directory's kind, config.json and the adapter's."""
+    record = out / EXPORT_RECORD
+    if not record.is_file():
+        return set()
+    try:
+        listed = json.loads(record.read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if not isinstance(listed, list):
+        return {"config.json", "generation_config.json", "adapter_config.json",
+                "adapter_model.safetensors"}
+    return {n for n in listed if isinstance(n, str) and n not in ("", ".", "..")
+            and Path(n).name == n}
+
+
+def _check_apart(read: Path, out: Path, what: str, harm: str) -> None:
+    """Refuse a DIR that is `read` (`what`: a directory the export reads) or inside it, or
+    that holds it: the export's files would replace what it reads (`harm`)."""
+    kept, target = read.resolve(), out.resolve()
+    where = (what if target == kept else f"inside {what}" if kept in target.parents
+             else f"a directory that holds {what}" if target in kept.parents else None)
     if where is not None:
-        raise HandoffError(f"--out {str(out)!r} is {where} {str(run_dir)!r}: the export would "
-                           "replace the run's files; pass a directory apart from it, e.g. "
-                           "--out exported/")
+        raise HandoffError(f"--out {str(out)!r} is {where} {str(read)!r}: the export would "
+                           f"{harm}; pass a directory apart from it, e.g. --out exported/")
 
 
 def _write_error(out: Path, error: OSError, weights) -> HandoffError:

@@ -203,6 +203,10 @@ def weight_files(path: str | Path) -> list[Path]:
             raise HandoffError(f"{index} lists no weights: restore it from the checkpoint")
         return files
     others = sorted(model.glob("*.safetensors"))
+    if (model / "adapter_config.json").is_file():   # a config.json beside it is not its own
+        raise HandoffError(f"{str(model)!r} holds a PEFT adapter (adapter_config.json), not a "
+                           "model's weights: point it at the adapter's base model, or "
+                           "`handoff export RUN --out DIR` without --adapter for a merged model")
     if others:
         raise HandoffError(f"{others[0]} is not a name transformers loads (model.safetensors or "
                            "the shards of model.safetensors.index.json): rename it to "
@@ -270,12 +274,13 @@ def check_model_dir(path: str | Path, *, flag: str = "--model", tokenizer: bool 
     check_architecture(path, config)
     check_shape(path, config)
     model = Path(path)
+    files = weight_files(model)   # first: a PEFT adapter's directory is named as one
     if tokenizer and not any((model / name).is_file() for name in TOKENIZER_FILES):
         raise HandoffError(f"{model} has no tokenizer files ({' or '.join(TOKENIZER_FILES)}): "
                            "save the tokenizer next to the weights "
                            "(tokenizer.save_pretrained(DIR))")
     check_tokenizer_ids(path, config)
-    for file in weight_files(model):
+    for file in files:
         check_safetensors(file)
 
 

@@ -193,3 +193,20 @@ def test_a_config_whose_rollout_the_workload_does_not_match_is_warned(config, ex
     assert ("warning: the plan is of responses of" in res.output) is warned, res.output
     if warned:
         assert "rollout.max_tokens=12" in res.output and "workload.response_len" in res.output
+
+
+def test_a_run_or_an_adapter_directory_as_the_model_is_named_as_one(tmp_path):
+    """`handoff plan --model` given a run's out_dir or a PEFT adapter directory says what it
+    is and how to get a model from it, as train and generate do."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(
+        {"model": {"path": "/models/x"}, "run": {}, "rollout": {}, "actor": {}}))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    for model, said in ((run, "is a handoff run directory, not a model"),
+                        (adapter, "is a PEFT adapter directory, not a model")):
+        result = CliRunner().invoke(app, ["plan", "--model", str(model)])
+        assert result.exit_code == 2 and said in result.output, result.output
+        assert "handoff export" in result.output and "Traceback" not in result.output

@@ -35,6 +35,21 @@ def test_generate_plain_output_and_friendly_error(qwen3_dir, tmp_path):
     assert result.exit_code == 2 and "config.json" in result.output
 
 
+def test_a_seed_gives_each_prompt_its_own_stream_and_repeats_the_whole(qwen3_dir):
+    """--seed S with the same prompt twice: the two prompts' samples differ (each prompt
+    draws its own stream, as without a seed), and the same command gives the same output."""
+    from handoff.rollout.cli_generate import generate_samples
+
+    def sampled():
+        return [s["token_ids"] for s in generate_samples(
+            str(qwen3_dir), ["abc", "abc"], max_tokens=8, temperature=1.0, n=2, seed=5,
+            chat=False, device="cpu")]
+
+    first = sampled()
+    assert first == sampled()
+    assert first[0] != first[2] and first[1] != first[3]   # prompt 0's sample j vs prompt 1's
+
+
 def _chat_ids(role_text: str) -> list[int]:
     """The byte tokenizer's ids of one user turn in modelzoo's ChatML template, by hand."""
     im_start, im_end = 258, 257

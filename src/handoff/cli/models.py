@@ -53,7 +53,8 @@ def generate_cmd(
     n: int = typer.Option(1, "--n", "-n", help="samples per prompt (-n under torchrun, whose "
                           "own --nnodes makes --n ambiguous)"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus mass (1: off)"),
-    seed: int = typer.Option(-1, "--seed", help="sampling seed (-1: random)"),
+    seed: int = typer.Option(-1, "--seed", help="sampling seed: the same command gives the "
+                             "same samples, each prompt its own stream (-1: random)"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     tp: int = typer.Option(1, "--tp", help="tensor parallel ranks (launch that many processes "
                            "with torchrun --nproc-per-node)"),
@@ -89,7 +90,8 @@ def export_cmd(
     step: Optional[int] = typer.Option(None, "--step", help="the checkpoint of this step "
                                        "(default: the latest complete one)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="write into a directory that "
-                                   "already holds files (an earlier export's are replaced)"),
+                                   "already holds files (an earlier export's are all replaced; "
+                                   "others are kept)"),
     adapter: bool = typer.Option(False, "--adapter", help="a LoRA run: its PEFT adapter "
                                  "directory (default: the adapter merged into the model)"),
     model: Optional[str] = typer.Option(None, "--model", help="the model directory the run "

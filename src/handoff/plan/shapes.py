@@ -296,7 +296,10 @@ def load_hf_config(model: str) -> tuple[dict, str]:
         return dict(PRESETS[model]), model
     p = Path(model)
     if p.is_dir():
-        p = p / "config.json"
+        # model_files names a PEFT adapter or a handoff run directory given for a model.
+        from handoff.model_files import read_model_config
+
+        return read_model_config(p, flag="--model"), _model_name(p)
     if not p.is_file():
         raise HandoffError(f"model {model!r} is neither a preset nor a readable config.json: use one "
                            f"of {', '.join(PRESETS)} or a path to an HF checkpoint directory")
