@@ -138,3 +138,26 @@ def test_torchruns_variables_without_torchrun_say_what_the_start_waits_for(env, 
     env(TORCHELASTIC_RUN_ID="abc")   # torchrun's own launch: nothing to say
     dist.init_process_group(torch.device("cpu"))
     assert len(joined) == 2 and not capsys.readouterr().err
+
+
+def test_a_rank_that_leaves_the_error_to_another_waits_before_it_exits(env, monkeypatch):
+    """torchrun stops every rank once one exits: the silent rank of an error every rank has
+    waits first, so local rank 0 (met it a moment later) gets to say it; the rank that says
+    it does not wait."""
+    from handoff import cli
+
+    waited = []
+    monkeypatch.setattr(cli.time, "sleep", waited.append)
+
+    @cli.friendly_errors
+    def fails():
+        raise HandoffError("parallel.gpus=4 but 2 process(es) were started")
+
+    env(**FULL)   # rank 1 of 2, local rank 1, before the ranks meet
+    with pytest.raises(SystemExit) as left:
+        fails()
+    assert left.value.code == 2 and waited == [cli.SILENT_RANK_GRACE_S]
+    env(RANK="0", LOCAL_RANK="0")
+    with pytest.raises(SystemExit):
+        fails()
+    assert waited == [cli.SILENT_RANK_GRACE_S]

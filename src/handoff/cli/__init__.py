@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from typing import Callable
 
 import typer
@@ -30,6 +31,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = table_console()
 err_console = Console(stderr=True)
 PLAN_DOES_NOT_FIT = 3   # `handoff plan`'s exit status when the verdict is "does not fit"
+SILENT_RANK_GRACE_S = 5.0   # a rank that leaves an error to another waits this long first
 
 
 def friendly_errors(fn: Callable) -> Callable:
@@ -46,6 +48,10 @@ def friendly_errors(fn: Callable) -> Callable:
             if _says_error(e):
                 err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
                                   soft_wrap=True)
+            else:
+                # torchrun stops every rank once one exits: a rank leaving first could stop
+                # the rank that says the error (met a moment later) before it does.
+                time.sleep(SILENT_RANK_GRACE_S)
             sys.exit(2)
 
     return wrapper
