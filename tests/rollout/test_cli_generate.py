@@ -104,3 +104,19 @@ def test_a_prompt_file_gives_one_prompt_a_line(tmp_path):
     file.write_bytes(b"\xff\xfe not utf-8")
     with pytest.raises(HandoffError, match="cannot be read .*: pass a UTF-8 text file"):
         read_prompt_file(str(file))
+
+
+def test_a_prompt_and_max_tokens_past_the_models_positions_are_noted(qwen3_dir):
+    """The engine ends such samples at the position limit: generate says so, not only
+    finish_reason 'length'."""
+    positions = json.loads((qwen3_dir / "config.json").read_text())["max_position_embeddings"]
+    prompt = "x" * (positions - 10)   # the byte tokenizer: a token a byte
+    args = ["generate", "--model", str(qwen3_dir), "--prompt", prompt, "--max-tokens", "40",
+            "--temperature", "0", "--no-chat", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert f"max_position_embeddings={positions}" in result.stderr
+    sample = json.loads(result.stdout)[0]
+    assert len(sample["token_ids"]) < 40 and sample["finish_reason"] == "length"
+    short = CliRunner().invoke(app, [*args[:4], "hi", *args[5:]])
+    assert short.exit_code == 0 and "max_position_embeddings" not in short.stderr

@@ -43,6 +43,7 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     tokenizer = load_tokenizer(model)
     token_lists = [encode_prompt(tokenizer, p, chat=chat) for p in prompts]
     longest = max(len(t) for t in token_lists) + max_tokens
+    _note_position_cap(model, longest)
     cfg = RolloutConfig(max_model_len=max_model_len or max(longest + 1, 2),
                         max_num_seqs=max(len(prompts) * n, 1), n=n, max_tokens=max_tokens)
     # A request's seed keys its own samples only, as vLLM's does: each prompt gets a seed of
@@ -56,6 +57,23 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
              "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
              "logprobs": s.logprobs, "finish_reason": s.finish_reason}
             for text, ids, out in zip(prompts, token_lists, outputs) for s in out.outputs]
+
+
+def _note_position_cap(model: str, longest: int) -> None:
+    """Say (stderr, rank 0) when a prompt and --max-tokens pass the model's positions: the
+    engine ends those samples at the limit, with finish_reason 'length'."""
+    import os
+
+    from handoff.model_files import read_model_config
+
+    positions = read_model_config(model).get("max_position_embeddings")
+    if isinstance(positions, int) and longest > positions and os.environ.get("RANK", "0") == "0":
+        from rich.console import Console
+
+        Console(stderr=True).print(
+            f"[yellow]note: the longest prompt and --max-tokens make {longest} tokens, past the "
+            f"model's max_position_embeddings={positions}: its samples end at {positions} "
+            "tokens (finish_reason 'length')[/]", highlight=False, soft_wrap=True)
 
 
 def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
