@@ -111,13 +111,13 @@ def test_benchmark_lengths_and_rates_from_an_earlier_run(model_dir, tmp_path, mo
 
 
 def test_each_evaluation_problem_draws_its_own_stream_whatever_the_ranks():
-    from handoff.loop import eval_params
-    from handoff.rollout.sampling import SamplingParams
+    from handoff.rollout.sampling import SamplingParams, seeded_per_prompt
 
     params = SamplingParams(temperature=0.7, n=1, max_tokens=4, seed=None)
-    whole = eval_params(params, 3, [0, 1, 2, 3])
+    whole = seeded_per_prompt(params, 3, [0, 1, 2, 3])
     assert len({p.seed for p in whole}) == 4   # one stream per problem
     assert all(p.temperature == 0.7 and p.max_tokens == 4 for p in whole)
     # rank 1 of 2 evaluates problems 1 and 3: the same seeds as one rank gives them
-    assert [p.seed for p in eval_params(params, 3, [1, 3])] == [whole[1].seed, whole[3].seed]
-    assert eval_params(params, 4, [0])[0].seed != whole[0].seed   # run.seed decides them
+    assert [p.seed for p in seeded_per_prompt(params, 3, [1, 3])] == [whole[1].seed,
+                                                                      whole[3].seed]
+    assert seeded_per_prompt(params, 4, [0])[0].seed != whole[0].seed   # run.seed decides them

@@ -53,8 +53,8 @@ from handoff.demo_model import SMOLLM2_PRESET
 from handoff.errors import HandoffError
 from handoff.export_lora import (MergedWeights, adapter_config, check_adapter, run_lora,
                                  save_tensors, write_adapter)
-from handoff.model_files import (check_model_dir, load_tokenizer, read_model_config,
-                                 weight_files)
+from handoff.model_files import (WEIGHTS_INDEX, check_model_dir, load_tokenizer,
+                                 read_model_config, weight_files)
 from handoff.model_source import _is_hub_id, resolve_model
 from handoff.plan.shapes import PRESETS
 from handoff.reading import read_json
@@ -69,7 +69,6 @@ from handoff.units import fmt_bytes
 STAGING = ".handoff-export.tmp"
 EXPORT_RECORD = "handoff_export.json"   # what an export wrote, and from which run
 MAX_SHARD_BYTES = 5 * 10**9
-INDEX = "model.safetensors.index.json"
 # The fix checkpoint_files.py gives a resume ("point `latest` at another checkpoint", "start
 # over with --overwrite", "do not resume it"): an export's is --step N of another checkpoint.
 _RESUME_FIX = re.compile(r"[;:] (?:point `latest`|start over|do not resume)")
@@ -125,10 +124,7 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
              "step": saved_step, "model": str(Path(model_dir).resolve()),
              "lora": None if lora is None else {**asdict(lora), "merged": not adapter},
              "files": files}, indent=1))
-        for name in _earlier_export_files(out) - set(files):   # --overwrite: none left behind
-            if (out / name).is_file() or (out / name).is_symlink():
-                (out / name).unlink()
-        publish(staging, out)
+        publish(staging, out, replaces=_earlier_export_files(out))   # none left behind
     except BaseException as e:
         shutil.rmtree(made if made is not None else out / STAGING, ignore_errors=True)
         if isinstance(e, OSError):
@@ -377,9 +373,10 @@ def _check_out(out: Path, *, overwrite: bool) -> None:
 
 
 def _earlier_export_files(out: Path) -> set[str]:
-    """The files an earlier export wrote into `out`, which --overwrite replaces: those its
-    record lists (plain names only), or for a record without the list (written before it
-    was kept) the names that mark a directory's kind, config.json and the adapter's."""
+    """The files an earlier export wrote into `out`, which --overwrite replaces (publish
+    matches them against the names in `out` only): those its record lists, or for a record
+    without the list (written before it was kept) the names that mark a directory's kind,
+    config.json and the adapter's."""
     record = out / EXPORT_RECORD
     if not record.is_file():
         return set()
@@ -390,8 +387,7 @@ def _earlier_export_files(out: Path) -> set[str]:
     if not isinstance(listed, list):
         return {"config.json", "generation_config.json", "adapter_config.json",
                 "adapter_model.safetensors"}
-    return {n for n in listed if isinstance(n, str) and n not in ("", ".", "..")
-            and Path(n).name == n}
+    return {n for n in listed if isinstance(n, str)}
 
 
 def _check_apart(read: Path, out: Path, what: str, harm: str) -> None:
@@ -464,7 +460,7 @@ def _write_weights(weights: CheckpointPart, staging: Path, *, tie: bool) -> None
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {n: file for file, shard in zip(files, shards) for n in shard}}
-        (staging / INDEX).write_text(json.dumps(index, indent=1))
+        (staging / WEIGHTS_INDEX).write_text(json.dumps(index, indent=1))
 
 
 def _write_config(model_dir: str, config: dict, dtype: torch.dtype, staging: Path) -> None:

@@ -43,7 +43,7 @@ from handoff.dist import broadcast_object, mean_over_ranks, world_rank_size
 from handoff.errors import HandoffError
 from handoff.lengths import ResponseLengths
 from handoff.memory.allocator import frozen_gc_heap
-from handoff.rollout.sampling import SamplingParams, sample_key
+from handoff.rollout.sampling import SamplingParams, seeded_per_prompt
 from handoff.run_dir import (claim_out_dir, clear_earlier_run, keep_changed_config,
                              resume_point, trim_metrics, write_run_config)
 from handoff.run_report import RunReport, console
@@ -62,13 +62,6 @@ from handoff.switch import Generation, StepTimes, SwitchRecord
 
 def _prompt_seed(seed: int, step: int, index: int) -> int:
     return (seed * 1_000_003 + step) * 1_000_033 + index
-
-
-def eval_params(params: SamplingParams, seed: int, problems: list[int]) -> list[SamplingParams]:
-    """`params` for each evaluation problem with a seed of its own, from its index in the set
-    (whatever the ranks): one seed for all would draw every problem the same random stream
-    at eval.temperature > 0."""
-    return [dataclasses.replace(params, seed=sample_key(seed, i)) for i in problems]
 
 
 def sampling_params(rollout, seed: int) -> SamplingParams:
@@ -358,7 +351,8 @@ class Run:
         mine = [i for i in range(len(problems)) if i % self.world // tp == self.rank // tp]
         ids = [task.encode_prompt(problems[i], self.tokenizer, chat=cfg.data.chat_template)
                for i in mine]
-        outs = self.worker.generate(ids, eval_params(params, cfg.run.seed, mine)).outputs
+        # a seed per problem from its index in the set, whatever the ranks
+        outs = self.worker.generate(ids, seeded_per_prompt(params, cfg.run.seed, mine)).outputs
         self.worker.reset_prefix_cache()
         samples = [Sample(problems[i], self._reward_prompt(problems[i]),
                           self.tokenizer.decode(out.outputs[0].token_ids,

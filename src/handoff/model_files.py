@@ -29,11 +29,14 @@ from handoff.errors import HandoffError
 from handoff.reading import expect, parse_json, read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+WEIGHTS_INDEX = "model.safetensors.index.json"   # a sharded checkpoint's map of its shards
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")   # the engine's decoders (rollout/models)
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit on its JSON header
 _MAX_CONFIG_BYTES = 4 << 20     # a config.json is a few kB
+_ADAPTER_FIX = ("point it at the adapter's base model (adapter_config.json names it), or "
+                "`handoff export RUN --out DIR` without --adapter for a merged model")
 _CONVERT = ("convert it once on a machine you trust with transformers: "
             "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, "
             "safe_serialization=True)")
@@ -42,20 +45,26 @@ _CONVERT = ("convert it once on a machine you trust with transformers: "
 def read_model_config(path: str | Path, *, flag: str = "--model") -> dict:
     """config.json of a checkpoint directory as a dict, or one line naming what is wrong."""
     file = Path(path) / "config.json"
-    if not file.is_file() and (Path(path) / "adapter_config.json").is_file():
-        raise HandoffError(f"{flag}={str(path)!r} is a PEFT adapter directory, not a model: point "
-                           "it at the adapter's base model (adapter_config.json names it), or "
-                           "`handoff export RUN --out DIR` without --adapter for a merged model")
     if not file.is_file():
+        refuse_not_a_model(path, None, flag=flag)
         raise HandoffError(f"{flag}={str(path)!r} is not an HF checkpoint directory (no "
                            "config.json): create one with `handoff init-model --preset "
                            "tiny-qwen3 --out DIR` or point it at a downloaded model")
     config = read_json(file, max_bytes=_MAX_CONFIG_BYTES)
+    refuse_not_a_model(path, config, flag=flag)
+    return config
+
+
+def refuse_not_a_model(path: str | Path, config: dict | None, *, flag: str) -> None:
+    """One line for a directory given as a model that is a PEFT adapter's (no config.json:
+    `config` None) or a handoff run's (its config.json `config` is the run's)."""
+    if config is None and (Path(path) / "adapter_config.json").is_file():
+        raise HandoffError(f"{flag}={str(path)!r} is a PEFT adapter directory, not a model: "
+                           f"{_ADAPTER_FIX}")
     if is_run_config(config):
         raise HandoffError(f"{flag}={str(path)!r} is a handoff run directory, not a model: "
                            f"`handoff export {path} --out DIR` writes its model, then point "
                            f"{flag} at DIR")
-    return config
 
 
 def is_run_config(data) -> bool:
@@ -183,7 +192,7 @@ def weight_files(path: str | Path) -> list[Path]:
     use_safetensors=True: model.safetensors, else the shards of model.safetensors.index.json.
     Pickle weights are never opened; other names are refused rather than guessed at."""
     model = Path(path)
-    single, index = model / "model.safetensors", model / "model.safetensors.index.json"
+    single, index = model / "model.safetensors", model / WEIGHTS_INDEX
     if single.is_file():
         return [single]
     _refuse_dangling(single)
@@ -205,8 +214,7 @@ def weight_files(path: str | Path) -> list[Path]:
     others = sorted(model.glob("*.safetensors"))
     if (model / "adapter_config.json").is_file():   # a config.json beside it is not its own
         raise HandoffError(f"{str(model)!r} holds a PEFT adapter (adapter_config.json), not a "
-                           "model's weights: point it at the adapter's base model, or "
-                           "`handoff export RUN --out DIR` without --adapter for a merged model")
+                           f"model's weights: {_ADAPTER_FIX}")
     if others:
         raise HandoffError(f"{others[0]} is not a name transformers loads (model.safetensors or "
                            "the shards of model.safetensors.index.json): rename it to "

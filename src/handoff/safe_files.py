@@ -23,11 +23,12 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from handoff.errors import HandoffError
+from handoff.model_files import WEIGHTS_INDEX
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -184,16 +185,18 @@ def first_missing(path: Path) -> Path | None:
     return missing
 
 
-def publish(staging: Path, out: Path) -> None:
+def publish(staging: Path, out: Path, replaces: Collection[str] = ()) -> None:
     """Move the files staged in `staging` into `out`; earlier weight shards go (a loader would
-    read them). A link at a file's name in `out` is replaced, never followed."""
+    read them), and the files named in `replaces` (what an earlier write of the same kind
+    put there). A link at a file's name in `out` is replaced, never followed."""
     for old in out.iterdir():
-        if not (old.name.endswith(".safetensors") or old.name == "model.safetensors.index.json"):
-            continue
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
+        if old.name.endswith(".safetensors") or old.name == WEIGHTS_INDEX:
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
+        elif old.name in replaces and (old.is_file() or old.is_symlink()):
+            old.unlink()   # a file only: a directory of that name is not the earlier write's
     for new in sorted(staging.iterdir()):
         target = out / new.name
         if target.is_dir() and not target.is_symlink():

@@ -294,13 +294,12 @@ def load_hf_config(model: str) -> tuple[dict, str]:
     """A preset name, a config.json path, or a checkpoint directory -> (config dict, name)."""
     if model in PRESETS:
         return dict(PRESETS[model]), model
-    # model_files names a PEFT adapter or a handoff run directory given for a model.
-    from handoff.model_files import is_run_config, read_model_config
+    from handoff.model_files import refuse_not_a_model   # a PEFT adapter's, a run's
 
     p = Path(model)
     if p.is_dir():
-        if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
-            read_model_config(p, flag="--model")   # says it is an adapter
+        if not (p / "config.json").is_file():
+            refuse_not_a_model(p, None, flag="--model")
         p = p / "config.json"
     if not p.is_file():
         raise HandoffError(f"model {model!r} is neither a preset nor a readable config.json: use one "
@@ -310,8 +309,7 @@ def load_hf_config(model: str) -> tuple[dict, str]:
     except (OSError, json.JSONDecodeError) as e:
         raise HandoffError(f"cannot read {str(p)!r} as JSON ({e}): point --model at a valid "
                            "HF config.json") from None
-    if is_run_config(config):
-        read_model_config(p.parent, flag="--model")   # says it is a run directory
+    refuse_not_a_model(p.parent, config, flag="--model")
     return config, _model_name(p.parent) or str(p)
 
 

@@ -29,7 +29,7 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     from handoff.config import RolloutConfig
     from handoff.model_files import check_model_dir, load_tokenizer
     from handoff.rollout.engine import Engine
-    from handoff.rollout.sampling import SamplingParams, sample_key
+    from handoff.rollout.sampling import SamplingParams, seeded_per_prompt
 
     from handoff.dist import launch_env
 
@@ -46,11 +46,10 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     _note_position_cap(model, longest)
     cfg = RolloutConfig(max_model_len=max_model_len or max(longest + 1, 2),
                         max_num_seqs=max(len(prompts) * n, 1), n=n, max_tokens=max_tokens)
-    # A request's seed keys its own samples only, as vLLM's does: each prompt gets a seed of
-    # its own from --seed, or every prompt would draw the same random stream.
-    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, n=n,
-                             seed=None if seed is None else sample_key(seed, i),
-                             max_tokens=max_tokens) for i in range(len(prompts))]
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, n=n,
+                            max_tokens=max_tokens)
+    if seed is not None:
+        params = seeded_per_prompt(params, seed, range(len(prompts)))
     device, group = _join_tp_group(device, tp)
     outputs = Engine(model, cfg, device=device, tp=group).generate(token_lists, params)
     return [{"prompt": text, "prompt_token_ids": ids, "token_ids": s.token_ids,

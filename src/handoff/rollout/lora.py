@@ -204,8 +204,8 @@ class LoraAdapters:
 
 class _LoadPlan:
     """Where each tensor of one adapter layout goes: worked out and checked once, then reused
-    while a load passes the same names, shapes and rank: a training loop's every sync (the
-    14B's 560 names each matched and checked cost the host ~10 us of Python a tensor).
+    while a load passes the same names, shapes and rank: a training loop's every sync (each
+    name matched to its buffer and checked is Python work a tensor, 560 on the 14B).
 
     The writes are two batched calls, the copies and A's scale, but `_foreach_copy_` takes
     its one-kernel path only where every pair shares sizes and strides, and a B block's row
@@ -215,15 +215,15 @@ class _LoadPlan:
     and replayed: one launch. Off by default until a device run has measured it against the
     launches (tests/rollout/test_engine_lora_cuda.py checks it there)."""
 
-    def __init__(self, rank: int, names: list[str], shapes: list[tuple],
+    def __init__(self, rank: int, names: list[str], signatures: list[tuple],
                  dests: list[torch.Tensor], rules: list[ShardRule | None], layout: tuple):
-        self.rank, self.names, self.shapes = rank, names, shapes
+        self.rank, self.names, self.signatures = rank, names, signatures
         self.dests, self.rules, self.layout = dests, rules, layout
         self.nbytes = [d.numel() * d.element_size() for d in dests]
         self.graph = None            # the captured writes, and the sources they read
         self._graph_key = self._last_key = None
         # A copy from the host (an adapter file's tensors) cannot be captured.
-        self.capturable = all(sig[3] == dest.device for sig, dest in zip(shapes, dests))
+        self.capturable = all(sig[3] == dest.device for sig, dest in zip(signatures, dests))
 
     @classmethod
     def of(cls, adapters: LoraAdapters, names: list[str], tensors: list[torch.Tensor],
@@ -247,22 +247,24 @@ class _LoadPlan:
     def fits(self, rank: int, names: list[str], tensors: list[torch.Tensor]) -> bool:
         """The same names and rank, each tensor of the same shape, strides, dtype, device."""
         return (rank == self.rank and names == self.names
-                and all(_signature(t) == sig for t, sig in zip(tensors, self.shapes)))
+                and all(_signature(t) == sig for t, sig in zip(tensors, self.signatures)))
 
     def write(self, tensors: list[torch.Tensor], a_buffers: list[torch.Tensor],
               scale: float) -> None:
         """Copy each tensor's part into its destination, then scale every A by `scale`."""
         copies = self.copies(tensors)
-        key = (scale, [src.data_ptr() for _, src, _ in copies])
-        if self.graph is not None and key == self._graph_key:
-            self.graph.replay()   # the sources sit where the graph reads them (key)
-            return
 
         def write() -> None:
             copy_in_batches(copies)
             torch._foreach_mul_(a_buffers, scale)
 
-        if key == self._last_key and self.capturable and _sync_graphs(self.dests):
+        if not (self.capturable and _sync_graphs(self.dests)):
+            write()
+            return
+        key = (scale, [src.data_ptr() for _, src, _ in copies])
+        if self.graph is not None and key == self._graph_key:
+            self.graph.replay()   # the sources sit where the graph reads them (key)
+        elif key == self._last_key:
             self.graph, self._graph_key = capture_graph(write), key
             self.graph.replay()
         else:

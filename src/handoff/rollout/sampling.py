@@ -15,7 +15,7 @@ Shape legend: B = sequences in the batch, V = vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -77,6 +77,13 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     x = x ^ (x >> np.uint64(27))
     x = x * _MIX2
     return x ^ (x >> np.uint64(31))
+
+
+def seeded_per_prompt(params: SamplingParams, seed: int, prompts) -> list[SamplingParams]:
+    """`params` for each prompt index in `prompts`, each with a seed of its own from `seed`:
+    a request's seed keys its own samples only (as vLLM's does), so one seed for all would
+    draw every prompt the same random stream."""
+    return [replace(params, seed=sample_key(seed, i)) for i in prompts]
 
 
 def sample_key(seed: int, sample_index: int) -> int:
