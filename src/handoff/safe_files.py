@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 from handoff.errors import HandoffError
-from handoff.model_files import WEIGHTS_INDEX
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -190,7 +189,8 @@ def publish(staging: Path, out: Path, replaces: Collection[str] = ()) -> None:
     read them), and the files named in `replaces` (what an earlier write of the same kind
     put there). A link at a file's name in `out` is replaced, never followed."""
     for old in out.iterdir():
-        if old.name.endswith(".safetensors") or old.name == WEIGHTS_INDEX:
+        # model_files.WEIGHTS_INDEX, named here: the two are peers, neither imports the other
+        if old.name.endswith(".safetensors") or old.name == "model.safetensors.index.json":
             if old.is_dir() and not old.is_symlink():
                 shutil.rmtree(old)
             else:
