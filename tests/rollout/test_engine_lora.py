@@ -162,7 +162,7 @@ def test_a_sync_of_the_same_layout_reuses_the_checked_destinations(qwen3_dir, re
 
 
 def test_the_same_sources_twice_are_captured_then_replayed(qwen3_dir, ref, monkeypatch):
-    """On CUDA (HANDOFF_SYNC_GRAPH=1) a load's writes go into a graph once the same source
+    """On CUDA (unless HANDOFF_SYNC_GRAPH=0) a load's writes go into a graph once the same source
     tensors come twice (a training loop's adapters stay put); loads from those sources replay it, values changed
     in place included; other sources are written as launched. On CPU: a stand-in graph that
     runs what it captured."""
@@ -203,12 +203,12 @@ def test_the_same_sources_twice_are_captured_then_replayed(qwen3_dir, ref, monke
     assert events == ["capture", "replay", "write"]
 
 
-def test_the_sync_graph_is_cuda_only_and_opt_in(monkeypatch):
+def test_the_sync_graph_is_cuda_only_and_on_unless_switched_off(monkeypatch):
     cuda, host = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
     monkeypatch.delenv("HANDOFF_SYNC_GRAPH", raising=False)
-    assert not lora._sync_graphs([cuda])
-    monkeypatch.setenv("HANDOFF_SYNC_GRAPH", "1")
     assert lora._sync_graphs([cuda]) and not lora._sync_graphs([host])
+    monkeypatch.setenv("HANDOFF_SYNC_GRAPH", "0")
+    assert not lora._sync_graphs([cuda])
 
 
 def test_an_engine_without_adapter_never_runs_adapter_code(qwen3_dir, ref, monkeypatch):

@@ -210,10 +210,11 @@ class _LoadPlan:
     The writes are two batched calls, the copies and A's scale, but `_foreach_copy_` takes
     its one-kernel path only where every pair shares sizes and strides, and a B block's row
     stride (the fused parts side by side) is not its source's: a launch per tensor. The
-    32B's sync (896 tensors) took 10-16 ms of the device's host (H200, 2026-12-07). With HANDOFF_SYNC_GRAPH=1, on CUDA, once the same sources
-    come twice (a training loop's adapters stay put), the writes are captured in a CUDA graph
-    and replayed: one launch. Off by default until a device run has measured it against the
-    launches (tests/rollout/test_engine_lora_cuda.py checks it there)."""
+    32B's sync (896 tensors) took 10-16 ms of the device's host (H200, 2026-12-07). So on
+    CUDA, once the same sources come twice (a training loop's adapters stay put), the writes
+    are captured in a CUDA graph and replayed: one launch. The 1.7B's writes took 1.3 ms
+    replayed against 3.7 launched (H100, 2026-12-07, scripts/device/14-sync-graph.sh).
+    HANDOFF_SYNC_GRAPH=0 launches them every time."""
 
     def __init__(self, rank: int, names: list[str], signatures: list[tuple],
                  dests: list[torch.Tensor], rules: list[ShardRule | None], layout: tuple):
@@ -283,7 +284,7 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 
 def _sync_graphs(dests: list[torch.Tensor]) -> bool:
-    return bool(dests) and dests[0].is_cuda and os.environ.get("HANDOFF_SYNC_GRAPH") == "1"
+    return bool(dests) and dests[0].is_cuda and os.environ.get("HANDOFF_SYNC_GRAPH") != "0"
 
 
 def capture_graph(fn) -> torch.cuda.CUDAGraph:
