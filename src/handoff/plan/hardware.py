@@ -82,6 +82,8 @@ class HardwareProfile:
     # Host work per tensor of the LoRA sync's load into the engine's adapter buffers (names
     # checked, views taken, batched copies: rollout/lora.py); measured at the start of a LoRA
     # run (calibrate.measure_adapter_tensor_seconds). 0: sync_tensor_seconds, a full sync's.
+    # The H100's: the 14B's sync, its writes replayed from one graph, 4.3 ms for 560 tensors
+    # (2026-12-07, docs/PERF.md); the other cards' are not measured with the graph yet.
     adapter_tensor_seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -96,7 +98,7 @@ PROFILES: dict[str, HardwareProfile] = {
         activation_peak_bytes=2 * GB, graph_pool_bytes=0.5 * GB, resident_bytes=6 * GB,
         train_activation_bytes=4 * GB, sync_bucket_seconds=0.006, sync_tensor_seconds=40e-6,
         host_ram_bytes=2048 * GB, gpus_per_node=8, train_flops_per_s=315e12,
-        kv_read_bps=0.9 * 3350 * GB),
+        kv_read_bps=0.9 * 3350 * GB, adapter_tensor_seconds=7.7e-6),
     "h200": HardwareProfile(
         name="h200", hbm_bytes=139 * GIB, pinned_pcie_bps=55 * GB, nvlink_bps=450 * GB,
         decode_bw_bps=2900 * GB, d2d_bps=4200 * GB, sync_copy_bps=2500 * GB,
