@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device (one `run` call, ~5 min): the LoRA sync's CUDA graph (HANDOFF_SYNC_GRAPH) checked and
 # measured against launching each copy: the engine's LoRA CUDA tests, then the same Qwen3-1.7B
-# LoRA run (3 steps) with the graph on and off under host_probe.py, which prints each
+# LoRA run (STEPS, 4 unless set) with the graph on and off under host_probe.py, which prints each
 # adapter load as launched, captured or replayed and the ledger's sync rows (issue 31).
 #   bash scripts/device/14-sync-graph.sh           (repo root, on the GPU machine; logs in $OUT)
 set -u
