@@ -213,7 +213,7 @@ class _LoadPlan:
     32B's sync (896 tensors) took 10-16 ms of the device's host (H200, 2026-12-07). So on
     CUDA, once the same sources come twice (a training loop's adapters stay put), the writes
     are captured in a CUDA graph and replayed: one launch. The 1.7B's writes took 1.3 ms
-    replayed against 3.7 launched (H100, 2026-12-07, scripts/device/14-sync-graph.sh).
+    replayed against 3.9 launched (H100, 2026-12-07, scripts/device/14-sync-graph.sh).
     HANDOFF_SYNC_GRAPH=0 launches them every time."""
 
     def __init__(self, rank: int, names: list[str], signatures: list[tuple],
@@ -253,16 +253,16 @@ class _LoadPlan:
     def write(self, tensors: list[torch.Tensor], a_buffers: list[torch.Tensor],
               scale: float) -> None:
         """Copy each tensor's part into its destination, then scale every A by `scale`."""
-        copies = self.copies(tensors)
-
         def write() -> None:
-            copy_in_batches(copies)
+            copy_in_batches(self.copies(tensors))
             torch._foreach_mul_(a_buffers, scale)
 
         if not (self.capturable and _sync_graphs(self.dests)):
             write()
             return
-        key = (scale, [src.data_ptr() for _, src, _ in copies])
+        # The whole tensors' addresses: each part's follows from its tensor's (fits: the same
+        # shapes and strides), so a replay builds no views.
+        key = (scale, [t.data_ptr() for t in tensors])
         if self.graph is not None and key == self._graph_key:
             self.graph.replay()   # the sources sit where the graph reads them (key)
         elif key == self._last_key:
