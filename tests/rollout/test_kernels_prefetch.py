@@ -1,0 +1,38 @@
+"""The L2 prefetch kernel (rollout/kernels/prefetch.py): built ahead of time for sm_90 by
+Triton's own ptxas (no GPU), so the inline PTX assembles, and every thread's prefetch is
+guarded by its chunk's bound and kept though nothing reads its result."""
+
+import pytest
+
+
+def _build(per_program: int, chunk: int):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from handoff.rollout.kernels.prefetch import _prefetch_kernel
+
+    signature = {"base_ptr": "*u8", "n_chunks": "i32", "CHUNK": "constexpr",
+                 "PER_PROGRAM": "constexpr"}
+    src = ASTSource(fn=_prefetch_kernel, signature=signature,
+                    attrs={(0,): [["tt.divisibility", 16]]},
+                    constexprs={"CHUNK": chunk, "PER_PROGRAM": per_program})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def test_the_bulk_prefetch_builds_for_hopper_guarded_by_each_chunks_bound():
+    from handoff.rollout.kernels.prefetch import _PER_PROGRAM, CHUNK
+
+    kernel = _build(_PER_PROGRAM, CHUNK)
+    lines = [line for line in kernel.asm["ptx"].splitlines()
+             if "cp.async.bulk.prefetch.L2.global" in line]
+    assert len(lines) == 1 and f"], {CHUNK};" in lines[0]
+    assert "@p cp.async" in lines[0] and "setp.ne.b32 p" in lines[0]
+    assert kernel.metadata.shared == 0   # nothing staged: the copy engine fills L2 itself
+
+
+def test_not_on_a_cpu_device():
+    torch = pytest.importorskip("torch")
+    from handoff.rollout.kernels.prefetch import supported
+
+    assert not supported(torch.device("cpu"))
