@@ -5,9 +5,9 @@ and HBM idles through attention, the norms and the launches.)
 A Qwen3-shaped decoder stack in plain torch (cuBLAS products, SDPA over a 767-token KV),
 every layer's weights distinct (so nothing stays in L2 from one step to the next), captured
 in one CUDA graph and replayed; each prefetch plan against none in the same process. A plan
-names what the side stream asks for once a layer's qkv product is launched (o: o_proj's
-weight; gu<MB>: the first MB of gate_up's; qkv<MB>: the next layer's qkv, asked for once
-gate_up is launched). Floor: weights + KV over the copy rate measured here.
+names what the side stream asks for once a layer's qkv product is launched
+(kernels/prefetch.parse_plan: o_proj's weight, the first MB of gate_up's, of the next layer's
+qkv). Floor: weights + KV over the copy rate measured here.
     python3 scripts/device/l2_prefetch_probe.py [--models 1.7b,4b] [--batches 1,32,128]
 """
 
@@ -17,25 +17,12 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from handoff.rollout.kernels.prefetch import l2_prefetch
+from handoff.rollout.kernels.prefetch import LayerPrefetch, parse_plan
 
 SHAPES = {"1.7b": dict(E=2048, H=16, KV=8, I=6144, L=28),
           "4b": dict(E=2560, H=32, KV=8, I=9728, L=36)}
 D, CTX = 128, 767
 PLANS = ["none", "o", "o+gu8", "o+gu16", "o+gu16+qkv8", "o+qkv8"]
-MB = 1 << 20
-
-
-def parse(plan: str) -> dict:
-    out = {"o": False, "gu": 0, "qkv": 0}
-    for part in plan.split("+"):
-        if part == "o":
-            out["o"] = True
-        elif part.startswith("gu"):
-            out["gu"] = int(part[2:]) * MB
-        elif part.startswith("qkv"):
-            out["qkv"] = int(part[3:]) * MB
-    return out
 
 
 def build(s: dict, batch: int):
@@ -53,34 +40,21 @@ def build(s: dict, batch: int):
     return layers
 
 
-def forward(s, layers, x, plan, side):
+def forward(s, layers, x, prefetch):
     E, H, I = s["E"], s["H"], s["I"]
-    main = torch.cuda.current_stream()
     for i, w in enumerate(layers):
-        forked = False
         h = F.rms_norm(x, (E,))
         qkv = h @ w["qkv"].t()
-        if plan["o"] or plan["gu"]:
-            side.wait_stream(main)
-            forked = True
-            with torch.cuda.stream(side):
-                if plan["o"]:
-                    l2_prefetch(w["o"])
-                if plan["gu"]:
-                    l2_prefetch(w["gu"], plan["gu"])
+        if prefetch is not None:
+            prefetch.after_qkv(i)
         q = qkv[:, :H * D].reshape(-1, H, 1, D)
         a = F.scaled_dot_product_attention(q, w["k"], w["v"], enable_gqa=True)
         x = x + a.reshape(-1, H * D) @ w["o"].t()
         h = F.rms_norm(x, (E,))
         gu = h @ w["gu"].t()
-        if plan["qkv"] and i + 1 < len(layers):
-            side.wait_stream(main)
-            forked = True
-            with torch.cuda.stream(side):
-                l2_prefetch(layers[i + 1]["qkv"], plan["qkv"])
         x = x + (F.silu(gu[:, :I]) * gu[:, I:]) @ w["down"].t()
-        if forked:   # a capture must join every stream it forked
-            main.wait_stream(side)
+        if prefetch is not None:
+            prefetch.join()
     return x
 
 
@@ -138,9 +112,12 @@ def main() -> None:
             floor_ms = nbytes / rate * 1e3
             x = torch.randn(batch, s["E"], device="cuda", dtype=torch.bfloat16)
             side = torch.cuda.Stream()
+            weights = [(w["o"], w["gu"], w["qkv"]) for w in layers]
             base = None
             for plan in PLANS:
-                ms, out = time_graph(lambda: forward(s, layers, x, parse(plan), side))
+                prefetch = (None if plan == "none"
+                            else LayerPrefetch(weights, parse_plan(plan), side))
+                ms, out = time_graph(lambda: forward(s, layers, x, prefetch))
                 if base is None:
                     base, ref = ms, out.clone()
                 same = torch.equal(out, ref)

@@ -328,3 +328,38 @@ def test_longest_first_stages_an_order_and_changes_no_token(qwen3_dir, ref, monk
     ordered = engine.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in ordered] == [o.outputs[0].token_ids for o in plain]
     assert seen and seen[0][:3] == [1, 0, 2]   # 21, 4 and 2 tokens of context
+
+
+def test_a_decode_step_asks_each_layer_for_its_prefetch_and_joins_it(qwen3_dir, ref,
+                                                                      monkeypatch):
+    """With an L2 prefetch (kernels/prefetch.LayerPrefetch; CUDA sm_90 only, so a recorder
+    stands in here), every layer of a decode step at <= PREFETCH_MAX_ROWS rows asks once its
+    qkv product is launched and joins before it ends, in layer order; prefill asks nothing;
+    the tokens are the ones without it. HANDOFF_L2_PREFETCH unset: none on any device."""
+    from handoff.rollout.runner import PREFETCH_MAX_ROWS
+
+    monkeypatch.delenv("HANDOFF_L2_PREFETCH", raising=False)
+    prompts = [[1, 2, 3], list(range(10, 30))]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    assert engine.runner.prefetch is None
+    plain = engine.generate(prompts, params)
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def after_qkv(self, layer):
+            self.calls.append(("ask", layer))
+
+        def join(self):
+            self.calls.append(("join",))
+
+    engine = Engine(str(qwen3_dir), ref.cfg())
+    engine.runner.prefetch = recorder = Recorder()
+    asked = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in asked] == [o.outputs[0].token_ids for o in plain]
+    layers = engine.model.spec.num_layers
+    one_step = [c for i in range(layers) for c in (("ask", i), ("join",))]
+    assert len(prompts) <= PREFETCH_MAX_ROWS
+    assert recorder.calls == one_step * 3   # 4 tokens: one from the prefill, 3 decode steps

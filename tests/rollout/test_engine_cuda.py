@@ -149,3 +149,19 @@ def test_results_by_kernel_equal_results_by_copy(qwen3_dir, ref):
         outs[by_kernel] = [(s.token_ids, s.logprobs) for o in done for s in o.outputs]
         engine.sleep(2)
     assert outs[True] == outs[False]
+
+
+def test_the_l2_prefetch_moves_bytes_not_values(qwen3_dir, ref, monkeypatch):
+    """Each layer's next weights asked for in L2 on a side stream (HANDOFF_L2_PREFETCH), the
+    decode graphs captured with the fork and join: greedy tokens and log-probs bit-equal to
+    the engine's without it."""
+    outs = []
+    for plan in ("0", "o+gu16+qkv8"):
+        monkeypatch.setenv("HANDOFF_L2_PREFETCH", plan)
+        engine = Engine(str(qwen3_dir), ref.cfg(num_blocks=512, block_size=16), dtype="bfloat16")
+        assert (engine.runner.prefetch is None) == (plan == "0")
+        assert engine.runner.graphs is not None
+        outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                     for o in engine.generate(ref.mixed_prompts, GREEDY)])
+        engine.sleep(2)
+    assert outs[0] == outs[1]

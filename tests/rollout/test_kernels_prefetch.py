@@ -36,3 +36,14 @@ def test_not_on_a_cpu_device():
     from handoff.rollout.kernels.prefetch import supported
 
     assert not supported(torch.device("cpu"))
+
+
+def test_a_plan_is_read_from_its_name_and_a_bad_part_named_with_the_fix():
+    pytest.importorskip("triton")
+    from handoff.errors import HandoffError
+    from handoff.rollout.kernels.prefetch import MB, parse_plan
+
+    assert parse_plan("o+gu16") == {"o": True, "gu": 16 * MB, "qkv": 0}
+    assert parse_plan("qkv8") == {"o": False, "gu": 0, "qkv": 8 * MB}
+    with pytest.raises(HandoffError, match=r"'gu'.*e\.g\. o\+gu16"):
+        parse_plan("o+gu")

@@ -28,12 +28,15 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
 from handoff.errors import HandoffError
+
+if TYPE_CHECKING:
+    from handoff.rollout.kernels.prefetch import LayerPrefetch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -63,6 +66,7 @@ class AttnMeta:
     decode_fn: Callable | None = None
     order_B: torch.Tensor | None = None   # decode: the rows longest first (graphs.DecodeInputs)
     packed: "PackedPrefill | None" = None                    # prefill through varlen_attn
+    prefetch: "LayerPrefetch | None" = None   # decode: next weights asked for in L2
 
 
 @dataclass

@@ -43,6 +43,7 @@ from handoff.rollout.sequence import Sequence
 
 SAMPLING_MODES = ("greedy", "sample", "truncate")   # sampling.sampling_mode's answers
 _SAMPLER_ROWS = 32
+PREFETCH_MAX_ROWS = 32   # above it the products stream their weights at the copy rate
 
 
 class ModelRunner:
@@ -68,6 +69,10 @@ class ModelRunner:
         # tail overlaps the short ones (kernels/paged_decode.py): the public workload's decode
         # 2.9% faster on an H100 (docs/PERF.md). HANDOFF_LONGEST_FIRST=0: row order.
         self.longest_first = os.environ.get("HANDOFF_LONGEST_FIRST", "1") != "0"
+        # Each layer's next weights asked for in L2 on a side stream while its small kernels
+        # run (kernels/prefetch.py), at <= PREFETCH_MAX_ROWS rows: HANDOFF_L2_PREFETCH names
+        # the plan (e.g. o+gu16); unset or 0: off. Measured before it becomes a default.
+        self.prefetch = _layer_prefetch(model, device, self.pad_decode)
         if cuda_graphs and device.type == "cuda" and not self.pad_decode:
             warnings.warn(f"rollout.cuda_graphs is ignored with the {self.backend!r} attention "
                           "backend (decode runs eagerly): use a bf16/fp16 model and the triton "
@@ -389,7 +394,8 @@ class ModelRunner:
         ids_B = self.next_ids[rows_B]
         meta = AttnMeta(is_prefill=False, kv=self.kv, slot_mapping_T=slots_B,
                         block_tables_BM=tables_BM, context_lens_B=context_lens_B,
-                        decode_fn=self.decode_fn, order_B=order_B)
+                        decode_fn=self.decode_fn, order_B=order_B,
+                        prefetch=self.prefetch if rows <= PREFETCH_MAX_ROWS else None)
         return self.model(ids_B, positions_B, meta)
 
     @staticmethod
@@ -479,6 +485,20 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.empty_cache()
         return int(2 * peak + (64 << 20))
+
+
+def _layer_prefetch(model: CausalLM, device: torch.device, padded: bool):
+    """The L2 prefetch of HANDOFF_L2_PREFETCH's plan for padded CUDA decode on sm_90+, else
+    None."""
+    name = os.environ.get("HANDOFF_L2_PREFETCH", "0")
+    if name == "0" or not padded:
+        return None
+    from handoff.rollout.kernels.prefetch import LayerPrefetch, parse_plan, supported
+    if not supported(device):
+        return None
+    weights = [(layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+                layer.self_attn.qkv_proj.weight) for layer in model.model.layers]
+    return LayerPrefetch(weights, parse_plan(name), torch.cuda.Stream(device))
 
 
 def decode_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from handoff.errors import HandoffError
+
 CHUNK = 16384          # bytes one thread asks for (a multiple of 16; the PTX's size operand)
 _PER_PROGRAM = 128     # threads with a chunk each: 2 MiB a program
 
@@ -53,3 +55,62 @@ def l2_prefetch(t: torch.Tensor, max_bytes: int | None = None) -> None:
         return
     grid = (triton.cdiv(n_chunks, _PER_PROGRAM),)
     _prefetch_kernel[grid](t.view(torch.uint8), n_chunks, CHUNK=CHUNK, PER_PROGRAM=_PER_PROGRAM)
+
+
+MB = 1 << 20
+
+
+def parse_plan(text: str) -> dict:
+    """A prefetch plan from its name: '+'-joined parts, asked for once a layer's qkv product
+    is launched. o: o_proj's weight; gu<MB>: the first MB of gate_up's; qkv<MB>: the next
+    layer's qkv weight. 'o+gu16' -> {'o': True, 'gu': 16 MiB, 'qkv': 0}."""
+    plan = {"o": False, "gu": 0, "qkv": 0}
+    for part in filter(None, text.split("+")):
+        if part == "o":
+            plan["o"] = True
+        elif part[:2] == "gu" and part[2:].isdigit():
+            plan["gu"] = int(part[2:]) * MB
+        elif part[:3] == "qkv" and part[3:].isdigit():
+            plan["qkv"] = int(part[3:]) * MB
+        else:
+            raise HandoffError(f"prefetch plan part {part!r} (HANDOFF_L2_PREFETCH): use o, "
+                               "gu<MB> or qkv<MB>, joined by '+', e.g. o+gu16")
+    return plan
+
+
+class LayerPrefetch:
+    """A side stream that asks for each decoder layer's next weights while its qkv product,
+    attention and norms run; the layer joins it before it ends (a captured graph must join
+    every stream it forks). `for_layers` takes the (o_proj, gate_up_proj, qkv_proj) weights
+    of each layer in order."""
+
+    def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 plan: dict, stream: torch.cuda.Stream):
+        self.stream = stream
+        self._asks: list[list[tuple[torch.Tensor, int | None]]] = []
+        for i, (o, gate_up, _) in enumerate(weights):
+            asks = []
+            if plan["o"]:
+                asks.append((o, None))
+            if plan["gu"]:
+                asks.append((gate_up, plan["gu"]))
+            if plan["qkv"] and i + 1 < len(weights):
+                asks.append((weights[i + 1][2], plan["qkv"]))
+            self._asks.append(asks)
+        self._forked = False
+
+    def after_qkv(self, layer: int) -> None:
+        asks = self._asks[layer]
+        if not asks:
+            return
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        self._forked = True
+        with torch.cuda.stream(self.stream):
+            for tensor, max_bytes in asks:
+                l2_prefetch(tensor, max_bytes)
+
+    def join(self) -> None:
+        if self._forked:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self._forked = False

@@ -99,8 +99,11 @@ class Attention(nn.Module):
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        qkv_TF = self.qkv_proj(x_TE)
+        if meta.prefetch is not None:   # the side stream asks for the next weights meanwhile
+            meta.prefetch.after_qkv(self.layer_index)
         q_THD, k_TKD, v_TKD = ops.qk_norm_rope_store(
-            self.qkv_proj(x_TE), self.num_heads, self.num_kv_heads, self.head_dim, positions_T,
+            qkv_TF, self.num_heads, self.num_kv_heads, self.head_dim, positions_T,
             rope_LD, q_norm, k_norm, eps, meta, self.layer_index)
         o_THD = attend(q_THD, k_TKD, v_TKD, meta, self.layer_index, scale=self.scale)
         return self.o_proj(o_THD.reshape(num_tokens, -1))
@@ -136,7 +139,10 @@ class DecoderLayer(nn.Module):
         normed = self.input_layernorm.pending(x_TE, residual_TE)
         h_TE = self.self_attn(normed, positions_T, rope_LD, meta)
         normed = self.post_attention_layernorm.pending(h_TE, normed.residual_out)
-        return self.mlp(normed), normed.residual_out
+        out_TE = self.mlp(normed)
+        if meta.prefetch is not None:
+            meta.prefetch.join()
+        return out_TE, normed.residual_out
 
 
 class Backbone(nn.Module):
