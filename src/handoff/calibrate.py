@@ -160,16 +160,15 @@ def _switch_sizes(cfg: Config, plan: RunPlan, pool: RegionPool) -> tuple[int, in
                    else (host_memory()[1] or 1 << 62, 0))
     overhead = int(hw.activation_peak_bytes + hw.graph_pool_bytes)
     room = free - pool.wake_margin_bytes - (1 << 30)
-    if ro.kv_pool == "elastic" and on_cuda and ro.num_blocks is None:
+    elastic = ro.kv_pool == "elastic"
+    if elastic and on_cuda and ro.num_blocks is None:
         # An elastic wake maps what is free less the engine's overhead, not a utilization's
         # share: the 14B's pool was 46 GiB where the share gave 37, and a larger unmap is
         # slower a byte (scripts/device/map_probe.py --sleep).
-        blocks = (total - weights - overhead) // block
         room -= overhead
-    else:
-        blocks = kv_pool_blocks(ro, block_bytes=block, on_cuda=on_cuda,
-                                max_model_len=ro.max_model_len, hbm_bytes=total,
-                                weights_bytes=weights, overhead_bytes=overhead)
+    blocks = kv_pool_blocks(ro, block_bytes=block, on_cuda=on_cuda, elastic=elastic,
+                            max_model_len=ro.max_model_len, hbm_bytes=total,
+                            weights_bytes=weights, overhead_bytes=overhead)
     if cfg.actor.lora.shares_base:   # the weights are mapped already (the trainer's base) and
         # `free` excludes them
         return int(max(min(blocks * block, room), block)), 0, []

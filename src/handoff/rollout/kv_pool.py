@@ -47,15 +47,12 @@ class EngineKVPool:
         granule = ElasticArena.granule_bytes(self.device, simulated)
         per_granule = granule // math.gcd(granule, slab_block)  # blocks per whole granules
         overhead = self._overhead_bytes()
-        if cfg.num_blocks is not None:
-            capacity = cfg.num_blocks
-        elif self.device.type == "cuda":
-            total = torch.cuda.mem_get_info(self.device)[1]
-            room = total - self.pool.region_bytes("weights") - overhead
-            capacity = room // runner.kv_block_bytes()
-        else:
-            capacity = kv_pool_blocks(cfg, block_bytes=runner.kv_block_bytes(), on_cuda=False,
-                                      max_model_len=self.max_model_len)
+        on_cuda = self.device.type == "cuda"
+        total = torch.cuda.mem_get_info(self.device)[1] if on_cuda else 0
+        capacity = kv_pool_blocks(cfg, block_bytes=runner.kv_block_bytes(), on_cuda=on_cuda,
+                                  max_model_len=self.max_model_len, elastic=True,
+                                  hbm_bytes=total, weights_bytes=self.pool.region_bytes("weights"),
+                                  overhead_bytes=overhead)
         capacity = max(-(-capacity // per_granule) * per_granule, per_granule)
         self._slab_block_bytes = slab_block
         self.kv_arena = ElasticArena(self.device, slabs=2 * layers,

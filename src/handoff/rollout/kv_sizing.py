@@ -6,7 +6,9 @@ at start and the run's calibration applies beforehand (to time a region of that 
 
 * rollout.num_blocks set: exactly that many.
 * CUDA: util x HBM - the engine's weights - its activation peak and decode graphs (the
-  source's ledger: memory other owners hold is not charged to the engine).
+  source's ledger: memory other owners hold is not charged to the engine). An elastic pool
+  (rollout.kv_pool=elastic) reserves the largest the card could hold: util 1, mapped at each
+  wake as far as memory is free.
 * CPU: room for max_num_seqs sequences of max_model_len, capped at CPU_DEFAULT_KV_BYTES, and
   never less than one sequence.
 """
@@ -29,13 +31,15 @@ def kv_pool_budget_bytes(utilization: float, *, hbm_bytes: int, weights_bytes: i
 
 
 def kv_pool_blocks(cfg, *, block_bytes: int, on_cuda: bool, max_model_len: int,
-                   hbm_bytes: int = 0, weights_bytes: int = 0, overhead_bytes: int = 0) -> int:
+                   hbm_bytes: int = 0, weights_bytes: int = 0, overhead_bytes: int = 0,
+                   elastic: bool = False) -> int:
     """The pool's block count for RolloutConfig `cfg` (see the module docstring); may be
     below blocks_for_one_sequence, which the engine refuses with the numbers."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     if on_cuda:
-        budget = kv_pool_budget_bytes(cfg.gpu_memory_utilization, hbm_bytes=hbm_bytes,
+        utilization = 1.0 if elastic else cfg.gpu_memory_utilization
+        budget = kv_pool_budget_bytes(utilization, hbm_bytes=hbm_bytes,
                                       weights_bytes=weights_bytes, overhead_bytes=overhead_bytes)
         return max(budget, 0) // block_bytes
     needed = blocks_for_one_sequence(max_model_len, cfg.block_size)
