@@ -27,7 +27,7 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     """Run the engine on text prompts; one dict per sample, grouped by prompt (every rank
     returns them all under TP). `chat`: through the tokenizer's chat template, if it has one."""
     from handoff.config import RolloutConfig
-    from handoff.model_files import check_model_dir, load_tokenizer
+    from handoff.model_files import ModelFiles, check_model_dir, load_tokenizer
     from handoff.rollout.engine import Engine
     from handoff.rollout.sampling import SamplingParams, seeded_per_prompt
 
@@ -40,10 +40,11 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     check_prompts(prompts)
     _check_launch(tp)
     check_model_dir(model)  # config, tokenizer and weights named before a loader complains
+    files = ModelFiles.open(model)   # config.json read once more, then kept for the engine
     tokenizer = load_tokenizer(model)
     token_lists = [encode_prompt(tokenizer, p, chat=chat) for p in prompts]
     longest = max(len(t) for t in token_lists) + max_tokens
-    _note_position_cap(model, longest)
+    _note_position_cap(files.config, longest)
     cfg = RolloutConfig(max_model_len=max_model_len or max(longest + 1, 2),
                         max_num_seqs=max(len(prompts) * n, 1), n=n, max_tokens=max_tokens)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, n=n,
@@ -51,21 +52,20 @@ def generate_samples(model: str, prompts: list[str], *, max_tokens: int, tempera
     if seed is not None:
         params = seeded_per_prompt(params, seed, range(len(prompts)))
     device, group = _join_tp_group(device, tp)
-    outputs = Engine(model, cfg, device=device, tp=group).generate(token_lists, params)
+    outputs = Engine(files, cfg, device=device, tp=group).generate(token_lists, params)
     return [{"prompt": text, "prompt_token_ids": ids, "token_ids": s.token_ids,
              "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
              "logprobs": s.logprobs, "finish_reason": s.finish_reason}
             for text, ids, out in zip(prompts, token_lists, outputs) for s in out.outputs]
 
 
-def _note_position_cap(model: str, longest: int) -> None:
-    """Say (stderr, rank 0) when a prompt and --max-tokens pass the model's positions: the
-    engine ends those samples at the limit, with finish_reason 'length'."""
+def _note_position_cap(config: dict, longest: int) -> None:
+    """Say (stderr, rank 0) when a prompt and --max-tokens pass the model's positions
+    (config.json's): the engine ends those samples at the limit, with finish_reason
+    'length'."""
     import os
 
-    from handoff.model_files import read_model_config
-
-    positions = read_model_config(model).get("max_position_embeddings")
+    positions = config.get("max_position_embeddings")
     if isinstance(positions, int) and longest > positions and os.environ.get("RANK", "0") == "0":
         from rich.console import Console
 
