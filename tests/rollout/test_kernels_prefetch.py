@@ -47,3 +47,19 @@ def test_a_plan_is_read_from_its_name_and_a_bad_part_named_with_the_fix():
     assert parse_plan("qkv8") == {"o": False, "gu": 0, "qkv": 8 * MB}
     with pytest.raises(HandoffError, match=r"'gu'.*e\.g\. o\+gu16"):
         parse_plan("o+gu")
+
+
+def test_each_layer_asks_for_its_o_its_gate_up_head_and_the_next_layers_qkv():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from handoff.rollout.kernels.prefetch import MB, LayerPrefetch, parse_plan
+
+    layers = [tuple(torch.zeros(4) for _ in range(3)) for _ in range(3)]   # o, gate_up, qkv
+    asks = LayerPrefetch(layers, parse_plan("o+gu16+qkv8"), stream=None)._asks
+    for i, layer_asks in enumerate(asks):
+        o, gate_up, _ = layers[i]
+        wanted = [(o, None), (gate_up, 16 * MB)]
+        if i + 1 < len(layers):
+            wanted.append((layers[i + 1][2], 8 * MB))
+        assert [(id(t), n) for t, n in layer_asks] == [(id(t), n) for t, n in wanted]
+    assert LayerPrefetch(layers, parse_plan(""), stream=None)._asks == [[], [], []]

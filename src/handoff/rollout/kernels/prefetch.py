@@ -5,9 +5,8 @@
 A decode step at small batch leaves HBM idle between its products: attention, the norms and
 each launch's ramp move few bytes, and a product of a few MB (o_proj's 8 MB on the 1.7B)
 spends much of its time starting up rather than streaming. Launched on a side stream beside
-those kernels, this asks the copy engine of each SM (`cp.async.bulk.prefetch.L2`, Hopper's
-bulk prefetch: no registers, no shared memory, nothing written) for the next product's
-weight, so the product finds it in L2 (50 MB on an H100/H200). The bytes read are the same;
+those kernels, this asks each SM's TMA unit (`cp.async.bulk.prefetch.L2`, Hopper's bulk
+prefetch: no registers, no shared memory, nothing written) for the next product's weight, so the product finds it in L2 (50 MB on an H100/H200). The bytes read are the same;
 they move while HBM would otherwise wait.
 
 No library issues a bulk L2 prefetch from Python (CUTLASS's TMA prefetch lives inside its own
@@ -81,11 +80,11 @@ def parse_plan(text: str) -> dict:
 class LayerPrefetch:
     """A side stream that asks for each decoder layer's next weights while its qkv product,
     attention and norms run; the layer joins it before it ends (a captured graph must join
-    every stream it forks). `for_layers` takes the (o_proj, gate_up_proj, qkv_proj) weights
-    of each layer in order."""
+    every stream it forks). `weights`: each layer's (o_proj, gate_up_proj, qkv_proj)
+    weights, in order."""
 
     def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                 plan: dict, stream: torch.cuda.Stream):
+                 plan: dict, stream: "torch.cuda.Stream | None"):
         self.stream = stream
         self._asks: list[list[tuple[torch.Tensor, int | None]]] = []
         for i, (o, gate_up, _) in enumerate(weights):
