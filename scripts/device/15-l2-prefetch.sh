@@ -2,15 +2,15 @@
 # Device (one `run` call, ~4 min): the L2 prefetch of the next weights (issue 32,
 # kernels/prefetch.py). l2_prefetch_probe.py (a Qwen3-shaped stack in one graph, each plan
 # against none); the engine's CUDA test (tokens bit-equal with it); then the engine's decode
-# at batch 1 and 32 on the 1.7B and 4B shapes with HANDOFF_L2_PREFETCH off, then on
-# (PLAN, default o+gu16). Logs and JSON in $OUT/logs.tgz; a table printed last.
-#   bash scripts/device/15-l2-prefetch.sh        (repo root, on the GPU machine)
+# at batch 1 and 32 on MODELS (default the 1.7B and 4B shapes) with HANDOFF_L2_PREFETCH off,
+# then on (PLAN, default o+gu16). Logs and JSON in $OUT/logs.tgz; a table printed last.
+#   [MODELS=qwen3-1.7b] [PLAN=o+gu16] bash scripts/device/15-l2-prefetch.sh   (repo root)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"; L=$OUT/logs
 source scripts/device-env.sh > /dev/null || exit 1
-PLAN=${PLAN:-o+gu16}
+PLAN=${PLAN:-o+gu16}; MODELS=${MODELS:-qwen3-1.7b,qwen3-4b}
 echo "card: $HW"
-timeout 120 python3 scripts/device/l2_prefetch_probe.py > "$L/probe.log" 2>&1
+timeout 100 python3 scripts/device/l2_prefetch_probe.py > "$L/probe.log" 2>&1
 echo "probe: rc=$?"
 timeout 90 python3 -m pytest -q -m cuda tests/rollout/test_engine_cuda.py -k prefetch \
     > "$L/tests.log" 2>&1
@@ -19,10 +19,10 @@ i=0
 for plan in 0 "$PLAN"; do
     i=$((i + 1)); name=engine-$i-prefetch-${plan//+/-}
     HANDOFF_L2_PREFETCH=$plan timeout 120 python3 -m handoff bench engine --skip-hf --no-public \
-        --batches 1,32 --out "$L/$name.json" > "$L/$name.log" 2>&1
+        --models "$MODELS" --batches 1,32 --out "$L/$name.json" > "$L/$name.log" 2>&1
     echo "$name: rc=$?"
 done
-sed -n '/^| model/,$p' "$L/probe.log"
+grep -E 'copy rate| ms \(|Error' "$L/probe.log"
 python3 - "$L" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("engine-*.json")):
