@@ -151,17 +151,18 @@ def test_results_by_kernel_equal_results_by_copy(qwen3_dir, ref):
     assert outs[True] == outs[False]
 
 
-def test_the_l2_prefetch_moves_bytes_not_values(qwen3_dir, ref, monkeypatch):
+def test_the_l2_prefetch_and_pdl_change_launches_not_values(qwen3_dir, ref, monkeypatch):
     """Each layer's next weights asked for in L2 on a side stream (HANDOFF_L2_PREFETCH), the
-    decode graphs captured with the fork and join: greedy tokens and log-probs bit-equal to
-    the engine's without it."""
+    small kernels launched with PDL (HANDOFF_PDL), both captured in the decode graphs: greedy
+    tokens and log-probs bit-equal to the engine's without them."""
     outs = []
-    for plan in ("0", "o+gu16+qkv8"):
-        monkeypatch.setenv("HANDOFF_L2_PREFETCH", plan)
+    for prefetch, pdl in (("0", "0"), ("o+gu16+qkv8", "0"), ("0", "1"), ("o+gu16", "1")):
+        monkeypatch.setenv("HANDOFF_L2_PREFETCH", prefetch)
+        monkeypatch.setenv("HANDOFF_PDL", pdl)
         engine = Engine(str(qwen3_dir), ref.cfg(num_blocks=512, block_size=16), dtype="bfloat16")
-        assert (engine.runner.prefetch is None) == (plan == "0")
+        assert (engine.runner.prefetch is None) == (prefetch == "0")
         assert engine.runner.graphs is not None
         outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
                      for o in engine.generate(ref.mixed_prompts, GREEDY)])
         engine.sleep(2)
-    assert outs[0] == outs[1]
+    assert all(out == outs[0] for out in outs[1:])

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from handoff.rollout.attention import FP8_MAX
+from handoff.rollout.kernels.pdl import launch, pdl_on, wait_for_previous
 
 
 FP8_MAX_F = tl.constexpr(FP8_MAX)  # a global a kernel reads must be a constexpr
@@ -39,7 +40,9 @@ FP8_MAX_F = tl.constexpr(FP8_MAX)  # a global a kernel reads must be a constexpr
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                          stride_x, stride_res, stride_out, stride_res_out,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -68,7 +71,7 @@ def add_rms_norm(x_TE: torch.Tensor, residual_TE: torch.Tensor | None, weight_E:
         x_TE, res_in, weight_E, out, res_out, n, eps,
         x_TE.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
         HAS_RESIDUAL=residual_TE is not None, BLOCK=block,
-        num_warps=min(max(block // 512, 1), 16))
+        num_warps=min(max(block // 512, 1), 16), **launch(pdl_on(x_TE)))
     return out, res_out
 
 
@@ -82,7 +85,9 @@ def silu_times(gate, up, dtype):
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -178,7 +183,8 @@ def silu_mul(gate_up_T2I: torch.Tensor, term=None) -> torch.Tensor:
         return out
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-        gate_up_T2I, out, inter, gate_up_T2I.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        gate_up_T2I, out, inter, gate_up_T2I.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        **launch(pdl_on(gate_up_T2I)))
     return out
 
 
@@ -218,8 +224,9 @@ def _qk_norm_rope_store_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
+    HAS_SCALES: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     dtype = qkv_ptr.dtype.element_ty
     halves = tl.arange(0, HALF_PAD)
@@ -362,4 +369,4 @@ def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int, 
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, HALF=half,
-        HALF_PAD=triton.next_power_of_2(half), **flags, num_warps=4)
+        HALF_PAD=triton.next_power_of_2(half), **flags, num_warps=4, **launch(pdl_on(qkv_TX)))

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from handoff.errors import HandoffError
+from handoff.rollout.kernels.pdl import launch, pdl_on, wait_for_previous
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -52,8 +53,9 @@ def _paged_decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, SPLIT: tl.constexpr, HAS_SCALES: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     if HAS_ORDER:
@@ -129,8 +131,9 @@ def _paged_decode_kernel(
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s_SP = tl.arange(0, SPLITS_PAD)
@@ -273,6 +276,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_lse = torch.empty(B * H * num_splits, device=q_BHD.device, dtype=torch.float32)
     else:
         part_o = part_lse = out
+    pdl = pdl_on(q_BHD)
     # kv heads vary fastest so that programs launched together read neighbouring head slices
     # of the same token rows ([block, slot, kv_head, :] is one 2 KiB row at Qwen3 shapes).
     _paged_decode_kernel[(K, B, num_splits)](
@@ -284,12 +288,12 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         NUM_Q_HEADS=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=D, HEAD_DIM_PAD=dpad, BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=num_splits > 1, HAS_SCALES=fp8, HAS_ORDER=order is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch(pdl),
     )
     if num_splits > 1:
         _merge_splits_kernel[(B, H)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=H, HEAD_DIM=D, HEAD_DIM_PAD=dpad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4, **launch(pdl),
         )
     return out

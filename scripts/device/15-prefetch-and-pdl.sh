@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Device (one `run` call, ~4 min): the L2 prefetch of the next weights (issue 32,
-# kernels/prefetch.py). l2_prefetch_probe.py (a Qwen3-shaped stack in one graph, each plan
-# against none); the engine's CUDA test (tokens bit-equal with it); then the engine's decode
-# at batch 1 and 32 on MODELS (default the 1.7B and 4B shapes) with HANDOFF_L2_PREFETCH off,
-# then on (PLAN, default o+gu16). Logs and JSON in $OUT/logs.tgz; a table printed last.
-#   [MODELS=qwen3-1.7b] [PLAN=o+gu16] bash scripts/device/15-l2-prefetch.sh   (repo root)
+# Device (one `run` call, ~6 min with MODELS=qwen3-1.7b): two launch-level changes to the
+# decode step (issue 32), the L2 prefetch of the next weights (kernels/prefetch.py) and PDL
+# for the small kernels (kernels/pdl.py). l2_prefetch_probe.py (a Qwen3-shaped stack in one
+# graph, each plan against none); the engine's CUDA test (tokens bit-equal with either); then the engine's decode at
+# batch 1 and 32 on MODELS (default the 1.7B and 4B shapes) with neither, the prefetch (PLAN,
+# default o+gu16), PDL, and both. Logs and JSON in $OUT/logs.tgz; a table printed last.
+#   [MODELS=qwen3-1.7b] [PLAN=o+gu16] bash scripts/device/15-prefetch-and-pdl.sh  (repo root)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"; L=$OUT/logs
 source scripts/device-env.sh > /dev/null || exit 1
@@ -14,11 +15,13 @@ timeout 100 python3 scripts/device/l2_prefetch_probe.py > "$L/probe.log" 2>&1
 echo "probe: rc=$?"
 timeout 90 python3 -m pytest -q -m cuda tests/rollout/test_engine_cuda.py -k prefetch \
     > "$L/tests.log" 2>&1
-echo "prefetch cuda test: rc=$?"; tail -1 "$L/tests.log"
+echo "prefetch + pdl cuda test: rc=$?"; tail -1 "$L/tests.log"
 i=0
-for plan in 0 "$PLAN"; do
-    i=$((i + 1)); name=engine-$i-prefetch-${plan//+/-}
-    HANDOFF_L2_PREFETCH=$plan timeout 120 python3 -m handoff bench engine --skip-hf --no-public \
+for both in 0:0 "$PLAN":0 0:1 "$PLAN":1; do
+    plan=${both%:*}; pdl=${both#*:}
+    i=$((i + 1)); name=engine-$i-prefetch-${plan//+/-}-pdl-$pdl
+    HANDOFF_L2_PREFETCH=$plan HANDOFF_PDL=$pdl timeout 120 python3 -m handoff bench engine \
+        --skip-hf --no-public \
         --models "$MODELS" --batches 1,32 --out "$L/$name.json" > "$L/$name.log" 2>&1
     echo "$name: rc=$?"
 done
