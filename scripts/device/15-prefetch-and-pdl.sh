@@ -4,7 +4,8 @@
 # for the small kernels (kernels/pdl.py). l2_prefetch_probe.py (a Qwen3-shaped stack in one
 # graph, each plan against none); the engine's CUDA test (tokens bit-equal with either); then
 # the engine's decode at batch 1 and 32 on MODELS (default the 1.7B and 4B shapes) with
-# neither, the prefetch (PLAN, default o+gu16), PDL, and both. Logs and JSON in $OUT/logs.tgz; a table printed last.
+# neither, the prefetch (PLAN, default o+gu16), PDL, and both. Logs and JSON in
+# $OUT/logs.tgz; a table printed last.
 #   [MODELS=qwen3-1.7b] [PLAN=o+gu16] bash scripts/device/15-prefetch-and-pdl.sh  (repo root)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"; L=$OUT/logs
