@@ -78,10 +78,10 @@ def parse_plan(text: str) -> dict:
 
 
 class LayerPrefetch:
-    """A side stream that asks for each decoder layer's next weights while its qkv product,
-    attention and norms run; the layer joins it before it ends (a captured graph must join
-    every stream it forks). `weights`: each layer's (o_proj, gate_up_proj, qkv_proj)
-    weights, in order."""
+    """A side stream that asks for each decoder layer's next weights once its qkv product is
+    launched, while its RoPE, attention and norms run; the layer joins it before it ends (a
+    captured graph must join every stream it forks). `weights`: each layer's (o_proj,
+    gate_up_proj, qkv_proj) weights, in order."""
 
     def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                  plan: dict, stream: "torch.cuda.Stream | None"):
