@@ -335,10 +335,14 @@ def test_a_decode_step_asks_each_layer_for_its_prefetch_and_joins_it(qwen3_dir, 
     """With an L2 prefetch (kernels/prefetch.LayerPrefetch; CUDA sm_90 only, so a recorder
     stands in here), every layer of a decode step at <= PREFETCH_MAX_ROWS rows asks once its
     qkv product is launched and joins before it ends, in layer order; prefill asks nothing;
-    the tokens are the ones without it. HANDOFF_L2_PREFETCH unset: none on any device."""
+    the tokens are the ones without it. HANDOFF_L2_PREFETCH unset: none on any device; a bad
+    plan: one line naming the fix, on any device."""
     from handoff.rollout.runner import PREFETCH_MAX_ROWS
 
-    monkeypatch.delenv("HANDOFF_L2_PREFETCH", raising=False)
+    monkeypatch.setenv("HANDOFF_L2_PREFETCH", "o+gu")
+    with pytest.raises(HandoffError, match="gu<MB>"):   # named on any device
+        Engine(str(qwen3_dir), ref.cfg())
+    monkeypatch.delenv("HANDOFF_L2_PREFETCH")
     prompts = [[1, 2, 3], list(range(10, 30))]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine = Engine(str(qwen3_dir), ref.cfg())

@@ -155,10 +155,15 @@ def test_the_l2_prefetch_and_pdl_change_launches_not_values(qwen3_dir, ref, monk
     """Each layer's next weights asked for in L2 on a side stream (HANDOFF_L2_PREFETCH), the
     small kernels launched with PDL (HANDOFF_PDL), both captured in the decode graphs: greedy
     tokens and log-probs bit-equal to the engine's without them."""
+    from handoff.rollout.kernels.pdl import pdl_on
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the bulk L2 prefetch and PDL need sm_90+")
     outs = []
     for prefetch, pdl in (("0", "0"), ("o+gu16+qkv8", "0"), ("0", "1"), ("o+gu16", "1")):
         monkeypatch.setenv("HANDOFF_L2_PREFETCH", prefetch)
         monkeypatch.setenv("HANDOFF_PDL", pdl)
+        assert pdl_on(torch.zeros(1, device="cuda")) == (pdl == "1")
         engine = Engine(str(qwen3_dir), ref.cfg(num_blocks=512, block_size=16), dtype="bfloat16")
         assert (engine.runner.prefetch is None) == (prefetch == "0")
         assert engine.runner.graphs is not None

@@ -491,14 +491,15 @@ def _layer_prefetch(model: CausalLM, device: torch.device, padded: bool):
     """The L2 prefetch of HANDOFF_L2_PREFETCH's plan for padded CUDA decode on sm_90+, else
     None."""
     name = os.environ.get("HANDOFF_L2_PREFETCH", "0")
-    if name == "0" or not padded:
+    if name in ("", "0"):
         return None
     from handoff.rollout.kernels.prefetch import LayerPrefetch, parse_plan, supported
-    if not supported(device):
+    plan = parse_plan(name)   # a bad plan is named on any device
+    if not (padded and supported(device)):
         return None
     weights = [(layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
                 layer.self_attn.qkv_proj.weight) for layer in model.model.layers]
-    return LayerPrefetch(weights, parse_plan(name), torch.cuda.Stream(device))
+    return LayerPrefetch(weights, plan, torch.cuda.Stream(device))
 
 
 def decode_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:

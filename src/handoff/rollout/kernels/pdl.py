@@ -20,12 +20,17 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+
+try:   # a Triton without it leaves PDL off, not the kernels that take the flag
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:
+    gdc_wait = None
 
 
 def pdl_on(t: torch.Tensor) -> bool:
-    """Whether kernels reading `t` launch with PDL: HANDOFF_PDL=1 and a sm_90+ CUDA tensor."""
-    return (os.environ.get("HANDOFF_PDL", "0") == "1" and t.is_cuda
+    """Whether kernels reading `t` launch with PDL: HANDOFF_PDL=1 and a sm_90+ CUDA tensor.
+    Read at each launch: graphs captured already keep the launches they were captured with."""
+    return (os.environ.get("HANDOFF_PDL", "0") == "1" and gdc_wait is not None and t.is_cuda
             and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 

@@ -6,11 +6,12 @@ A decode step at small batch leaves HBM idle between its products: attention, th
 each launch's ramp move few bytes, and a product of a few MB (o_proj's 8 MB on the 1.7B)
 spends much of its time starting up rather than streaming. Launched on a side stream beside
 those kernels, this asks each SM's TMA unit (`cp.async.bulk.prefetch.L2`, Hopper's bulk
-prefetch: no registers, no shared memory, nothing written) for the next product's weight, so the product finds it in L2 (50 MB on an H100/H200). The bytes read are the same;
-they move while HBM would otherwise wait.
+prefetch: no registers, no shared memory, nothing written) for the next product's weight,
+so the product finds it in L2 (50 MB on an H100/H200). The bytes read are the same; they
+move while HBM would otherwise wait.
 
-No library issues a bulk L2 prefetch from Python (CUTLASS's TMA prefetch lives inside its own
-kernels), hence this kernel. Hopper and newer (sm_90+); `supported()` says whether it runs.
+Triton 3.6 has no bulk L2 prefetch of its own (CUTLASS's TMA prefetch lives inside its own
+kernels), hence the inline PTX. Hopper and newer (sm_90+); `supported()` says whether it runs.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def supported(device: torch.device) -> bool:
 def l2_prefetch(t: torch.Tensor, max_bytes: int | None = None) -> None:
     """Ask for the first `max_bytes` (all by default) of contiguous `t` in L2, on the current
     stream. Whole chunks only: a tail under CHUNK bytes is left to the reader."""
-    assert t.is_contiguous() and t.data_ptr() % 16 == 0, "a contiguous, 16-byte aligned tensor"
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        raise HandoffError(f"l2_prefetch: a {tuple(t.shape)} tensor with strides {t.stride()} "
+                           "at a misaligned address: pass a contiguous, 16-byte aligned tensor")
     n_bytes = t.numel() * t.element_size()
     if max_bytes is not None:
         n_bytes = min(n_bytes, max_bytes)
@@ -102,7 +105,7 @@ class LayerPrefetch:
         asks = self._asks[layer]
         if not asks:
             return
-        main = torch.cuda.current_stream()
+        main = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(main)
         self._forked = True
         with torch.cuda.stream(self.stream):
@@ -111,5 +114,5 @@ class LayerPrefetch:
 
     def join(self) -> None:
         if self._forked:
-            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self._forked = False
