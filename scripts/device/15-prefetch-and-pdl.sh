@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Device (one `run` call, ~6 min with MODELS=qwen3-1.7b): two launch-level changes to the
+# Device (one `run` call, ~7 min with MODELS=qwen3-1.7b): two launch-level changes to the
 # decode step (issue 32), the L2 prefetch of the next weights (kernels/prefetch.py) and PDL
 # for the small kernels (kernels/pdl.py). l2_prefetch_probe.py (a Qwen3-shaped stack in one
-# graph, each plan against none); the engine's CUDA test (tokens bit-equal with either); then
-# the engine's decode at batch 1 and 32 on MODELS (default the 1.7B and 4B shapes) with
-# neither, the prefetch (PLAN, default o+gu16), PDL, and both. Logs and JSON in
-# $OUT/logs.tgz; a table printed last.
+# graph, each plan against none); the engine's CUDA test (tokens bit-equal with either) and
+# its LoRA CUDA tests under PDL (the term kernels launch with it); then the engine's decode
+# at batch 1 and 32 on MODELS (default the 1.7B and 4B shapes) with neither, the prefetch
+# (PLAN, default o+gu16), PDL, and both. Logs and JSON in $OUT/logs.tgz; a table printed
+# last.
 #   [MODELS=qwen3-1.7b] [PLAN=o+gu16] bash scripts/device/15-prefetch-and-pdl.sh  (repo root)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"; L=$OUT/logs
@@ -17,6 +18,9 @@ echo "probe: rc=$?"
 timeout 90 python3 -m pytest -q -m cuda tests/rollout/test_engine_cuda.py -k prefetch \
     > "$L/tests.log" 2>&1
 echo "prefetch + pdl cuda test: rc=$?"; tail -1 "$L/tests.log"
+HANDOFF_PDL=1 timeout 150 python3 -m pytest -q -m cuda tests/rollout/test_engine_lora_cuda.py \
+    > "$L/lora-tests.log" 2>&1
+echo "lora cuda tests under pdl: rc=$?"; tail -1 "$L/lora-tests.log"
 i=0
 for both in 0:0 "$PLAN":0 0:1 "$PLAN":1; do
     plan=${both%:*}; pdl=${both#*:}

@@ -13,6 +13,7 @@ from handoff.rollout.kernels.pdl import pdl_on  # noqa: E402
 
 F32, I32, I64 = "*fp32", "*i32", "*i64"
 ATTENTION = {"NUM_Q_HEADS": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128}
+TERM = {"RANK": 16, "RANK_PAD": 16, "ROWS": 16}
 KERNELS = {   # kernel: (pointer and scalar types other than *bf16 / i32, constexprs)
     "add_rms_norm": (fused._add_rms_norm_kernel, {"eps": "fp32"},
                      {"HAS_RESIDUAL": True, "BLOCK": 2048}),
@@ -32,6 +33,15 @@ KERNELS = {   # kernel: (pointer and scalar types other than *bf16 / i32, conste
          "SPLIT": True, "HAS_SCALES": False, "HAS_ORDER": True}),
     "merge_splits": (paged_decode._merge_splits_kernel,
                      {"part_o_ptr": F32, "part_lse_ptr": F32}, {**ATTENTION, "SPLITS_PAD": 8}),
+    # with a LoRA adapter: its term added by the reader, or alone
+    "silu_mul_term": (fused._silu_mul_term_kernel, {}, {**TERM, "BLOCK": 128}),
+    "add_term": (fused._add_term_kernel, {}, {**TERM, "BLOCK": 64}),
+    "qk_norm_rope_store_term": (
+        fused._qk_norm_rope_store_term_kernel,
+        {"pos_ptr": I64, "table_ptr": F32, "slot_ptr": I64, "k_scale_ptr": F32,
+         "v_scale_ptr": F32, "eps": "fp32"},
+        {**TERM, "NUM_HEADS": 16, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HALF": 64,
+         "HALF_PAD": 64, "HAS_NORM": True, "STORE": True, "HAS_SCALES": False}),
 }
 
 

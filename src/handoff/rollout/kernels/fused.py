@@ -114,7 +114,8 @@ def _term_tile(t_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_t, stride_b,
 @triton.jit
 def _silu_mul_term_kernel(x_ptr, t_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_x, stride_t,
                           stride_b, stride_out, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row_mask, col_mask = rows < n_rows, cols < n_cols
@@ -134,7 +135,8 @@ def _silu_mul_term_kernel(x_ptr, t_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_x
 @triton.jit
 def _add_term_kernel(y_ptr, t_ptr, b_ptr, n_rows, n_cols, stride_y, stride_t, stride_b,
                      RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row_mask, col_mask = rows < n_rows, cols < n_cols
@@ -163,7 +165,8 @@ def add_term(y_TF: torch.Tensor, t_TR: torch.Tensor, b_FR: torch.Tensor) -> torc
     block = 64
     _add_term_kernel[(triton.cdiv(rows, TERM_ROWS), triton.cdiv(cols, block))](
         y_TF, t_TR, b_FR, rows, cols, y_TF.stride(0), t_TR.stride(0), b_FR.stride(0),
-        RANK=rank, RANK_PAD=_pad16(rank), ROWS=TERM_ROWS, BLOCK=block, num_warps=4)
+        RANK=rank, RANK_PAD=_pad16(rank), ROWS=TERM_ROWS, BLOCK=block, num_warps=4,
+        **launch(pdl_on(y_TF)))
     return y_TF
 
 
@@ -179,7 +182,7 @@ def silu_mul(gate_up_T2I: torch.Tensor, term=None) -> torch.Tensor:
         _silu_mul_term_kernel[(triton.cdiv(rows, TERM_ROWS), triton.cdiv(inter, block))](
             gate_up_T2I, t_TR, b_FR, out, rows, inter, gate_up_T2I.stride(0), t_TR.stride(0),
             b_FR.stride(0), out.stride(0), RANK=rank, RANK_PAD=_pad16(rank), ROWS=TERM_ROWS,
-            BLOCK=block, num_warps=4)
+            BLOCK=block, num_warps=4, **launch(pdl_on(gate_up_T2I)))
         return out
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
@@ -277,9 +280,11 @@ def _qk_norm_rope_store_term_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
     ROWS: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, HAS_SCALES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """qk_norm_rope_store with the adapter's term, one program per (row tile, head): q heads,
     then k heads, then v heads, as the fused qkv output lays them out."""
+    wait_for_previous(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     head = tl.program_id(1)
     dtype = qkv_ptr.dtype.element_ty
@@ -362,7 +367,8 @@ def qk_norm_rope_store(qkv_TX: torch.Tensor, num_heads: int, num_kv_heads: int, 
             qkv_TX, t_TR, b_FR, *pointers, tokens, eps, qkv_TX.stride(0), t_TR.stride(0),
             b_FR.stride(0), *strides, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim, HALF=half, HALF_PAD=_pad16(half), RANK=rank,
-            RANK_PAD=_pad16(rank), ROWS=TERM_ROWS, **flags, num_warps=4)
+            RANK_PAD=_pad16(rank), ROWS=TERM_ROWS, **flags, num_warps=4,
+            **launch(pdl_on(qkv_TX)))
         return
     _qk_norm_rope_store_kernel[(tokens,)](
         qkv_TX, *pointers, eps, qkv_TX.stride(0), *strides,

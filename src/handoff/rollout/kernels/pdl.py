@@ -8,8 +8,10 @@ thing it does) until that kernel is done and its writes are visible: the launch 
 previous kernel's tail instead of following it. Nothing is read before the wait, so results
 are those of a plain launch.
 
-Triton launches a kernel with it (`launch_pdl`) and emits the wait (`gdc_wait`); this module
-says when to. HANDOFF_PDL=1 turns it on (sm_90+ CUDA tensors); off by default until the
+The kernels between a layer's products take it: add_rms_norm, silu_mul, qk_norm_rope_store,
+paged decode and its merge, and with a LoRA adapter the term kernels (fused.py); cuBLAS's
+products launch as before. Triton launches a kernel with it (`launch_pdl`) and emits the
+wait (`gdc_wait`); this module says when to. HANDOFF_PDL=1 turns it on (sm_90+ CUDA tensors); off by default until the
 engine's decode is measured with and without it in one call.
 """
 
