@@ -162,10 +162,10 @@ def test_a_sync_of_the_same_layout_reuses_the_checked_destinations(qwen3_dir, re
 
 
 def test_the_same_sources_twice_are_captured_then_replayed(qwen3_dir, ref, monkeypatch):
-    """On CUDA (unless HANDOFF_SYNC_GRAPH=0) a load's writes go into a graph once the same source
-    tensors come twice (a training loop's adapters stay put); loads from those sources replay it, values changed
-    in place included; other sources are written as launched. On CPU: a stand-in graph that
-    runs what it captured."""
+    """On CUDA (unless HANDOFF_SYNC_GRAPH=0) a load's writes go into a graph once the same
+    source tensors come twice (a training loop's adapters stay put); loads from those sources
+    replay it, values changed in place included; other sources are written as launched. On
+    CPU: a stand-in graph that runs what it captured."""
     events = []
 
     class Graph:

@@ -28,14 +28,14 @@ def test_the_bulk_prefetch_builds_for_hopper_guarded_by_each_chunks_bound():
              if "cp.async.bulk.prefetch.L2.global" in line]
     assert len(lines) == 1 and f"], {CHUNK};" in lines[0]
     assert "@p cp.async" in lines[0] and "setp.ne.b32 p" in lines[0]
-    assert kernel.metadata.shared == 0   # nothing staged: the copy engine fills L2 itself
+    assert kernel.metadata.shared == 0   # nothing staged: the TMA unit fills L2 itself
 
 
 def test_not_on_a_cpu_device():
     torch = pytest.importorskip("torch")
-    from handoff.rollout.kernels.prefetch import supported
+    from handoff.rollout.kernels.pdl import hopper
 
-    assert not supported(torch.device("cpu"))
+    assert not hopper(torch.device("cpu"))
 
 
 def test_a_plan_is_read_from_its_name_and_a_bad_part_named_with_the_fix():

@@ -493,9 +493,10 @@ def _layer_prefetch(model: CausalLM, device: torch.device, padded: bool):
     name = os.environ.get("HANDOFF_L2_PREFETCH", "0")
     if name in ("", "0"):
         return None
-    from handoff.rollout.kernels.prefetch import LayerPrefetch, parse_plan, supported
+    from handoff.rollout.kernels.pdl import hopper
+    from handoff.rollout.kernels.prefetch import LayerPrefetch, parse_plan
     plan = parse_plan(name)   # a bad plan is named on any device
-    if not (padded and supported(device)):
+    if not (padded and hopper(device)):
         return None
     weights = [(layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
                 layer.self_attn.qkv_proj.weight) for layer in model.model.layers]

@@ -11,8 +11,9 @@ are those of a plain launch.
 The kernels between a layer's products take it: add_rms_norm, silu_mul, qk_norm_rope_store,
 paged decode and its merge, and with a LoRA adapter the term kernels (fused.py); cuBLAS's
 products launch as before. Triton launches a kernel with it (`launch_pdl`) and emits the
-wait (`gdc_wait`); this module says when to. HANDOFF_PDL=1 turns it on (sm_90+ CUDA tensors); off by default until the
-engine's decode is measured with and without it in one call.
+wait (`gdc_wait`); this module says when to. HANDOFF_PDL=1 turns it on (sm_90+ CUDA
+tensors); off by default until the engine's decode is measured with and without it in one
+call.
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ except ImportError:
     gdc_wait = None
 
 
+def hopper(device: torch.device) -> bool:
+    """A CUDA device of sm_90 or newer: PDL and the bulk L2 prefetch (prefetch.py) exist."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether kernels reading `t` launch with PDL: HANDOFF_PDL=1 and a sm_90+ CUDA tensor.
     Read at each launch: graphs captured already keep the launches they were captured with."""
-    return (os.environ.get("HANDOFF_PDL", "0") == "1" and gdc_wait is not None and t.is_cuda
-            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    return (os.environ.get("HANDOFF_PDL", "0") == "1" and gdc_wait is not None
+            and hopper(t.device))
 
 
 def launch(on: bool) -> dict:

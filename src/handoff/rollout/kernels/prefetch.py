@@ -11,7 +11,7 @@ so the product finds it in L2 (50 MB on an H100/H200). The bytes read are the sa
 move while HBM would otherwise wait.
 
 Triton 3.6 has no bulk L2 prefetch of its own (CUTLASS's TMA prefetch lives inside its own
-kernels), hence the inline PTX. Hopper and newer (sm_90+); `supported()` says whether it runs.
+kernels), hence the inline PTX. Hopper and newer (sm_90+: pdl.hopper).
 """
 
 from __future__ import annotations
@@ -36,11 +36,6 @@ def _prefetch_kernel(base_ptr, n_chunks, CHUNK: tl.constexpr, PER_PROGRAM: tl.co
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
         f"@p cp.async.bulk.prefetch.L2.global [$1], {CHUNK}; mov.u32 $0, 0; }}",
         "=r,l,r", [addr, live], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def supported(device: torch.device) -> bool:
-    """The bulk prefetch exists from sm_90 (Hopper)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def l2_prefetch(t: torch.Tensor, max_bytes: int | None = None) -> None:
