@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from handoff.config import RewardConfig
+from handoff.errors import HandoffError
 from handoff.rewards import RewardSet, Sample, style_of
 from handoff.tasks import ArithmeticTask, Problem
 
@@ -73,6 +74,43 @@ def test_a_reward_file_imports_a_module_beside_it(tmp_path, monkeypatch):
     finally:
         rewards.close()
     assert list(scored.totals) == [float(len(t)) for t in TEXTS]
+
+
+def _reward_folder(root: Path, name: str, helper_value: str) -> Path:
+    folder = root / name
+    folder.mkdir()
+    (folder / "shared_helper.py").write_text(f"def score(text):\n    return {helper_value}\n")
+    (folder / f"{name}_reward.py").write_text(
+        "from shared_helper import score\n\n"
+        "def r(completions, **kwargs):\n    return [score(c) for c in completions]\n")
+    return folder
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_two_reward_files_whose_helpers_share_a_name_are_refused(tmp_path, monkeypatch, order):
+    """Each file's `from shared_helper import score` would get whichever folder's helper came
+    first (one module per name): refused in one line naming the module, not scored with the
+    other's (found by a tester: both functions scored with the first one's helper)."""
+    folders = [_reward_folder(tmp_path, "first", "1.0"), _reward_folder(tmp_path, "second", "7.0")]
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    specs = [f"{folders[i]}/{folders[i].name}_reward.py:r" for i in order]
+    with pytest.raises(HandoffError, match=r"imports 'shared_helper'.*rename the shared_helper"):
+        RewardSet.from_config(RewardConfig(functions=specs), TASK)
+
+
+def test_two_reward_files_of_one_folder_share_its_helper(tmp_path, monkeypatch):
+    folder = _reward_folder(tmp_path, "only", "3.0")
+    (folder / "again.py").write_text((folder / "only_reward.py").read_text())
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    rewards = RewardSet.from_config(RewardConfig(
+        functions=[f"{folder}/only_reward.py:r", f"{folder}/again.py:r"]), TASK)
+    try:
+        scored = rewards.score(_samples(TEXTS))
+    finally:
+        rewards.close()
+    assert list(scored.totals) == [6.0] * len(TEXTS)
 
 
 def test_an_async_trl_function_is_awaited():

@@ -112,16 +112,71 @@ def _load_file(where: str) -> Any:
     # file there never shadows a module the trainer imports.
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))
+    _REWARD_FOLDERS.add(path.parent)
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look a module up here
+    # Python keeps one module per name: a helper.py beside this file would silently be the
+    # helper.py of another reward file's folder loaded before it (or found first on the path).
+    # Those already loaded step aside while the file loads, so its imports are seen afresh.
+    siblings = _sibling_names(path.parent)
+    aside = {name: sys.modules.pop(name) for name in siblings
+             if _reward_folder_of(sys.modules.get(name)) not in (None, path.parent)}
     try:
         loader_spec.loader.exec_module(module)
+        _check_siblings(path, siblings, aside)
     except Exception as e:
         del sys.modules[module_name]
+        for name in aside:
+            sys.modules.pop(name, None)
+        sys.modules.update(aside)
+        if isinstance(e, HandoffError):
+            raise
         raise HandoffError(f"reward file {str(path)!r} raised {type(e).__name__} while "
                            f"loading ({first_line(e)}): fix the file") from e
+    for name, earlier in aside.items():
+        sys.modules.setdefault(name, earlier)   # not imported by this file: as it was
     return module
+
+
+_REWARD_FOLDERS: set[Path] = set()   # the folders of the reward files loaded in this process
+
+
+def _sibling_names(folder: Path) -> set[str]:
+    """The top-level module names the files and packages in `folder` provide."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return set()
+    return ({p.stem for p in entries if p.suffix == ".py" and p.stem.isidentifier()}
+            | {p.name for p in entries if (p / "__init__.py").is_file()})
+
+
+def _reward_folder_of(module: Any) -> Path | None:
+    """The reward file's folder a top-level module was loaded from (None: loaded elsewhere)."""
+    loaded = getattr(module, "__file__", None)
+    if loaded is None:
+        return None
+    origin = Path(loaded).resolve()
+    folder = origin.parent.parent if origin.name == "__init__.py" else origin.parent
+    return folder if folder in _REWARD_FOLDERS else None
+
+
+def _check_siblings(path: Path, siblings: set[str], aside: dict[str, Any]) -> None:
+    """Refuse a module this file imports by a name its own folder provides when Python
+    loaded it from another reward file's folder (`python FILE.py` loads the one beside it),
+    or when another reward file imported one of that name from its own folder."""
+    for name in sorted(siblings):
+        folder = _reward_folder_of(sys.modules.get(name))
+        if folder is None:
+            continue
+        other = folder if folder != path.parent else _reward_folder_of(aside.get(name))
+        if other is not None:
+            raise HandoffError(
+                f"reward file {str(path)!r} imports {name!r}, and another reward file's folder "
+                f"{str(other)!r} has a module of that name too (Python keeps one module per "
+                f"name, so one file would call the other's): rename the {name} beside one "
+                "of them")
 
 
 def _import_module(where: str, spec: str) -> Any:
