@@ -175,6 +175,17 @@ def test_export_bad_inputs_are_one_line_and_lose_nothing(trained, tmp_path):
             export_model(run, out, overwrite=True)
     assert {p: p.read_bytes() for p in files} == files and not (run / "exported").exists()
 
+    # --overwrite into another run's directory: its config.json would become the model's, and
+    # that run could no longer be exported or resumed (a tester's find)
+    other = tmp_path / "other-run"
+    other.mkdir()
+    (other / "config.json").write_text((run / "config.json").read_text())
+    (other / "metrics.jsonl").write_text("{}\n")
+    kept = {p.name: p.read_bytes() for p in other.iterdir()}
+    with pytest.raises(HandoffError, match="holds a handoff run: an export never goes into"):
+        export_model(run, other, overwrite=True)
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == kept
+
     # --out the model the run trained (its model.path), or inside it: the base would be
     # replaced, and a LoRA run's next merged export would add its adapter to it again
     model = Path(json.loads((run / "config.json").read_text())["model"]["path"])

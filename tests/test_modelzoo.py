@@ -1,5 +1,7 @@
 """handoff init-model: what it refuses before building anything."""
 
+import json
+
 
 def test_init_model_refuses_a_preset_larger_than_host_ram(tmp_path):
     from typer.testing import CliRunner
@@ -23,6 +25,26 @@ def test_init_model_refuses_a_dangling_link_as_out(tmp_path):
                                       str(tmp_path / "m")], terminal_width=300)
     assert result.exit_code == 2 and "symbolic link to nothing" in result.output
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_init_model_overwrite_refuses_a_run_directory(tmp_path):
+    """A run's config.json would become the model's (the run could no longer be exported or
+    resumed): refused with --overwrite too, nothing written (a tester's find)."""
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+    from handoff.config import load_config, to_dict
+
+    run = tmp_path / "run"
+    run.mkdir()
+    record = to_dict(load_config("examples/cpu-demo.yaml", []))
+    (run / "config.json").write_text(json.dumps(record))
+    (run / "metrics.jsonl").write_text("{}\n")
+    kept = {p.name: p.read_bytes() for p in run.iterdir()}
+    result = CliRunner().invoke(app, ["init-model", "--preset", "tiny-qwen3", "--out", str(run),
+                                      "--overwrite"], terminal_width=300)
+    assert result.exit_code == 2 and "holds a handoff run" in result.output, result.output
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == kept
 
 
 def _error_line(result) -> str:

@@ -58,6 +58,7 @@ from handoff.model_files import (WEIGHTS_INDEX, check_model_dir, load_tokenizer,
 from handoff.model_source import _is_hub_id, resolve_model
 from handoff.plan.shapes import PRESETS
 from handoff.reading import read_json
+from handoff.run_dir import refuse_a_run
 from handoff.safe_files import first_missing, publish, usual_mode
 from handoff.trainer.checkpoint import (CHECKPOINT_NAME, LATEST, checkpoint_step,
                                       complete_checkpoints, latest_checkpoint,
@@ -365,6 +366,7 @@ def _check_out(out: Path, *, overwrite: bool) -> None:
     if not os.access(where, os.W_OK | os.X_OK):
         raise HandoffError(f"--out {str(out)!r}: {where} is not writable (read-only, or owned "
                            "by another user): pass a directory you can write to")
+    refuse_a_run(out, writes="an export")
     used = [p.name for p in out.iterdir() if p.name != STAGING] if out.is_dir() else []
     if used and not overwrite:
         raise HandoffError(f"--out {str(out)!r} already holds files ({', '.join(sorted(used)[:3])}"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from handoff.errors import HandoffError
 from handoff.plan.shapes import PRESETS
+from handoff.run_dir import refuse_a_run
 from handoff.safe_files import first_missing, publish, safetensors_os_errors, usual_mode
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<|pad|>"]
@@ -87,6 +88,7 @@ def check_out(out: Path, *, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise HandoffError(f"--out {str(out)!r} is a file, not a directory: pass a directory "
                            "(created if missing)")
+    refuse_a_run(out, writes="a model")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise HandoffError(f"--out {str(out)!r} already holds files (a model?): pass --overwrite "
                            "to write over them, or choose an empty directory")
