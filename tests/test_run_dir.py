@@ -193,6 +193,27 @@ def test_a_resume_with_changed_settings_names_them_and_keeps_the_earlier_config(
     assert "config.before-step-2.json" in earlier_run(tmp_path)   # --overwrite removes it too
 
 
+def test_a_second_resume_from_the_same_step_compares_with_the_config_that_trained_it(
+        tmp_path, capsys):
+    """A resume from step 2 that failed before checkpointing again left config.json with its
+    own settings, which trained nothing kept: the next resume from step 2 names the change
+    against the config that trained steps 1-2 and keeps that record (it was replaced by the
+    failed resume's settings before; a tester's find)."""
+    began = _cfg(tmp_path, "actor.lr=0.001")
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(began)))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    keep_changed_config(_cfg(tmp_path, "run.resume=true", "actor.lr=0.005"), 2)
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(_cfg(tmp_path, "actor.lr=0.005"))))
+    capsys.readouterr()
+    keep_changed_config(_cfg(tmp_path, "run.resume=true", "actor.lr=0.002"), 2)
+    err = flat(capsys.readouterr().err)
+    assert flat("actor.lr 0.001 -> 0.002") in err
+    kept = json.loads((tmp_path / "config.before-step-2.json").read_text())
+    assert kept["actor"]["lr"] == 0.001
+    keep_changed_config(_cfg(tmp_path, "run.resume=true", "actor.lr=0.001"), 2)   # set back
+    assert not capsys.readouterr().err
+
+
 def test_a_second_live_run_on_one_out_dir_is_refused(tmp_path):
     first = claim_out_dir(_cfg(tmp_path))
     with pytest.raises(HandoffError, match=rf"is in use by a live run \(pid {os.getpid()}\)"):

@@ -207,13 +207,22 @@ def keep_changed_config(cfg: Config, step: int) -> None:
     """--resume (from `step`) with other settings than the run began with: say which, and keep
     the earlier config.json beside the new one (config.before-step-N.json), so what trained
     the earlier steps stays on record. A longer run.steps is a change only where the learning
-    rate decays over the run (then the line says what it does to the next step's rate)."""
+    rate decays over the run (then the line says what it does to the next step's rate).
+
+    A config already kept for `step` is what trained it: an earlier resume from the same step
+    checkpointed nothing past it (it failed or was stopped first), and its config.json trained
+    nothing that counts. The comparison is against the kept one, which stays."""
     out = Path(cfg.run.out_dir)
-    try:
-        before = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return
-    if not is_run_config(before):
+    kept = out / f"{KEPT_CONFIG_PREFIX}{step}.json"
+    before = None
+    for source in (kept, out / "config.json"):
+        try:
+            before = json.loads(source.read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if is_run_config(before):
+            break
+    else:
         return
     old, new = dotted(before), dotted(run_record(cfg))
     old["model.path"] = _absolute_if_local_dir(old.get("model.path"))   # an older run's record
@@ -225,9 +234,9 @@ def keep_changed_config(cfg: Config, step: int) -> None:
                if key not in ignored and old.get(key) != new.get(key)]
     if not changed:
         return
-    kept = out / f"{KEPT_CONFIG_PREFIX}{step}.json"
-    with failing_write_is_one_line(kept, "the run's files are as they were"):
-        replace_file(kept, json.dumps(before, indent=1).encode(), out)
+    if source != kept:
+        with failing_write_is_one_line(kept, "the run's files are as they were"):
+            replace_file(kept, json.dumps(before, indent=1).encode(), out)
     shown = ", ".join(f"{key} {old.get(key)!r} -> {new.get(key)!r}"
                       for key in changed[:6]) + (", ..." if len(changed) > 6 else "")
     lr = _lr_change(old, cfg, step) if "run.steps" in changed else ""
