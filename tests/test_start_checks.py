@@ -165,3 +165,33 @@ def test_the_largest_steps_and_seed_load_and_saves_are_counted_not_walked():
                              if done == steps or (every and done % every == 0))
                 assert count_saves(start, steps, every) == walked, (start, steps, every)
     assert count_saves(0, 10**7, 1) == 10**7
+
+
+def test_the_hosts_ram_refusing_an_allocation_is_one_line(capsys, monkeypatch):
+    """A model larger than the host's RAM (an 8B on a 23 GB CPU machine) ended in torch's
+    traceback; it is one line naming the size and the fix. Any other RuntimeError is not
+    taken for it (a tester's find)."""
+    from handoff import cli
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    @cli.friendly_errors
+    def loads_an_8b():
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 98288824320 bytes. "
+                           "Error code 12 (Cannot allocate memory)")
+
+    with pytest.raises(SystemExit) as left:
+        loads_an_8b()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert left.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: out of host memory (98.3 GB at once)")
+    assert "handoff plan --model MODEL --hardware cpu" in lines[0]
+
+    @cli.friendly_errors
+    def other():
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        other()

@@ -16,3 +16,21 @@ class ConfigError(HandoffError):
 class RankError(HandoffError):
     """An error of one rank's own under torchrun (its device, its share of the work), even
     before the ranks first meet: every rank that has it prints it (dist.says_error)."""
+
+
+def host_memory_error(error: BaseException) -> HandoffError | None:
+    """One line for an allocation the host's RAM refused (torch's CPU allocator raises a
+    RuntimeError, Python a MemoryError): which size, and what fits instead; None for any
+    other error."""
+    import re
+
+    said = str(error)
+    if not (isinstance(error, MemoryError) or (isinstance(error, RuntimeError)
+                                               and "can't allocate memory" in said)):
+        return None
+    size = re.search(r"allocate (\d+) bytes", said)
+    what = f" ({int(size.group(1)) / 1e9:.1f} GB at once)" if size else ""
+    return HandoffError(f"out of host memory{what}: the model and its state do not fit this "
+                        "machine's RAM; price a run first with `handoff plan --model MODEL "
+                        "--hardware cpu`, and take a smaller model, LoRA (actor.lora.rank) or "
+                        "a GPU")

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from handoff.console import table_console
-from handoff.errors import HandoffError
+from handoff.errors import HandoffError, host_memory_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Colocated RL post-training: the trainer/rollout memory handoff, measured.")
@@ -35,15 +35,22 @@ SILENT_RANK_GRACE_S = 5.0   # a rank that leaves an error to another waits this 
 
 
 def friendly_errors(fn: Callable) -> Callable:
-    """Turn a HandoffError into one red line and exit code 2 (under torchrun, one rank says
-    an error every rank has alike: _says_error); refuse a NaN or infinite number option
-    first (click's FLOAT accepts both, and every range check passes NaN)."""
+    """Turn a HandoffError, or the host's RAM refusing an allocation, into one red line and
+    exit code 2 (under torchrun, one rank says an error every rank has alike: _says_error);
+    refuse a NaN or infinite number option first (click's FLOAT accepts both, and every
+    range check passes NaN)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            check_finite_options(kwargs)
-            return fn(*args, **kwargs)
+            try:
+                check_finite_options(kwargs)
+                return fn(*args, **kwargs)
+            except (MemoryError, RuntimeError) as e:   # a model larger than the host's RAM
+                error = host_memory_error(e)
+                if error is None:
+                    raise
+                raise error from e
         except HandoffError as e:
             if _says_error(e):
                 err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
