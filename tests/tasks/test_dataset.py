@@ -73,7 +73,8 @@ def test_gsm8k_reference_and_instruction(tmp_path):
     ("", "empty.jsonl", ["no records"]),
     ("\n\n", "blank.jsonl", ["no records"]),
     ('{"prompt": "a", "answer": 1}\n{oops\n', "broken.jsonl", ["broken.jsonl:2", "not valid JSON"]),
-    ('[1, 2]', "list.json", ["not an object"]),
+    ('[1, 2]', "list.json", ["record 0 of", "not an object"]),
+    ('{"prompt": "a", "answer": 1}\n\n[]\n', "rows.jsonl", ["rows.jsonl:3 is a list, not an object"]),
     ("a,b\n", "data.csv", ["unsupported extension", ".parquet"]),
     ("not parquet", "x.parquet", ["not a readable Parquet"]),
     (b'{"prompt": "a", "answer": 1}\n{"prompt": "caf\xe9", "answer": 2}\n', "latin1.jsonl",
@@ -89,6 +90,14 @@ def test_load_errors(tmp_path, content, name, words):
         load_records(path)
     for w in words:
         assert w in str(e.value)
+
+
+def test_a_byte_order_mark_is_not_a_record(tmp_path):
+    """A JSONL file saved by a Windows editor starts with U+FEFF: read, not refused as
+    "not valid JSON (Unexpected UTF-8 BOM)" (a tester's find)."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 2}\n')
+    assert [r["prompt"] for r in load_records(path)] == ["a", "b"]
 
 
 @pytest.mark.parametrize("name, words", [

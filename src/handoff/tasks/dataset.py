@@ -40,7 +40,7 @@ FILE_SUFFIXES = (*SUFFIXES, ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".x
 def _read_json_lines(path: Path) -> list[dict]:
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")   # a byte-order mark (Windows editors) is no record
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise HandoffError(f"{path}:{line} is not UTF-8 (byte 0x{data[e.start]:02x} at offset "
@@ -51,11 +51,13 @@ def _read_json_lines(path: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise HandoffError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): "
                                "fix the file or write one JSON object per line") from None
+        where = [f"record {i} of {path}" for i in range(len(rows))]
     else:
-        rows = []
+        rows, where = [], []
         for lineno, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
+            where.append(f"{path}:{lineno}")
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
@@ -64,9 +66,9 @@ def _read_json_lines(path: Path) -> list[dict]:
             except ValueError as e:  # an integer of more digits than Python converts
                 raise HandoffError(f"{path}:{lineno} holds a number Python will not read "
                                    f"({e}): write it as a string or fix that line") from None
-    for i, row in enumerate(rows):
+    for row, at in zip(rows, where):
         if not isinstance(row, dict):
-            raise HandoffError(f"record {i} of {path} is a {type(row).__name__}, not an object: "
+            raise HandoffError(f"{at} is a {type(row).__name__}, not an object: "
                                'write one {"prompt": ..., "answer": ...} object per record')
     return rows
 
