@@ -3,6 +3,7 @@ model's vocabulary, heads and sizes that do not divide, a data record too long f
 rollout.max_model_len, run.steps and run.seed past what a run can represent."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -195,3 +196,36 @@ def test_the_hosts_ram_refusing_an_allocation_is_one_line(capsys, monkeypatch):
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
         other()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["export", "", "--out", "OUT"], "the run directory is empty"),
+    (["export", "RUN", "--out", ""], "--out is empty"),
+    (["init-model", "--preset", "tiny-qwen3", "--out", ""], "--out is empty"),
+    (["generate", "--model", "", "--prompt", "hi"], "--model is empty"),
+    (["train", "examples/cpu-tiny.yaml", "model.path="], "model.path is empty"),
+])
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(tmp_path, monkeypatch,
+                                                                     args, said):
+    """Path("") is ".": an export or a model written into wherever the command ran, a model
+    read from there (a tester's finds). Run from a directory that must stay as it is."""
+    from typer.testing import CliRunner
+
+    from handoff.cli import app
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    args = [str(examples / a[len("examples/"):]) if a.startswith("examples/") else
+            str(tmp_path / a) if a in ("OUT", "RUN") else a for a in args]
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    result = CliRunner().invoke(app, args, terminal_width=300)
+    assert result.exit_code == 2 and f"error: {said}: pass " in result.output, result.output
+    assert not any(here.iterdir()) and not (tmp_path / "OUT").exists()
+
+
+def test_overrides_given_as_one_string_are_refused():
+    import handoff
+
+    with pytest.raises(HandoffError, match=r"overrides='model.path=x' is a string: pass a list"):
+        handoff.train("examples/cpu-tiny.yaml", "model.path=x")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from handoff.config import Config, load_config, set_key, validate
+from handoff.errors import HandoffError
 from handoff.loop import train as run_training
 from handoff.model_source import resolve_model
 from handoff.preflight import preflight
@@ -24,6 +25,9 @@ def train(config: str | Path | Config, overrides: Sequence[str] = (), *,
           reward_funcs: Sequence[Callable] = (), resume: bool = False,
           overwrite: bool = False) -> dict:
     """Check, then run `config` to the end; returns the summary (rank 0; {} elsewhere)."""
+    if isinstance(overrides, (str, bytes)):   # it would be read a character at a time
+        raise HandoffError(f"overrides={overrides!r} is a string: pass a list of "
+                           f"section.key=value strings, e.g. [{overrides!r}]")
     flags = (["run.resume=true"] if resume else []) + (["run.overwrite=true"] if overwrite else [])
     if isinstance(config, Config):
         cfg = config

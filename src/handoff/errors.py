@@ -18,6 +18,13 @@ class RankError(HandoffError):
     before the ranks first meet: every rank that has it prints it (dist.says_error)."""
 
 
+def refuse_empty(path, flag: str, what: str) -> None:
+    """One line for a path option given as "" (Path("") is the current directory: a model
+    read from, or an export written into, wherever the command happened to run)."""
+    if not str(path).strip():
+        raise HandoffError(f"{flag} is empty: pass {what}")
+
+
 def host_memory_error(error: BaseException) -> HandoffError | None:
     """One line for an allocation the host's RAM refused (torch's CPU allocator raises a
     RuntimeError, Python a MemoryError): which size, and what fits instead; None for any

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from handoff.demo_model import SMOLLM2_PRESET
-from handoff.errors import HandoffError
+from handoff.errors import HandoffError, refuse_empty
 from handoff.export_lora import (MergedWeights, adapter_config, check_adapter, run_lora,
                                  save_tensors, write_adapter)
 from handoff.model_files import (WEIGHTS_INDEX, check_model_dir, load_tokenizer,
@@ -83,6 +83,8 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     """Write the run's checkpoint (the latest, or the one of `step`) to `out` as an HF model
     directory (a LoRA run: merged; with `adapter`, its PEFT adapter directory); returns `out`.
     `model`: the model directory the run trained, instead of its config.json's model.path."""
+    refuse_empty(run_dir, "the run directory", "the run's out_dir (handoff export RUN --out DIR)")
+    refuse_empty(out, "--out", "a directory to write the model to")
     run_dir, out = Path(run_dir), Path(out)
     _check_apart(run_dir, out, "the run directory", "replace the run's files")
     run_config, run_file = _run_config(run_dir)

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from handoff.errors import HandoffError
+from handoff.errors import HandoffError, refuse_empty
 from handoff.reading import expect, parse_json, read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -44,6 +44,7 @@ _CONVERT = ("convert it once on a machine you trust with transformers: "
 
 def read_model_config(path: str | Path, *, flag: str = "--model") -> dict:
     """config.json of a checkpoint directory as a dict, or one line naming what is wrong."""
+    refuse_empty(path, flag, "a model directory")
     file = Path(path) / "config.json"
     if not file.is_file():
         refuse_not_a_model(path, None, flag=flag)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from handoff.demo_model import SMOLLM2_PRESET, cache_root, convert_smollm2, default_dir
-from handoff.errors import HandoffError
+from handoff.errors import HandoffError, refuse_empty
 from handoff.plan.shapes import PRESETS
 from handoff.safe_files import cannot_write, usual_mode
 
@@ -31,6 +31,7 @@ PRESET_MARKER = "handoff_preset.json"   # written by modelzoo.init_model
 def resolve_model(name: str, *, flag: str = "model.path", materialise_presets: bool = True) -> str:
     """A checkpoint directory for `name` (see the module docstring); anything that is none of
     the forms is returned unchanged, for the model directory's own checks to name."""
+    refuse_empty(name, flag, "a model directory, a Hub id in your local cache or a preset name")
     if Path(name).exists():
         return name
     if name == SMOLLM2_PRESET:

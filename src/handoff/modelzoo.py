@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from handoff.errors import HandoffError
+from handoff.errors import HandoffError, refuse_empty
 from handoff.plan.shapes import PRESETS
 from handoff.run_dir import refuse_a_run
 from handoff.safe_files import first_missing, publish, safetensors_os_errors, usual_mode
@@ -104,6 +104,7 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
     """
     from handoff.demo_model import SMOLLM2_PRESET, convert_smollm2
 
+    refuse_empty(out, "--out", "a directory to write the checkpoint to")
     if preset == SMOLLM2_PRESET:
         # An earlier conversion of the same dtype is returned as it is; any other directory
         # holding files is refused without `overwrite`, as for every preset.
