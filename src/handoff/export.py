@@ -54,11 +54,10 @@ from handoff.errors import HandoffError, refuse_empty
 from handoff.export_lora import (MergedWeights, adapter_config, check_adapter, run_lora,
                                  save_tensors, write_adapter)
 from handoff.model_files import (WEIGHTS_INDEX, check_model_dir, load_tokenizer,
-                                 read_model_config, weight_files)
+                                 read_model_config, refuse_a_run, weight_files)
 from handoff.model_source import _is_hub_id, resolve_model
 from handoff.plan.shapes import PRESETS
 from handoff.reading import read_json
-from handoff.run_dir import refuse_a_run
 from handoff.safe_files import first_missing, publish, usual_mode
 from handoff.trainer.checkpoint import (CHECKPOINT_NAME, LATEST, checkpoint_step,
                                       complete_checkpoints, latest_checkpoint,

@@ -68,6 +68,20 @@ def refuse_not_a_model(path: str | Path, config: dict | None, *, flag: str) -> N
                            f"{flag} at DIR")
 
 
+def refuse_a_run(out: Path, *, writes: str) -> None:
+    """One line for an --out that holds a handoff run (its config.json is a run's): `writes`
+    (a model, an export) would replace that config.json and mix with its files."""
+    if not (out / "config.json").is_file():
+        return
+    try:
+        record = read_json(out / "config.json", max_bytes=_MAX_CONFIG_BYTES)
+    except (HandoffError, OSError):   # not a readable config: not a run's either
+        return
+    if is_run_config(record):
+        raise HandoffError(f"--out {str(out)!r} holds a handoff run: {writes} never goes into "
+                           "a run's directory, even with --overwrite; pass another directory")
+
+
 def is_run_config(data) -> bool:
     """Whether `data` (a parsed config.json) is a handoff run's config, not a model's."""
     return (isinstance(data, dict) and {"model", "run", "rollout", "actor"} <= data.keys()

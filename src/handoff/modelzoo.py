@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 
 from handoff.errors import HandoffError, refuse_empty
+from handoff.model_files import refuse_a_run
 from handoff.plan.shapes import PRESETS
-from handoff.run_dir import refuse_a_run
 from handoff.safe_files import first_missing, publish, safetensors_os_errors, usual_mode
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "<|pad|>"]

@@ -75,14 +75,6 @@ def holds_handoff_run(out_dir: Path) -> bool:
         return False
 
 
-def refuse_a_run(out: Path, *, writes: str) -> None:
-    """One line for an --out that holds a handoff run: `writes` (a model, an export) would
-    replace its config.json and mix with its files, --overwrite or not."""
-    if out.is_dir() and holds_handoff_run(out):
-        raise HandoffError(f"--out {str(out)!r} holds a handoff run: {writes} never goes into "
-                           "a run's directory, even with --overwrite; pass another directory")
-
-
 def check_out_dir(cfg: Config) -> None:
     """Refuse an out_dir that is not a directory, is the model's, holds files that are not a
     handoff run where a run would write, or holds a run this one would erase."""
