@@ -51,3 +51,12 @@ def fixed_compute_gap(monkeypatch):
 
     monkeypatch.setattr(clock_module, "ComputeGap", Gap)
     return 0.25
+
+
+@pytest.fixture(autouse=True)
+def reward_folders_of_this_test(monkeypatch):
+    """Reward files' folders are remembered per process (two folders with a helper of one
+    name are refused): each test starts with none, as a run's process does."""
+    from handoff.rewards import loading
+
+    monkeypatch.setattr(loading, "_REWARD_FOLDERS", set())

@@ -41,10 +41,11 @@ def test_init_model_overwrite_refuses_a_run_directory(tmp_path):
     (run / "config.json").write_text(json.dumps(record))
     (run / "metrics.jsonl").write_text("{}\n")
     kept = {p.name: p.read_bytes() for p in run.iterdir()}
-    result = CliRunner().invoke(app, ["init-model", "--preset", "tiny-qwen3", "--out", str(run),
-                                      "--overwrite"], terminal_width=300)
-    assert result.exit_code == 2 and "holds a handoff run" in result.output, result.output
-    assert {p.name: p.read_bytes() for p in run.iterdir()} == kept
+    for preset in ("tiny-qwen3", "smollm2-135m-instruct"):   # the demo's is converted
+        result = CliRunner().invoke(app, ["init-model", "--preset", preset, "--out", str(run),
+                                          "--overwrite"], terminal_width=300)
+        assert result.exit_code == 2 and "holds a handoff run" in result.output, result.output
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == kept
 
 
 def _error_line(result) -> str:

@@ -20,7 +20,8 @@ class RankError(HandoffError):
 
 def refuse_empty(path, flag: str, what: str) -> None:
     """One line for a path option given as "" (Path("") is the current directory: a model
-    read from, or an export written into, wherever the command happened to run)."""
+    read from, or an export written into, wherever the command happened to run). A Path
+    built from "" is "." already and passes: the CLI and the Python API hand strings."""
     if not str(path).strip():
         raise HandoffError(f"{flag} is empty: pass {what}")
 

@@ -88,7 +88,6 @@ def check_out(out: Path, *, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise HandoffError(f"--out {str(out)!r} is a file, not a directory: pass a directory "
                            "(created if missing)")
-    refuse_a_run(out, writes="a model")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise HandoffError(f"--out {str(out)!r} already holds files (a model?): pass --overwrite "
                            "to write over them, or choose an empty directory")
@@ -105,6 +104,7 @@ def init_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str | None
     from handoff.demo_model import SMOLLM2_PRESET, convert_smollm2
 
     refuse_empty(out, "--out", "a directory to write the checkpoint to")
+    refuse_a_run(Path(out), writes="a model")
     if preset == SMOLLM2_PRESET:
         # An earlier conversion of the same dtype is returned as it is; any other directory
         # holding files is refused without `overwrite`, as for every preset.

@@ -95,7 +95,20 @@ def test_two_reward_files_whose_helpers_share_a_name_are_refused(tmp_path, monke
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
     specs = [f"{folders[i]}/{folders[i].name}_reward.py:r" for i in order]
-    with pytest.raises(HandoffError, match=r"imports 'shared_helper'.*rename the shared_helper"):
+    with pytest.raises(HandoffError, match=r"both have a module named 'shared_helper'.*Rename "):
+        RewardSet.from_config(RewardConfig(functions=specs), TASK)
+
+
+def test_a_helper_found_first_on_the_path_is_refused_whatever_the_order(tmp_path, monkeypatch):
+    """The second folder already on sys.path (a driver script there, or PYTHONPATH): the
+    first file imports that folder's helper before the second is loaded; still refused
+    (a reviewer's find: the check ran against the folders known so far only)."""
+    first = _reward_folder(tmp_path, "first", "1.0")
+    second = _reward_folder(tmp_path, "second", "7.0")
+    monkeypatch.setattr(sys, "path", [str(second), *sys.path])
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    specs = [f"{first}/first_reward.py:r", f"{second}/second_reward.py:r"]
+    with pytest.raises(HandoffError, match=r"both have a module named 'shared_helper'"):
         RewardSet.from_config(RewardConfig(functions=specs), TASK)
 
 

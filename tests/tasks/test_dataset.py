@@ -98,6 +98,9 @@ def test_a_byte_order_mark_is_not_a_record(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 2}\n')
     assert [r["prompt"] for r in load_records(path)] == ["a", "b"]
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": 1}\n\xe9\n')   # and a bad byte
+    with pytest.raises(HandoffError, match=r"bom.jsonl:2 is not UTF-8 \(byte 0xe9 at offset 32"):
+        load_records(path)
 
 
 @pytest.mark.parametrize("name, words", [

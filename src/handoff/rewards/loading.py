@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,67 +117,71 @@ def _load_file(where: str) -> Any:
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look a module up here
-    # Python keeps one module per name: a helper.py beside this file would silently be the
-    # helper.py of another reward file's folder loaded before it (or found first on the path).
-    # Those already loaded step aside while the file loads, so its imports are seen afresh.
-    siblings = _sibling_names(path.parent)
-    aside = {name: sys.modules.pop(name) for name in siblings
-             if _reward_folder_of(sys.modules.get(name)) not in (None, path.parent)}
     try:
         loader_spec.loader.exec_module(module)
-        _check_siblings(path, siblings, aside)
+        _check_shared_helpers()
     except Exception as e:
         del sys.modules[module_name]
-        for name in aside:
-            sys.modules.pop(name, None)
-        sys.modules.update(aside)
         if isinstance(e, HandoffError):
             raise
         raise HandoffError(f"reward file {str(path)!r} raised {type(e).__name__} while "
                            f"loading ({first_line(e)}): fix the file") from e
-    for name, earlier in aside.items():
-        sys.modules.setdefault(name, earlier)   # not imported by this file: as it was
     return module
 
 
 _REWARD_FOLDERS: set[Path] = set()   # the folders of the reward files loaded in this process
 
 
-def _sibling_names(folder: Path) -> set[str]:
-    """The top-level module names the files and packages in `folder` provide."""
+def _check_shared_helpers() -> None:
+    """Refuse a helper module that two reward files' folders both provide once Python has
+    loaded one of them: it keeps one module per name, so a file beside the other would call
+    this one's (`python FILE.py` would load the one beside it), silently. Checked after
+    every load against every reward folder so far, so the order of reward.functions does
+    not matter; a module loaded from elsewhere (an installed one) is left alone."""
+    providers: dict[str, list[Path]] = {}
+    for folder in sorted(_REWARD_FOLDERS):
+        for name in _module_names(folder):
+            providers.setdefault(name, []).append(folder)
+    for name, folders in sorted(providers.items()):
+        origin = _folder_of(sys.modules.get(name))
+        if len(folders) > 1 and origin in folders:
+            del sys.modules[name]   # a retry after the rename imports it afresh
+            other = next(f for f in folders if f != origin)
+            raise HandoffError(
+                f"reward files' folders {str(origin)!r} and {str(other)!r} both have a module "
+                f"named {name!r}, and Python keeps one module per name: a reward file in "
+                f"{str(other)!r} would call the one in {str(origin)!r}. Rename one of them "
+                "(a reward file loaded earlier in this process counts too: restart it)")
+
+
+def _module_names(folder: Path) -> set[str]:
+    """The top-level module names the files and packages in `folder` provide (an entry that
+    cannot be read, e.g. another user's private folder, provides none)."""
+    names = set()
     try:
-        entries = list(folder.iterdir())
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                stem, suffix = os.path.splitext(entry.name)
+                try:
+                    if suffix == ".py" and stem.isidentifier() and entry.is_file():
+                        names.add(stem)
+                    elif entry.name.isidentifier() and entry.is_dir() and os.path.isfile(
+                            os.path.join(entry.path, "__init__.py")):
+                        names.add(entry.name)
+                except OSError:
+                    continue
     except OSError:
         return set()
-    return ({p.stem for p in entries if p.suffix == ".py" and p.stem.isidentifier()}
-            | {p.name for p in entries if (p / "__init__.py").is_file()})
+    return names
 
 
-def _reward_folder_of(module: Any) -> Path | None:
-    """The reward file's folder a top-level module was loaded from (None: loaded elsewhere)."""
+def _folder_of(module: Any) -> Path | None:
+    """The folder a top-level module was loaded from (a package's: the one holding it)."""
     loaded = getattr(module, "__file__", None)
-    if loaded is None:
+    if not isinstance(loaded, str):
         return None
     origin = Path(loaded).resolve()
-    folder = origin.parent.parent if origin.name == "__init__.py" else origin.parent
-    return folder if folder in _REWARD_FOLDERS else None
-
-
-def _check_siblings(path: Path, siblings: set[str], aside: dict[str, Any]) -> None:
-    """Refuse a module this file imports by a name its own folder provides when Python
-    loaded it from another reward file's folder (`python FILE.py` loads the one beside it),
-    or when another reward file imported one of that name from its own folder."""
-    for name in sorted(siblings):
-        folder = _reward_folder_of(sys.modules.get(name))
-        if folder is None:
-            continue
-        other = folder if folder != path.parent else _reward_folder_of(aside.get(name))
-        if other is not None:
-            raise HandoffError(
-                f"reward file {str(path)!r} imports {name!r}, and another reward file's folder "
-                f"{str(other)!r} has a module of that name too (Python keeps one module per "
-                f"name, so one file would call the other's): rename the {name} beside one "
-                "of them")
+    return origin.parent.parent if origin.name == "__init__.py" else origin.parent
 
 
 def _import_module(where: str, spec: str) -> Any:

@@ -17,6 +17,7 @@ epoch; record order on disk does not matter.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 from pathlib import Path
@@ -39,12 +40,15 @@ FILE_SUFFIXES = (*SUFFIXES, ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".x
 
 def _read_json_lines(path: Path) -> list[dict]:
     data = path.read_bytes()
+    # A byte-order mark (Windows editors) is no record; offsets below are the file's.
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        text = data.decode("utf-8-sig")   # a byte-order mark (Windows editors) is no record
+        text = data[skip:].decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise HandoffError(f"{path}:{line} is not UTF-8 (byte 0x{data[e.start]:02x} at offset "
-                           f"{e.start}): re-save the file as UTF-8") from None
+        at = skip + e.start
+        line = data.count(b"\n", 0, at) + 1
+        raise HandoffError(f"{path}:{line} is not UTF-8 (byte 0x{data[at]:02x} at offset "
+                           f"{at}): re-save the file as UTF-8") from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
