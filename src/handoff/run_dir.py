@@ -206,7 +206,6 @@ def keep_changed_config(cfg: Config, step: int) -> None:
     nothing that counts. The comparison is against the kept one, which stays."""
     out = Path(cfg.run.out_dir)
     kept = out / f"{KEPT_CONFIG_PREFIX}{step}.json"
-    before = None
     for source in (kept, out / "config.json"):
         try:
             before = json.loads(source.read_text())

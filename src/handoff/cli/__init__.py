@@ -43,17 +43,14 @@ def friendly_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            try:
-                check_finite_options(kwargs)
-                return fn(*args, **kwargs)
-            except (MemoryError, RuntimeError) as e:   # a model larger than the host's RAM
-                error = host_memory_error(e)
-                if error is None:
-                    raise
-                raise error from e
-        except HandoffError as e:
-            if _says_error(e):
-                err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
+            check_finite_options(kwargs)
+            return fn(*args, **kwargs)
+        except (HandoffError, MemoryError, RuntimeError) as e:   # RAM: a model too large
+            error = e if isinstance(e, HandoffError) else host_memory_error(e)
+            if error is None:
+                raise
+            if _says_error(error):
+                err_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False,
                                   soft_wrap=True)
             else:
                 # torchrun stops every rank once one exits: a rank leaving first could stop

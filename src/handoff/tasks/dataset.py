@@ -55,13 +55,13 @@ def _read_json_lines(path: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise HandoffError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): "
                                "fix the file or write one JSON object per line") from None
-        where = [f"record {i} of {path}" for i in range(len(rows))]
+        lines = [None] * len(rows)   # one document: records, not lines
     else:
-        rows, where = [], []
+        rows, lines = [], []
         for lineno, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
-            where.append(f"{path}:{lineno}")
+            lines.append(lineno)
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
@@ -70,8 +70,9 @@ def _read_json_lines(path: Path) -> list[dict]:
             except ValueError as e:  # an integer of more digits than Python converts
                 raise HandoffError(f"{path}:{lineno} holds a number Python will not read "
                                    f"({e}): write it as a string or fix that line") from None
-    for row, at in zip(rows, where):
+    for i, (row, lineno) in enumerate(zip(rows, lines)):
         if not isinstance(row, dict):
+            at = f"record {i} of {path}" if lineno is None else f"{path}:{lineno}"
             raise HandoffError(f"{at} is a {type(row).__name__}, not an object: "
                                'write one {"prompt": ..., "answer": ...} object per record')
     return rows
